@@ -1,0 +1,150 @@
+"""The shared local-training loop and the weight helpers every algorithm reuses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fedskew.protocol import ClientData, LocalTrainConfig
+
+# loss_fn(model, x, y) -> scalar loss. Algorithms add their terms here.
+LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+# Called after backward, before the optimiser step (SCAFFOLD corrects gradients here).
+StepHook = Callable[[torch.nn.Module], None]
+
+
+def cross_entropy_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    samples: int
+    mean_loss: float
+
+
+def make_optimizer(model: torch.nn.Module, cfg: LocalTrainConfig) -> torch.optim.SGD:
+    return torch.optim.SGD(
+        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+    )
+
+
+def augment_batch(x: torch.Tensor, gen: torch.Generator, pad: int = 4) -> torch.Tensor:
+    """Random crop with zero padding and horizontal flip, whole batch at once."""
+    if x.dim() != 4:
+        return x
+    n, _, h, w = x.shape
+    padded = F.pad(x, (pad, pad, pad, pad))
+    dy = torch.randint(0, 2 * pad + 1, (n,), generator=gen)
+    dx = torch.randint(0, 2 * pad + 1, (n,), generator=gen)
+    rows = (dy[:, None] + torch.arange(h)[None, :])[:, None, :, None]
+    cols = (dx[:, None] + torch.arange(w)[None, :])[:, None, None, :]
+    batch = torch.arange(n)[:, None, None, None]
+    chan = torch.arange(x.shape[1])[None, :, None, None]
+    out = padded[batch, chan, rows, cols]
+    flip = torch.rand(n, generator=gen) < 0.5
+    out[flip] = out[flip].flip(-1)
+    return out
+
+
+def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:
+    """Batch slices covering 0..n; a last batch of one sample joins the one before,
+    because BatchNorm cannot train on a single sample."""
+    bounds = [(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2:] = [(bounds[-2][0], n)]
+    return bounds
+
+
+def local_train(
+    model: torch.nn.Module,
+    data: ClientData,
+    cfg: LocalTrainConfig,
+    gen: torch.Generator,
+    *,
+    loss_fn: LossFn = cross_entropy_loss,
+    epochs: int | None = None,
+    before_step: StepHook | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> TrainResult:
+    """SGD over the client's data: a fresh permutation per epoch, slices as batches.
+
+    No DataLoader: the client's rows are gathered per batch from tensors held once
+    for all clients, which keeps the loop at bare-PyTorch speed.
+    """
+    model.train()
+    opt = optimizer if optimizer is not None else make_optimizer(model, cfg)
+    n = len(data)
+    n_epochs = cfg.epochs if epochs is None else epochs
+    steps = 0
+    loss_sum = torch.zeros(())
+    bounds = batch_bounds(n, cfg.batch_size)
+    for _ in range(n_epochs):
+        perm = torch.randperm(n, generator=gen)
+        for start, stop in bounds:
+            xb, yb = data.batch(perm[start:stop])
+            if cfg.augment:
+                xb = augment_batch(xb, gen)
+            loss = loss_fn(model, xb, yb)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if before_step is not None:
+                before_step(model)
+            opt.step()
+            loss_sum += loss.detach()
+            steps += 1
+    mean_loss = float(loss_sum) / steps if steps else 0.0
+    return TrainResult(steps=steps, samples=n * n_epochs, mean_loss=mean_loss)
+
+
+def get_arrays(model: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """A detached copy of the model's state (parameters and buffers) under ``prefix``."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith(prefix)}
+
+
+def set_arrays(model: torch.nn.Module, arrays: Mapping[str, torch.Tensor]) -> None:
+    """Load named tensors into the model in place (a subset is allowed)."""
+    state = model.state_dict()
+    with torch.no_grad():
+        for k, v in arrays.items():
+            state[k].copy_(v)
+
+
+def weighted_average(
+    states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
+) -> dict[str, torch.Tensor]:
+    """Weighted mean of named tensors, weights normalised to sum 1.
+
+    Integer buffers (BatchNorm's batch counter) are not averaged: the largest is kept.
+    """
+    if not states:
+        raise ValueError("nothing to average")
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
+    if float(w.sum()) <= 0:
+        raise ValueError("aggregation weights sum to zero")
+    w = w / w.sum()
+    out: dict[str, torch.Tensor] = {}
+    for key, first in states[0].items():
+        if first.is_floating_point():
+            acc = torch.zeros_like(first, dtype=torch.float64)
+            for wi, s in zip(w.tolist(), states, strict=True):
+                acc.add_(s[key].to(torch.float64), alpha=wi)
+            out[key] = acc.to(first.dtype)
+        else:
+            out[key] = torch.stack([s[key] for s in states]).max(dim=0).values
+    return out
+
+
+def apply_server_lr(
+    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], server_lr: float
+) -> dict[str, torch.Tensor]:
+    """old + server_lr * (new - old) for float tensors; other tensors taken from ``new``."""
+    if server_lr == 1.0:
+        return dict(new)
+    return {
+        k: old[k] + server_lr * (v - old[k]) if v.is_floating_point() else v for k, v in new.items()
+    }

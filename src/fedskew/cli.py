@@ -1,0 +1,340 @@
+"""The ``fedskew`` command line: run, list, partition."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from fedskew.errors import FedskewError, UsageError
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got '{text}'")
+    key, value = text.split("=", 1)
+    return key.strip().replace("-", "_"), value.strip()
+
+
+def _pairs(items: list[tuple[str, str]] | None) -> dict[str, Any] | None:
+    if not items:
+        return None
+    return {k: _parse_scalar(v) for k, v in items}
+
+
+def _parse_scalar(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    if text.lower() in {"true", "false"}:
+        return text.lower() == "true"
+    return text
+
+
+def add_experiment_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``run`` and ``partition``.
+
+    All default to None, so that a config file can set what the command line leaves out.
+    """
+    p.add_argument("-c", "--config", help="experiment file (.toml or .yaml); options override it")
+    p.add_argument("-a", "--algorithm", help="algorithm name (see `fedskew list`)")
+    p.add_argument("-d", "--dataset", help="dataset name (default: digits, embedded)")
+    p.add_argument("--data-dir", help="where datasets are looked for and downloaded to")
+    p.add_argument(
+        "--no-download",
+        dest="download",
+        action="store_const",
+        const=False,
+        help="never download; use local files only",
+    )
+    p.add_argument("-n", "--num-clients", type=int, help="number of clients (default 20)")
+    p.add_argument("--partition", help="partition scheme (default dirichlet)")
+    p.add_argument("--beta", type=float, help="Dirichlet concentration (dirichlet, quantity)")
+    p.add_argument("--min-size", type=int, help="minimum samples per client (dirichlet, quantity)")
+    p.add_argument(
+        "-P",
+        "--partition-param",
+        action="append",
+        type=_key_value,
+        metavar="KEY=VALUE",
+        help="other partition parameter, e.g. classes_per_client=2 (repeatable)",
+    )
+    p.add_argument("--seed", type=int, help="experiment seed (default 0)")
+    p.add_argument("--synthetic-alpha", type=float, help="synthetic dataset alpha")
+    p.add_argument("--synthetic-beta", type=float, help="synthetic dataset beta")
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", help="model name, or auto for the dataset's default")
+    p.add_argument(
+        "--model-option",
+        action="append",
+        type=_key_value,
+        metavar="KEY=VALUE",
+        help="model option, e.g. stem=imagenet (repeatable)",
+    )
+    part = p.add_mutually_exclusive_group()
+    part.add_argument(
+        "--participation", type=float, help="fraction of clients per round, in (0, 1] (default 0.4)"
+    )
+    part.add_argument("--clients-per-round", type=int, help="number of clients per round")
+    p.add_argument("-r", "--rounds", type=int, help="communication rounds (default 30)")
+    p.add_argument("-e", "--local-epochs", type=int, help="local epochs per round (default 2)")
+    p.add_argument("-b", "--batch-size", type=int, help="local batch size (default 32)")
+    p.add_argument("--lr", type=float, help="local learning rate (default 0.05)")
+    p.add_argument("--momentum", type=float, help="local SGD momentum (default 0.9)")
+    p.add_argument("--weight-decay", type=float, help="local weight decay (default 1e-5)")
+    p.add_argument(
+        "--augment",
+        action="store_const",
+        const=True,
+        help="random crop and flip on image batches (off by default)",
+    )
+    p.add_argument(
+        "-p",
+        "--param",
+        action="append",
+        type=_key_value,
+        metavar="KEY=VALUE",
+        help="algorithm hyper-parameter, e.g. mu=0.01 (repeatable)",
+    )
+    p.add_argument("--eval-every", type=int, help="evaluate every N rounds (default 1)")
+    p.add_argument("-o", "--out-dir", help="where run folders go (default ./runs)")
+    p.add_argument(
+        "--name", help="run folder name (default: algorithm-dataset-partition-seed-time)"
+    )
+    p.add_argument(
+        "-q", "--quiet", action="store_const", const=True, help="no progress bar or summary"
+    )
+
+
+def cli_values(args: argparse.Namespace) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for key in (
+        "algorithm",
+        "dataset",
+        "data_dir",
+        "download",
+        "num_clients",
+        "partition",
+        "seed",
+        "synthetic_alpha",
+        "synthetic_beta",
+        "model",
+        "participation",
+        "clients_per_round",
+        "rounds",
+        "local_epochs",
+        "batch_size",
+        "lr",
+        "momentum",
+        "weight_decay",
+        "augment",
+        "eval_every",
+        "out_dir",
+        "name",
+        "quiet",
+    ):
+        if hasattr(args, key):
+            values[key] = getattr(args, key)
+    partition_params = _pairs(getattr(args, "partition_param", None)) or {}
+    if args.beta is not None:
+        partition_params["beta"] = args.beta
+    if args.min_size is not None:
+        partition_params["min_size"] = args.min_size
+    values["partition_params"] = partition_params or None
+    values["params"] = _pairs(getattr(args, "param", None))
+    values["model_options"] = _pairs(getattr(args, "model_option", None))
+    return values
+
+
+def load_config(args: argparse.Namespace):
+    from fedskew.config import build_config, read_config_file
+
+    file_values = read_config_file(args.config) if args.config else {}
+    if getattr(args, "participation", None) is not None:
+        file_values.pop("clients_per_round", None)
+    if getattr(args, "clients_per_round", None) is not None:
+        file_values.pop("participation", None)
+    return build_config(file_values, cli_values(args))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fedskew.experiment import run
+    from fedskew.progress import RoundProgress
+
+    cfg = load_config(args)
+    progress = RoundProgress(cfg.rounds, f"{cfg.algorithm} on {cfg.dataset}", disable=cfg.quiet)
+    try:
+        folder, summary = run(cfg, on_round=progress.update)
+    finally:
+        progress.close()
+    if not cfg.quiet:
+        print(format_summary(summary, folder))
+    return 0
+
+
+def format_summary(summary: dict[str, Any], folder: Path) -> str:
+    def pct(v: float | None) -> str:
+        return "n/a" if v is None else f"{100 * v:.2f} %"
+
+    mb = 1024 * 1024
+    return "\n".join(
+        [
+            f"{summary['algorithm']} on {summary['dataset']} ({summary['model']}), "
+            f"{summary['partition']} partition, {summary['num_clients']} clients, "
+            f"{summary['clients_per_round']} per round, {summary['rounds']} rounds, "
+            f"seed {summary['seed']}",
+            f"  final accuracy {pct(summary['final_accuracy'])}"
+            f"   best {pct(summary['best_accuracy'])}"
+            f"   on clients' label distributions {pct(summary['final_client_dist_accuracy'])}",
+            f"  traffic {summary['total_bytes_down'] / mb:.2f} MiB down, "
+            f"{summary['total_bytes_up'] / mb:.2f} MiB up;  training "
+            f"{summary['train_seconds']:.1f} s ({summary['train_samples_per_second']} samples/s);"
+            f"  wall {summary['wall_seconds']:.1f} s",
+            f"  run folder: {folder}",
+        ]
+    )
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from fedskew.algorithms import ALGORITHMS
+    from fedskew.data.partition import PARTITIONS
+    from fedskew.data.sources import DATASETS
+    from fedskew.models import MODELS
+
+    sections = [
+        ("algorithms", {n: a.description for n, a in ALGORITHMS.items()}),
+        ("datasets", {n: d.description for n, d in DATASETS.items()}),
+        ("models", {n: m.description for n, m in MODELS.items()}),
+        (
+            "partitions",
+            {
+                n: p.description
+                + (
+                    " [" + ", ".join(f"{k}={v}" for k, v in p.params.items()) + "]"
+                    if p.params
+                    else ""
+                )
+                for n, p in PARTITIONS.items()
+            },
+        ),
+    ]
+    names = [s for s, _ in sections]
+    unknown = [w for w in args.what if w not in names]
+    if unknown:
+        raise UsageError(f"nothing to list called '{unknown[0]}'; choose from: {', '.join(names)}")
+    wanted = args.what or names
+    for title, items in sections:
+        if title not in wanted:
+            continue
+        print(f"{title}:")
+        width = max(len(n) for n in items)
+        for name in sorted(items):
+            print(f"  {name.ljust(width)}  {items[name]}")
+    return 0
+
+
+def cmd_partition(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from fedskew.data.partition import partition_stats, save_partition
+    from fedskew.experiment import build_partition, load_experiment_data
+
+    cfg = load_config(args)
+    from fedskew.experiment import check_names
+
+    check_names(cfg)
+    if args.plot:
+        _check_output_file(Path(args.plot))
+    if args.save:
+        _check_output_file(Path(args.save))
+    dataset = load_experiment_data(cfg)
+    partition = build_partition(cfg, dataset)
+    counts = partition_stats(partition, dataset.y_train.numpy(), dataset.num_classes)
+    sizes = counts.sum(axis=1)
+    classes_held = (counts > 0).sum(axis=1)
+    print(
+        f"{cfg.partition} partition of {cfg.dataset} ({len(dataset.y_train)} training samples, "
+        f"{dataset.num_classes} classes) into {len(partition)} clients, seed {cfg.seed}"
+    )
+    print(
+        f"  samples per client: min {sizes.min()}, median {int(np.median(sizes))}, "
+        f"max {sizes.max()};  classes per client: mean {classes_held.mean():.2f}, "
+        f"min {classes_held.min()}, max {classes_held.max()}"
+    )
+    if len(partition) <= 30 and dataset.num_classes <= 20:
+        header = "client " + " ".join(f"{c:>5}" for c in range(dataset.num_classes)) + "  total"
+        print(header)
+        for k, row in enumerate(counts):
+            print(f"{k:>6} " + " ".join(f"{v:>5}" for v in row) + f"  {row.sum():>5}")
+    if args.plot:
+        from fedskew.report.partition_plot import plot_partition
+
+        title = f"{cfg.dataset}: {cfg.partition} {cfg.partition_params or ''}, seed {cfg.seed}"
+        plot_partition(counts, Path(args.plot), title=title, class_names=dataset.class_names)
+        print(f"  plot written to {args.plot}")
+    if args.save:
+        save_partition(
+            Path(args.save), partition, {"scheme": cfg.partition, **cfg.partition_params}
+        )
+        print(f"  partition written to {args.save}")
+    return 0
+
+
+def _check_output_file(path: Path) -> None:
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise FedskewError(f"cannot write {path}: folder {parent} does not exist")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedskew",
+        description="Federated learning under label and quantity skew.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p_run = sub.add_parser("run", help="run a federated experiment (default: FedAvg on digits)")
+    add_experiment_options(p_run)
+    add_run_options(p_run)
+    p_run.set_defaults(func=cmd_run)
+
+    p_list = sub.add_parser("list", help="list algorithms, datasets, models and partitions")
+    p_list.add_argument(
+        "what", nargs="*", help="sections to show: algorithms, datasets, models, partitions"
+    )
+    p_list.set_defaults(func=cmd_list)
+
+    p_part = sub.add_parser("partition", help="make and show a partition without training")
+    add_experiment_options(p_part)
+    p_part.add_argument("--plot", help="write a PNG: class counts per client and client sizes")
+    p_part.add_argument("--save", help="write the partition as .npz")
+    p_part.set_defaults(func=cmd_partition)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args))
+    except UsageError as exc:
+        print(f"fedskew: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except FedskewError as exc:
+        print(f"fedskew: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("fedskew: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Experiment configuration: defaults < config file (TOML or YAML) < command-line options."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedskew.errors import UsageError
+
+
+@dataclass
+class ExperimentConfig:
+    algorithm: str = "fedavg"
+    dataset: str = "digits"
+    data_dir: str | None = None
+    download: bool = True
+    model: str = "auto"  # "auto": the dataset's default model
+    model_options: dict[str, Any] = field(default_factory=dict)
+    num_clients: int = 20
+    participation: float | None = None  # fraction of clients per round, in (0, 1]
+    clients_per_round: int | None = None  # or a count; default 40 % of the clients
+    partition: str = "dirichlet"
+    partition_params: dict[str, Any] = field(default_factory=dict)
+    rounds: int = 30
+    local_epochs: int = 2
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 1e-5
+    augment: bool = False
+    params: dict[str, Any] = field(default_factory=dict)  # algorithm hyper-parameters
+    eval_every: int = 1
+    seed: int = 0
+    synthetic_alpha: float = 1.0
+    synthetic_beta: float = 1.0
+    out_dir: str = "runs"
+    name: str | None = None
+    quiet: bool = False
+
+    def per_round(self) -> int:
+        """Clients sampled per round, from the count or the fraction."""
+        if self.clients_per_round is not None:
+            return self.clients_per_round
+        fraction = 0.4 if self.participation is None else self.participation
+        return max(1, round(fraction * self.num_clients))
+
+    def validate(self) -> None:
+        positive_ints = ("num_clients", "rounds", "local_epochs", "batch_size", "eval_every")
+        for key in positive_ints:
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UsageError(
+                    f"{key.replace('_', '-')} must be a positive integer, got {value!r}"
+                )
+        if self.participation is not None and self.clients_per_round is not None:
+            raise UsageError("give either participation or clients-per-round, not both")
+        if self.participation is not None and not 0 < self.participation <= 1:
+            raise UsageError(f"participation must be in (0, 1], got {self.participation}")
+        if (
+            self.clients_per_round is not None
+            and not 1 <= self.clients_per_round <= self.num_clients
+        ):
+            raise UsageError(
+                f"clients-per-round must be between 1 and num-clients ({self.num_clients}), "
+                f"got {self.clients_per_round}"
+            )
+        if self.lr <= 0:
+            raise UsageError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise UsageError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.weight_decay < 0:
+            raise UsageError(f"weight-decay must be >= 0, got {self.weight_decay}")
+        if self.seed < 0:
+            raise UsageError(f"seed must be >= 0, got {self.seed}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
+TABLES = ("model_options", "partition_params", "params")
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML or YAML experiment file into a dict of config fields."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"config file not found: {p}")
+    text = p.read_text(encoding="utf-8")
+    try:
+        if p.suffix.lower() == ".toml":
+            raw = tomllib.loads(text)
+        elif p.suffix.lower() in {".yaml", ".yml"}:
+            import yaml
+
+            raw = yaml.safe_load(text) or {}
+        elif p.suffix.lower() == ".json":
+            raw = json.loads(text)
+        else:
+            raise UsageError(f"config file must end in .toml, .yaml or .yml: {p}")
+    except (tomllib.TOMLDecodeError, ValueError) as exc:
+        raise UsageError(f"cannot parse {p}: {str(exc).splitlines()[0]}") from None
+    except Exception as exc:  # yaml.YAMLError without importing yaml at module load
+        if type(exc).__module__.startswith("yaml"):
+            raise UsageError(f"cannot parse {p}: {str(exc).splitlines()[0]}") from None
+        raise
+    if not isinstance(raw, dict):
+        raise UsageError(f"{p}: the top level must be a table of options")
+    return normalise_keys(raw, str(p))
+
+
+def normalise_keys(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in FIELDS:
+            raise UsageError(f"{where}: unknown option '{key}'")
+        if name in TABLES and not isinstance(value, dict):
+            raise UsageError(f"{where}: '{key}' must be a table of key = value")
+        out[name] = value
+    return out
+
+
+def build_config(file_values: dict[str, Any], cli_values: dict[str, Any]) -> ExperimentConfig:
+    """Merge file and command-line values (the latter win; tables merge key by key)."""
+    merged: dict[str, Any] = {}
+    for source in (file_values, cli_values):
+        for key, value in source.items():
+            if value is None:
+                continue
+            if key in TABLES:
+                merged.setdefault(key, {}).update(value)
+            else:
+                merged[key] = value
+    for key, value in list(merged.items()):
+        merged[key] = _typed(key, value)
+    cfg = ExperimentConfig(**merged)
+    cfg.validate()
+    return cfg
+
+
+def _typed(key: str, value: Any) -> Any:
+    f = FIELDS[key]
+    default = f.default if f.default is not dataclasses.MISSING else None
+    if key in TABLES or default is None and key not in {"participation", "clients_per_round"}:
+        return value
+    kind = {"participation": float, "clients_per_round": int}.get(key, type(default))
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in {"true", "1", "yes", "on"}:
+            return True
+        if str(value).lower() in {"false", "0", "no", "off"}:
+            return False
+        raise UsageError(f"{key.replace('_', '-')} expects true or false, got {value!r}")
+    if kind is int and isinstance(value, float) and not value.is_integer():
+        raise UsageError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise UsageError(
+            f"{key.replace('_', '-')} expects {kind.__name__}, got {value!r}"
+        ) from None

@@ -1,0 +1,55 @@
+"""FederatedData: the dataset's tensors held once, plus one index array per client."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fedskew.protocol import ClientData
+
+
+class FederatedData:
+    def __init__(
+        self, x: torch.Tensor, y: torch.Tensor, partition: list[np.ndarray], num_classes: int
+    ) -> None:
+        self.x = x
+        self.y = y
+        self.partition = partition
+        self.num_classes = num_classes
+        self._clients: dict[int, ClientData] = {}
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.partition)
+
+    def sizes(self) -> list[int]:
+        return [len(p) for p in self.partition]
+
+    def client(self, cid: int) -> ClientData:
+        # Built on first use, so 10,000 mostly idle clients cost only their index arrays.
+        data = self._clients.get(cid)
+        if data is None:
+            idx = torch.from_numpy(np.ascontiguousarray(self.partition[cid], dtype=np.int64))
+            data = self._clients[cid] = ClientData(self.x, self.y, idx, self.num_classes)
+        return data
+
+    def class_counts(self) -> np.ndarray:
+        """(clients, classes) matrix of training samples."""
+        labels = self.y.numpy()
+        counts = np.zeros((self.num_clients, self.num_classes), dtype=np.int64)
+        for k, idx in enumerate(self.partition):
+            counts[k] = np.bincount(labels[idx], minlength=self.num_classes)
+        return counts
+
+
+def sample_clients(seed: int, rnd: int, num_clients: int, per_round: int) -> list[int]:
+    """The clients of round ``rnd``: a pure function of the seed, so every algorithm
+    and every engine sees the same clients."""
+    from fedskew.rng import numpy_rng
+
+    if per_round >= num_clients:
+        return list(range(num_clients))
+    chosen = numpy_rng(seed, rnd, -1, "client-sampling").choice(
+        num_clients, per_round, replace=False
+    )
+    return sorted(int(c) for c in chosen)

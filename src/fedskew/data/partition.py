@@ -1,0 +1,546 @@
+"""Non-IID partition schemes: how a labelled dataset is dealt out to federated clients.
+
+Every scheme is a pure function of (labels, num_clients, scheme, params, seed): all randomness
+comes from ``numpy_rng(seed, -1, -1, "partition:<scheme>")``, so a partition can be rebuilt
+anywhere from its recipe, and saving it (``save_partition``) is a convenience, not a necessity.
+
+The schemes work on per-class count matrices and per-class pools of shuffled indices, never on
+individual samples in Python, so that 10,000 clients and 60,000 labels take well under a second.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fedskew.errors import DataError, FedskewError, UsageError
+from fedskew.rng import numpy_rng
+
+
+@dataclass(frozen=True)
+class PartitionInfo:
+    """A partition scheme as listed by ``fedskew list``."""
+
+    name: str
+    description: str  # one line
+    params: dict[str, object]  # parameter name -> default; names double as CLI options
+
+
+PARTITIONS: dict[str, PartitionInfo] = {
+    info.name: info
+    for info in (
+        PartitionInfo("iid", "random equal split", {}),
+        PartitionInfo(
+            "dirichlet",
+            "label skew: per class, client proportions ~ Dir(beta); every client >= min_size",
+            {"beta": 0.5, "min_size": 10},
+        ),
+        PartitionInfo(
+            "shards",
+            "pathological label skew (FedAvg): label-sorted shards dealt out at random",
+            {"shards_per_client": 2},
+        ),
+        PartitionInfo(
+            "classes",
+            "each client holds exactly classes_per_client classes, split evenly among holders",
+            {"classes_per_client": 2},
+        ),
+        PartitionInfo(
+            "niid2",
+            "FedFM NIID-2: dominant shards of the client's own class(es) plus a uniform tail",
+            {"dominant_shards": 20, "tail_shards": 3, "shard_size": 100},
+        ),
+        PartitionInfo(
+            "missing",
+            "FedFM NIID-3: client i lacks missing_classes classes, holds (i+j) mod C",
+            {"missing_classes": 1},
+        ),
+        PartitionInfo(
+            "quantity",
+            "quantity skew with IID labels: client sizes ~ Dir(beta), each >= min_size",
+            {"beta": 0.5, "min_size": 10},
+        ),
+        PartitionInfo(
+            "natural",
+            "the dataset's own clients (synthetic dataset only)",
+            {},
+        ),
+    )
+}
+
+# Resampling only helps when the draw is nearly feasible; at extreme skew (1,000 clients,
+# beta 0.01) no number of tries succeeds, which is why NIID-Bench-style loops never end.
+# A few tries keep the common case identical in spirit, and the repair handles the rest.
+_DIRICHLET_TRIES = 10
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _as_int(scheme: str, name: str, value: object, minimum: int) -> int:
+    # bool is an int subclass but "shards_per_client=True" is surely a mistake.
+    if isinstance(value, bool):
+        raise UsageError(f"partition '{scheme}': {name} must be an integer, got {value!r}")
+    if isinstance(value, int | np.integer):
+        out = int(value)
+    elif isinstance(value, float | np.floating) and float(value).is_integer():
+        out = int(value)
+    else:
+        raise UsageError(f"partition '{scheme}': {name} must be an integer, got {value!r}")
+    if out < minimum:
+        raise UsageError(f"partition '{scheme}': {name} must be >= {minimum}, got {out}")
+    return out
+
+
+def _as_beta(scheme: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise UsageError(f"partition '{scheme}': beta must be a number, got {value!r}")
+    beta = float(value)
+    if not math.isfinite(beta) or beta <= 0:
+        raise UsageError(f"partition '{scheme}': beta must be a finite number > 0, got {value!r}")
+    return beta
+
+
+def _resolve_params(scheme: str, params: dict[str, object]) -> dict[str, object]:
+    info = PARTITIONS[scheme]
+    # None means "not given": a CLI can then pass every option it knows without knowing which
+    # scheme uses which.
+    given = {k: v for k, v in params.items() if v is not None}
+    unknown = sorted(set(given) - set(info.params))
+    if unknown:
+        valid = ", ".join(info.params) if info.params else "none"
+        raise UsageError(
+            f"unknown parameter {unknown[0]!r} for partition '{scheme}' (valid: {valid})"
+        )
+    return {**info.params, **given}
+
+
+def _check_labels(labels: np.ndarray, num_classes: int | None) -> tuple[np.ndarray, int]:
+    labels = np.asarray(labels)
+    if labels.ndim != 1:
+        raise DataError(f"labels must be a 1-D array, got shape {labels.shape}")
+    if labels.size == 0:
+        raise DataError("cannot partition an empty dataset (no labels)")
+    if labels.dtype.kind not in "iu":
+        raise DataError(f"labels must be integers, got dtype {labels.dtype}")
+    labels = labels.astype(np.int64, copy=False)
+    lo, hi = int(labels.min()), int(labels.max())
+    if lo < 0:
+        raise DataError(f"labels must be >= 0, found {lo}")
+    if num_classes is None:
+        num_classes = hi + 1
+    else:
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int | np.integer):
+            raise UsageError(f"num_classes must be an integer, got {num_classes!r}")
+        num_classes = int(num_classes)
+        if hi >= num_classes:
+            raise UsageError(f"label {hi} found but num_classes is {num_classes}")
+    return labels, num_classes
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _group(indices: np.ndarray, owners: np.ndarray, num_clients: int) -> list[np.ndarray]:
+    """Per-client sorted int64 index arrays from parallel (index, owner) arrays."""
+    order = np.lexsort((indices, owners))
+    flat = np.ascontiguousarray(indices[order], dtype=np.int64)
+    sizes = np.bincount(owners, minlength=num_clients)
+    return np.split(flat, np.cumsum(sizes)[:-1])
+
+
+def _class_pools(
+    labels: np.ndarray, num_classes: int, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Each class's indices in a random order (one permutation, one stable sort)."""
+    perm = rng.permutation(labels.size)
+    order = perm[np.argsort(labels[perm], kind="stable")]
+    sizes = np.bincount(labels, minlength=num_classes)
+    return np.split(order, np.cumsum(sizes)[:-1])
+
+
+def _even_sizes(n: int, parts: int) -> np.ndarray:
+    # np.array_split's sizes: the first n % parts parts get one extra.
+    sizes = np.full(parts, n // parts, dtype=np.int64)
+    sizes[: n % parts] += 1
+    return sizes
+
+
+def _deal_counts(pools: list[np.ndarray], counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Hand out counts[i, c] samples of class c to client i from the shuffled class pools."""
+    num_clients = counts.shape[0]
+    idx_parts, own_parts = [], []
+    for c, pool in enumerate(pools):
+        col = counts[:, c]
+        total = int(col.sum())
+        if total == 0:
+            continue
+        idx_parts.append(pool[:total])
+        own_parts.append(np.repeat(np.arange(num_clients), col))
+    if not idx_parts:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    return np.concatenate(idx_parts), np.concatenate(own_parts)
+
+
+def _split_among_holders(
+    pools: list[np.ndarray], held: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
+    """counts[i, c]: each class's samples split evenly over the clients holding it."""
+    counts = np.zeros(held.shape, dtype=np.int64)
+    for c, pool in enumerate(pools):
+        holders = np.flatnonzero(held[:, c])
+        if holders.size == 0:
+            continue
+        # Shuffled so the one-extra remainder does not always favour low client ids.
+        counts[rng.permutation(holders), c] = _even_sizes(pool.size, holders.size)
+    return counts
+
+
+def _dirichlet(rng: np.random.Generator, beta: float, size: int) -> np.ndarray:
+    p = rng.dirichlet(np.full(size, beta))
+    # Tiny beta can underflow every component in some numpy versions; fall back to uniform
+    # rather than propagate NaN into integer counts.
+    if not np.all(np.isfinite(p)) or p.sum() <= 0:
+        p = np.full(size, 1.0 / size)
+    return p
+
+
+# --------------------------------------------------------------------------- schemes
+
+
+def _iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
+    perm = rng.permutation(labels.size)
+    owners = np.repeat(np.arange(num_clients), _even_sizes(labels.size, num_clients))
+    return _group(perm, owners, num_clients)
+
+
+def _dirichlet_counts(
+    class_sizes: np.ndarray, num_clients: int, beta: float, rng: np.random.Generator
+) -> np.ndarray:
+    """One NIID-Bench draw as a (clients, classes) count matrix."""
+    n = int(class_sizes.sum())
+    counts = np.zeros((num_clients, class_sizes.size), dtype=np.int64)
+    totals = np.zeros(num_clients, dtype=np.int64)
+    cap = n / num_clients
+    for c, n_c in enumerate(class_sizes.tolist()):
+        p = _dirichlet(rng, beta, num_clients)
+        if n_c == 0:
+            continue  # drawn anyway so later classes do not depend on empty ones
+        # Balancing trick: full clients take no more classes. Some client is always open,
+        # because the samples assigned so far are fewer than n.
+        open_ = totals < cap
+        p = np.where(open_, p, 0.0)
+        s = p.sum()
+        if not s > 0:
+            p, s = open_.astype(np.float64), float(open_.sum())
+        bounds = np.floor(np.cumsum(p) * (n_c / s)).astype(np.int64)
+        np.clip(bounds, 0, n_c, out=bounds)
+        bounds[-1] = n_c
+        col = np.diff(bounds, prepend=0)
+        counts[:, c] = col
+        totals += col
+    return counts
+
+
+def _repair_min_size(counts: np.ndarray, min_size: int) -> None:
+    """Top up clients below min_size, in place, from the currently largest clients.
+
+    Each move takes the donor's most abundant class, so a topped-up client usually ends up
+    with a single class and the label skew the user asked for stays sharp. Feasibility
+    (clients * min_size <= N) guarantees a donor with surplus exists while anyone is short.
+    """
+    totals = counts.sum(axis=1)
+    needy = np.flatnonzero(totals < min_size)
+    if needy.size == 0:
+        return
+    heap = [(-int(t), int(i)) for i, t in enumerate(totals) if t > min_size]
+    heapq.heapify(heap)
+    for r in needy.tolist():
+        need = min_size - int(totals[r])
+        while need > 0:
+            neg_total, d = heapq.heappop(heap)
+            c = int(np.argmax(counts[d]))
+            take = min(need, -neg_total - min_size, int(counts[d, c]))
+            counts[d, c] -= take
+            counts[r, c] += take
+            totals[d] -= take
+            totals[r] += take
+            need -= take
+            if totals[d] > min_size:
+                heapq.heappush(heap, (-int(totals[d]), d))
+
+
+def _dirichlet_scheme(
+    labels: np.ndarray, num_clients: int, num_classes: int, rng: np.random.Generator, p: dict
+) -> list[np.ndarray]:
+    beta = _as_beta("dirichlet", p["beta"])
+    min_size = _as_int("dirichlet", "min_size", p["min_size"], 0)
+    n = labels.size
+    if num_clients * min_size > n:
+        raise UsageError(
+            f"partition 'dirichlet': {num_clients} clients x min_size {min_size} needs "
+            f"{num_clients * min_size} samples, only {n} available (lower min_size)"
+        )
+    class_sizes = np.bincount(labels, minlength=num_classes)
+    best, best_deficit = None, None
+    for _ in range(_DIRICHLET_TRIES):
+        counts = _dirichlet_counts(class_sizes, num_clients, beta, rng)
+        deficit = int(np.maximum(min_size - counts.sum(axis=1), 0).sum())
+        if best_deficit is None or deficit < best_deficit:
+            best, best_deficit = counts, deficit
+        if deficit == 0:
+            break
+    assert best is not None
+    _repair_min_size(best, min_size)
+    pools = _class_pools(labels, num_classes, rng)
+    return _group(*_deal_counts(pools, best), num_clients)
+
+
+def _shards_scheme(
+    labels: np.ndarray, num_clients: int, rng: np.random.Generator, p: dict
+) -> list[np.ndarray]:
+    per_client = _as_int("shards", "shards_per_client", p["shards_per_client"], 1)
+    n = labels.size
+    num_shards = num_clients * per_client
+    if num_shards > n:
+        raise UsageError(
+            f"partition 'shards': {num_clients} clients x {per_client} shards = {num_shards} "
+            f"shards, more than the {n} samples"
+        )
+    # A random permutation before the stable sort gives a random order within each label.
+    perm = rng.permutation(n)
+    order = perm[np.argsort(labels[perm], kind="stable")]
+    shard_of_position = np.repeat(np.arange(num_shards), _even_sizes(n, num_shards))
+    owner_of_shard = np.empty(num_shards, dtype=np.int64)
+    owner_of_shard[rng.permutation(num_shards)] = np.arange(num_shards) // per_client
+    return _group(order, owner_of_shard[shard_of_position], num_clients)
+
+
+def _classes_scheme(
+    labels: np.ndarray, num_clients: int, num_classes: int, rng: np.random.Generator, p: dict
+) -> list[np.ndarray]:
+    k = _as_int("classes", "classes_per_client", p["classes_per_client"], 1)
+    if k > num_classes:
+        raise UsageError(
+            f"partition 'classes': classes_per_client {k} > number of classes {num_classes}"
+        )
+    # Consecutive slots (i*k + j) mod C over a shuffled class order: k distinct classes per
+    # client, and every class used once num_clients * k >= C.
+    class_order = rng.permutation(num_classes)
+    slots = (np.arange(num_clients)[:, None] * k + np.arange(k)[None, :]) % num_classes
+    held = np.zeros((num_clients, num_classes), dtype=bool)
+    held[np.arange(num_clients)[:, None], class_order[slots]] = True
+    pools = _class_pools(labels, num_classes, rng)
+    counts = _split_among_holders(pools, held, rng)
+    return _group(*_deal_counts(pools, counts), num_clients)
+
+
+def _missing_scheme(
+    labels: np.ndarray, num_clients: int, num_classes: int, rng: np.random.Generator, p: dict
+) -> list[np.ndarray]:
+    x = _as_int("missing", "missing_classes", p["missing_classes"], 0)
+    if x >= num_classes:
+        raise UsageError(
+            f"partition 'missing': missing_classes must be < number of classes "
+            f"({num_classes}), got {x}"
+        )
+    cols = (np.arange(num_clients)[:, None] + np.arange(num_classes - x)[None, :]) % num_classes
+    held = np.zeros((num_clients, num_classes), dtype=bool)
+    held[np.arange(num_clients)[:, None], cols] = True
+    pools = _class_pools(labels, num_classes, rng)
+    counts = _split_among_holders(pools, held, rng)
+    return _group(*_deal_counts(pools, counts), num_clients)
+
+
+def niid2_dominant(num_clients: int, num_classes: int) -> np.ndarray:
+    """(clients, classes) bool matrix: which classes each client is dominant in under niid2.
+
+    - more clients than classes: client i is dominant in class i mod C;
+    - C a multiple of the number of clients: contiguous blocks, client i dominant in
+      classes i*C/K .. (i+1)*C/K - 1 (FedFM's CIFAR-100 layout, and class i when K = C);
+    - otherwise round-robin: client i dominant in {c : c mod K == i}.
+    """
+    dom = np.zeros((num_clients, num_classes), dtype=bool)
+    clients = np.arange(num_clients)
+    classes = np.arange(num_classes)
+    if num_clients > num_classes:
+        dom[clients, clients % num_classes] = True
+    elif num_classes % num_clients == 0:
+        dom[classes // (num_classes // num_clients), classes] = True
+    else:
+        dom[classes % num_clients, classes] = True
+    return dom
+
+
+def _niid2_scheme(
+    labels: np.ndarray, num_clients: int, num_classes: int, rng: np.random.Generator, p: dict
+) -> list[np.ndarray]:
+    dominant = _as_int("niid2", "dominant_shards", p["dominant_shards"], 0)
+    tail = _as_int("niid2", "tail_shards", p["tail_shards"], 0)
+    shard_size = _as_int("niid2", "shard_size", p["shard_size"], 1)
+    if dominant == 0 and tail == 0:
+        raise UsageError("partition 'niid2': dominant_shards and tail_shards are both 0")
+    dom = niid2_dominant(num_clients, num_classes)
+    counts = (tail + dominant * dom.astype(np.int64)) * shard_size
+    needed = counts.sum(axis=0)
+    available = np.bincount(labels, minlength=num_classes)
+    short = np.flatnonzero(needed > available)
+    if short.size:
+        c = int(short[0])
+        raise UsageError(
+            f"partition 'niid2': class {c} needs {int(needed[c])} samples "
+            f"({int(needed[c]) // shard_size} shards of {shard_size}), only "
+            f"{int(available[c])} available (use a smaller shard_size or fewer shards)"
+        )
+    # Taking a prefix of a shuffled pool is the same as drawing shards without replacement.
+    pools = _class_pools(labels, num_classes, rng)
+    return _group(*_deal_counts(pools, counts), num_clients)
+
+
+def _quantity_scheme(
+    labels: np.ndarray, num_clients: int, rng: np.random.Generator, p: dict
+) -> list[np.ndarray]:
+    beta = _as_beta("quantity", p["beta"])
+    min_size = _as_int("quantity", "min_size", p["min_size"], 0)
+    n = labels.size
+    if num_clients * min_size > n:
+        raise UsageError(
+            f"partition 'quantity': {num_clients} clients x min_size {min_size} needs "
+            f"{num_clients * min_size} samples, only {n} available (lower min_size)"
+        )
+    rest = n - num_clients * min_size
+    share = _dirichlet(rng, beta, num_clients) * rest
+    sizes = np.floor(share).astype(np.int64)
+    # Largest remainders get the leftover samples: sizes sum to n exactly, deterministically.
+    leftover = rest - int(sizes.sum())
+    if leftover > 0:
+        sizes[np.argsort(-(share - sizes), kind="stable")[:leftover]] += 1
+    sizes += min_size
+    perm = rng.permutation(n)
+    return _group(perm, np.repeat(np.arange(num_clients), sizes), num_clients)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def make_partition(
+    labels: np.ndarray,
+    num_clients: int,
+    scheme: str,
+    seed: int,
+    num_classes: int | None = None,
+    **params: object,
+) -> list[np.ndarray]:
+    """Split sample indices over clients; one sorted int64 index array per client.
+
+    A pure function of its arguments. Parameters not given (or given as None) take the
+    scheme's defaults from ``PARTITIONS``. Raises UsageError with one line for an unknown
+    scheme or parameter, or an invalid or infeasible value.
+    """
+    if scheme not in PARTITIONS:
+        raise UsageError(f"unknown partition {scheme!r} (choices: {', '.join(PARTITIONS)})")
+    p = _resolve_params(scheme, params)
+    if scheme == "natural":
+        raise UsageError("partition 'natural' needs a dataset with its own clients (synthetic)")
+    labels, num_classes = _check_labels(labels, num_classes)
+    num_clients = _as_int(scheme, "num_clients", num_clients, 1)
+    if num_clients > labels.size:
+        raise UsageError(
+            f"partition '{scheme}': more clients ({num_clients}) than samples ({labels.size})"
+        )
+    rng = numpy_rng(seed, -1, -1, f"partition:{scheme}")
+    if scheme == "iid":
+        return _iid(labels, num_clients, rng)
+    if scheme == "dirichlet":
+        return _dirichlet_scheme(labels, num_clients, num_classes, rng, p)
+    if scheme == "shards":
+        return _shards_scheme(labels, num_clients, rng, p)
+    if scheme == "classes":
+        return _classes_scheme(labels, num_clients, num_classes, rng, p)
+    if scheme == "missing":
+        return _missing_scheme(labels, num_clients, num_classes, rng, p)
+    if scheme == "niid2":
+        return _niid2_scheme(labels, num_clients, num_classes, rng, p)
+    if scheme == "quantity":
+        return _quantity_scheme(labels, num_clients, rng, p)
+    raise AssertionError(f"partition {scheme!r} is listed but not implemented")
+
+
+def partition_stats(
+    partition: list[np.ndarray], labels: np.ndarray, num_classes: int
+) -> np.ndarray:
+    """(clients, classes) int64 matrix of sample counts."""
+    labels = np.asarray(labels)
+    num_clients = len(partition)
+    if num_clients == 0:
+        return np.zeros((0, num_classes), dtype=np.int64)
+    sizes = np.array([len(idx) for idx in partition], dtype=np.int64)
+    flat = np.concatenate([np.asarray(idx, dtype=np.int64) for idx in partition])
+    client_labels = labels[flat].astype(np.int64)
+    if client_labels.size and (client_labels.min() < 0 or client_labels.max() >= num_classes):
+        raise UsageError(f"labels outside 0..{num_classes - 1} in partition")
+    owners = np.repeat(np.arange(num_clients), sizes)
+    flat_counts = np.bincount(
+        owners * num_classes + client_labels, minlength=num_clients * num_classes
+    )
+    return flat_counts.reshape(num_clients, num_classes)
+
+
+def _json_default(obj: object) -> object:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
+
+
+def save_partition(path: Path, partition: list[np.ndarray], meta: dict) -> None:
+    """Write a partition and its metadata to an .npz file (no pickled objects)."""
+    path = Path(path)
+    try:
+        meta_json = json.dumps(meta, sort_keys=True, default=_json_default)
+    except (TypeError, ValueError) as exc:
+        raise FedskewError(f"partition metadata is not JSON serialisable: {exc}") from exc
+    sizes = np.array([len(idx) for idx in partition], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    indices = (
+        np.concatenate([np.asarray(idx, dtype=np.int64) for idx in partition])
+        if partition
+        else np.empty(0, dtype=np.int64)
+    )
+    try:
+        # An open file keeps the exact name: np.savez would append ".npz" to a bare path.
+        with open(path, "wb") as fh:
+            np.savez(fh, indices=indices, offsets=offsets, meta=np.array(meta_json))
+    except OSError as exc:
+        raise FedskewError(f"cannot write partition file {path}: {exc.strerror or exc}") from exc
+
+
+def load_partition(path: Path) -> tuple[list[np.ndarray], dict]:
+    """Read a file written by ``save_partition``."""
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            indices = data["indices"].astype(np.int64, copy=False)
+            offsets = data["offsets"].astype(np.int64, copy=False)
+            meta = json.loads(str(data["meta"]))
+    except OSError as exc:
+        raise FedskewError(f"cannot read partition file {path}: {exc.strerror or exc}") from exc
+    except (KeyError, ValueError) as exc:
+        raise FedskewError(f"{path} is not a fedskew partition file: {exc}") from exc
+    if (
+        offsets.ndim != 1
+        or offsets.size == 0
+        or offsets[0] != 0
+        or offsets[-1] != indices.size
+        or np.any(np.diff(offsets) < 0)
+    ):
+        raise FedskewError(f"{path} is not a fedskew partition file: bad offsets")
+    return np.split(indices, offsets[1:-1]), meta

@@ -1,0 +1,257 @@
+"""One experiment end to end: data, partition, model, engine, rounds, run folder."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedskew import __version__
+from fedskew.algorithms import get_algorithm
+from fedskew.algorithms.local import set_arrays
+from fedskew.config import ExperimentConfig
+from fedskew.data.federated import FederatedData, sample_clients
+from fedskew.data.partition import PARTITIONS, make_partition
+from fedskew.data.sources import DATASETS, Dataset, load_dataset
+from fedskew.engine.inprocess import InProcessEngine
+from fedskew.errors import UsageError
+from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
+from fedskew.models import MODELS, build_model
+from fedskew.protocol import LocalTrainConfig, ServerSetup
+from fedskew.rng import derive_seed
+from fedskew.runfolder import RunFolder, check_writable
+
+RoundCallback = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class Prepared:
+    """Everything built before the first round."""
+
+    cfg: ExperimentConfig
+    dataset: Dataset
+    model_name: str
+    partition: list[np.ndarray]
+    fed: FederatedData
+    algorithm: Any
+    params: Any
+    train: LocalTrainConfig
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_model_name(cfg: ExperimentConfig) -> str:
+    if cfg.model == "auto":
+        return DATASETS[cfg.dataset].default_model
+    if cfg.model not in MODELS:
+        raise UsageError(f"unknown model '{cfg.model}'; choose from: {', '.join(sorted(MODELS))}")
+    return cfg.model
+
+
+def check_names(cfg: ExperimentConfig) -> None:
+    """Fail on unknown names before any data is loaded."""
+    get_algorithm(cfg.algorithm)
+    if cfg.dataset not in DATASETS:
+        raise UsageError(
+            f"unknown dataset '{cfg.dataset}'; choose from: {', '.join(sorted(DATASETS))}"
+        )
+    if cfg.partition not in PARTITIONS:
+        raise UsageError(
+            f"unknown partition '{cfg.partition}'; choose from: {', '.join(sorted(PARTITIONS))}"
+        )
+    resolve_model_name(cfg)
+
+
+def build_partition(cfg: ExperimentConfig, dataset: Dataset) -> list[np.ndarray]:
+    if cfg.partition == "natural":
+        if dataset.natural_partition is None:
+            raise UsageError("partition 'natural' needs a dataset with its own clients (synthetic)")
+        return dataset.natural_partition
+    labels = dataset.y_train.numpy()
+    return make_partition(
+        labels,
+        cfg.num_clients,
+        cfg.partition,
+        seed=cfg.seed,
+        num_classes=dataset.num_classes,
+        **cfg.partition_params,
+    )
+
+
+def load_experiment_data(cfg: ExperimentConfig) -> Dataset:
+    return load_dataset(
+        cfg.dataset,
+        cfg.data_dir,
+        download=cfg.download,
+        num_clients=cfg.num_clients,
+        seed=cfg.seed,
+        synthetic_alpha=cfg.synthetic_alpha,
+        synthetic_beta=cfg.synthetic_beta,
+    )
+
+
+def prepare(cfg: ExperimentConfig) -> Prepared:
+    check_names(cfg)
+    algorithm = get_algorithm(cfg.algorithm)
+    params = algorithm.make_params(cfg.params)
+    dataset = load_experiment_data(cfg)
+    partition = build_partition(cfg, dataset)
+    empty = [k for k, p in enumerate(partition) if len(p) == 0]
+    if empty:
+        raise UsageError(
+            f"partition '{cfg.partition}' left {len(empty)} client(s) without data "
+            f"(first: client {empty[0]}); use fewer clients or another partition"
+        )
+    fed = FederatedData(dataset.x_train, dataset.y_train, partition, dataset.num_classes)
+    train = LocalTrainConfig(
+        epochs=cfg.local_epochs,
+        batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+        augment=cfg.augment,
+    )
+    return Prepared(cfg, dataset, resolve_model_name(cfg), partition, fed, algorithm, params, train)
+
+
+def new_model(prep: Prepared) -> torch.nn.Module:
+    """The initial model, seeded from the experiment seed without touching global RNG state."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(prep.cfg.seed, -1, -1, "model-init"))
+        return build_model(
+            prep.model_name,
+            prep.dataset.input_shape,
+            prep.dataset.num_classes,
+            **prep.cfg.model_options,
+        )
+
+
+def run(
+    cfg: ExperimentConfig, on_round: RoundCallback | None = None
+) -> tuple[Path, dict[str, Any]]:
+    """Run the experiment; return the finished run folder and the summary."""
+    cfg.validate()
+    check_names(cfg)
+    check_writable(Path(cfg.out_dir))
+    prep = prepare(cfg)
+    per_round = cfg.per_round()
+    num_clients = len(prep.partition)
+    if per_round > num_clients:
+        raise UsageError(f"{per_round} clients per round but only {num_clients} clients")
+
+    model = new_model(prep)
+    eval_model = new_model(prep)
+    setup = ServerSetup(
+        initial_arrays=model.state_dict(),
+        num_clients=num_clients,
+        num_classes=prep.dataset.num_classes,
+        client_sizes=prep.fed.sizes(),
+        seed=cfg.seed,
+        train=prep.train,
+    )
+    server = prep.algorithm.Server(prep.params, setup)
+    client_logic = prep.algorithm.Client(prep.params)
+    engine = InProcessEngine(client_logic, prep.fed, model, prep.train, cfg.seed)
+    client_counts = prep.fed.class_counts()
+
+    folder = RunFolder.create(Path(cfg.out_dir), default_run_name(cfg))
+    folder.write_config(
+        {
+            **cfg.to_dict(),
+            "resolved": {
+                "model": prep.model_name,
+                "clients_per_round": per_round,
+                "num_clients": num_clients,
+                "algorithm_params": vars(prep.params),
+                "dataset_source": prep.dataset.source,
+                "num_classes": prep.dataset.num_classes,
+                "train_samples": int(len(prep.dataset.y_train)),
+                "test_samples": int(len(prep.dataset.y_test)),
+                "fedskew_version": __version__,
+                "torch_version": torch.__version__,
+                "torch_threads": torch.get_num_threads(),
+            },
+        }
+    )
+    folder.write_partition(prep.partition, {"scheme": cfg.partition, **cfg.partition_params})
+
+    started = time.perf_counter()
+    train_seconds = 0.0
+    samples_trained = 0
+    history: list[dict[str, Any]] = []
+    last_eval: dict[str, Any] = {}
+    for rnd in range(cfg.rounds):
+        clients = sample_clients(cfg.seed, rnd, num_clients, per_round)
+        engine.begin_round(rnd)
+        t0 = time.perf_counter()
+        round_metrics = server.round(rnd, clients, engine)
+        round_seconds = time.perf_counter() - t0
+        train_seconds += round_seconds
+        samples_trained += cfg.local_epochs * sum(len(prep.partition[c]) for c in clients)
+        record: dict[str, Any] = {
+            "round": rnd + 1,
+            "clients": clients,
+            "bytes_down": engine.traffic.bytes_down,
+            "bytes_up": engine.traffic.bytes_up,
+            "exchanges": engine.traffic.exchanges,
+            "seconds": round(round_seconds, 4),
+            **{k: float(v) for k, v in round_metrics.items()},
+        }
+        if (rnd + 1) % cfg.eval_every == 0 or rnd + 1 == cfg.rounds:
+            t1 = time.perf_counter()
+            set_arrays(eval_model, server.eval_arrays())
+            result = evaluate(
+                eval_model, prep.dataset.x_test, prep.dataset.y_test, prep.dataset.num_classes
+            )
+            last_eval = {
+                "accuracy": result.accuracy,
+                "loss": result.loss,
+                "client_dist_accuracy": client_distribution_accuracy(
+                    result.per_class_accuracy, client_counts
+                ),
+                "per_class_accuracy": [
+                    None if np.isnan(a) else round(float(a), 6) for a in result.per_class_accuracy
+                ],
+            }
+            record.update(last_eval)
+            record["eval_seconds"] = round(time.perf_counter() - t1, 4)
+        folder.append_metrics(record)
+        history.append(record)
+        if on_round is not None:
+            on_round(record)
+
+    accuracies = [r["accuracy"] for r in history if "accuracy" in r]
+    summary = {
+        "algorithm": cfg.algorithm,
+        "dataset": cfg.dataset,
+        "model": prep.model_name,
+        "partition": cfg.partition,
+        "num_clients": num_clients,
+        "clients_per_round": per_round,
+        "rounds": cfg.rounds,
+        "seed": cfg.seed,
+        "final_accuracy": last_eval.get("accuracy"),
+        "final_loss": last_eval.get("loss"),
+        "final_client_dist_accuracy": last_eval.get("client_dist_accuracy"),
+        "best_accuracy": max(accuracies) if accuracies else None,
+        "total_bytes_down": sum(r["bytes_down"] for r in history),
+        "total_bytes_up": sum(r["bytes_up"] for r in history),
+        "train_seconds": round(train_seconds, 3),
+        "train_samples_per_second": round(samples_trained / train_seconds, 1)
+        if train_seconds > 0
+        else None,
+        "wall_seconds": round(time.perf_counter() - started, 3),
+    }
+    final = folder.finish(summary)
+    return final, summary
+
+
+def default_run_name(cfg: ExperimentConfig) -> str:
+    if cfg.name:
+        return cfg.name
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return f"{cfg.algorithm}-{cfg.dataset}-{cfg.partition}-s{cfg.seed}-{stamp}"

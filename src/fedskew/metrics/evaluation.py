@@ -1,0 +1,63 @@
+"""Evaluation of a model on the uniform test set and on clients' label distributions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class EvalResult:
+    accuracy: float
+    loss: float
+    per_class_accuracy: np.ndarray  # nan for classes absent from the test set
+    class_counts: np.ndarray
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    num_classes: int,
+    batch_size: int = 1024,
+) -> EvalResult:
+    """Accuracy, mean loss and per-class accuracy in one batched pass without autograd."""
+    was_training = model.training
+    model.eval()
+    correct = torch.zeros(num_classes, dtype=torch.int64)
+    total = torch.zeros(num_classes, dtype=torch.int64)
+    loss_sum = 0.0
+    for start in range(0, len(y), batch_size):
+        xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+        logits = model(xb)
+        loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
+        hit = (logits.argmax(dim=1) == yb).to(torch.int64)
+        correct += torch.bincount(yb, weights=hit, minlength=num_classes).to(torch.int64)
+        total += torch.bincount(yb, minlength=num_classes)
+    model.train(was_training)
+    n = int(total.sum())
+    counts = total.numpy()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_class = np.where(counts > 0, correct.numpy() / np.maximum(counts, 1), np.nan)
+    return EvalResult(
+        accuracy=float(correct.sum()) / max(n, 1),
+        loss=loss_sum / max(n, 1),
+        per_class_accuracy=per_class,
+        class_counts=counts,
+    )
+
+
+def client_distribution_accuracy(
+    per_class_accuracy: np.ndarray, client_counts: np.ndarray
+) -> float:
+    """Mean over clients of the test accuracy per class weighted by the client's class
+    proportions: the accuracy each client would see on a test set shaped like its data."""
+    acc = np.nan_to_num(per_class_accuracy, nan=0.0)
+    sizes = client_counts.sum(axis=1, keepdims=True)
+    props = client_counts / np.maximum(sizes, 1)
+    per_client = props @ acc
+    return float(per_client[sizes[:, 0] > 0].mean())

@@ -1,0 +1,96 @@
+"""Small fully connected and convolutional models used by the label-skew papers."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+from torch import nn
+
+from fedskew.errors import UsageError
+from fedskew.models.base import BodyHeadModel, conv_out, image_shape, option_positive_int
+
+
+def build_mlp(
+    input_shape: tuple[int, ...], num_classes: int, *, hidden: int | str = 200
+) -> BodyHeadModel:
+    """Two hidden ReLU layers over the flattened input; works on tabular and image inputs."""
+    width = option_positive_int("mlp", "hidden", hidden)
+    in_features = math.prod(input_shape)
+    body = nn.Sequential(
+        OrderedDict(
+            flatten=nn.Flatten(),
+            fc1=nn.Linear(in_features, width),
+            relu1=nn.ReLU(),
+            fc2=nn.Linear(width, width),
+            relu2=nn.ReLU(),
+        )
+    )
+    return BodyHeadModel(body, nn.Linear(width, num_classes), width)
+
+
+def _two_conv_flat_size(
+    model: str, input_shape: tuple[int, ...], out_channels: int
+) -> tuple[int, int]:
+    """(input channels, flattened size) after conv5-pool2-conv5-pool2 without padding.
+
+    The papers' architectures use no padding, so small inputs are rejected rather than
+    silently padded into a different model.
+    """
+    channels, height, width = image_shape(model, input_shape)
+    sizes = []
+    for size in (height, width):
+        for kernel, stride in ((5, 1), (2, 2), (5, 1), (2, 2)):
+            size = conv_out(size, kernel, stride)
+            if size < 1:
+                raise UsageError(
+                    f"model '{model}' needs inputs of at least 16x16 (two unpadded 5x5 convs "
+                    f"with 2x2 pooling), got {height}x{width}"
+                )
+        sizes.append(size)
+    return channels, out_channels * sizes[0] * sizes[1]
+
+
+def build_simple_cnn(input_shape: tuple[int, ...], num_classes: int) -> BodyHeadModel:
+    """The LeNet-style "simple-cnn" of MOON and FedCME (84-d features)."""
+    channels, flat = _two_conv_flat_size("simple-cnn", input_shape, 16)
+    body = nn.Sequential(
+        OrderedDict(
+            conv1=nn.Conv2d(channels, 6, 5),
+            relu1=nn.ReLU(),
+            pool1=nn.MaxPool2d(2),
+            conv2=nn.Conv2d(6, 16, 5),
+            relu2=nn.ReLU(),
+            pool2=nn.MaxPool2d(2),
+            flatten=nn.Flatten(),
+            fc1=nn.Linear(flat, 120),
+            relu3=nn.ReLU(),
+            fc2=nn.Linear(120, 84),
+            relu4=nn.ReLU(),
+        )
+    )
+    return BodyHeadModel(body, nn.Linear(84, num_classes), 84)
+
+
+def build_cnn_cifar(input_shape: tuple[int, ...], num_classes: int) -> BodyHeadModel:
+    """McMahan et al.'s CIFAR CNN ("Conv2Cifar" in FedNH / FedACD), 192-d features.
+
+    The head has no bias, as in FedNH, whose prototype head is a bias-free linear map.
+    """
+    channels, flat = _two_conv_flat_size("cnn-cifar", input_shape, 64)
+    body = nn.Sequential(
+        OrderedDict(
+            conv1=nn.Conv2d(channels, 64, 5),
+            relu1=nn.ReLU(),
+            pool1=nn.MaxPool2d(2),
+            conv2=nn.Conv2d(64, 64, 5),
+            relu2=nn.ReLU(),
+            pool2=nn.MaxPool2d(2),
+            flatten=nn.Flatten(),
+            fc1=nn.Linear(flat, 384),
+            relu3=nn.ReLU(),
+            fc2=nn.Linear(384, 192),
+            relu4=nn.ReLU(),
+        )
+    )
+    return BodyHeadModel(body, nn.Linear(192, num_classes, bias=False), 192)

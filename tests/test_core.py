@@ -1,0 +1,164 @@
+"""Protocol, addressed randomness, aggregation and the local-training loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedskew.algorithms.fedavg import FedAvg
+from fedskew.algorithms.local import (
+    apply_server_lr,
+    local_train,
+    weighted_average,
+)
+from fedskew.data.federated import sample_clients
+from fedskew.errors import UsageError
+from fedskew.protocol import ClientData, LocalTrainConfig, Message
+from fedskew.rng import derive_seed, numpy_rng, torch_rng
+
+
+def test_message_nbytes_counts_arrays_numbers_and_strings():
+    msg = Message(
+        "train",
+        arrays={"w": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.float64)},
+        scalars={"n": 1.0, "loss": 2.0},
+        strings={"peer": "abc"},
+    )
+    assert msg.nbytes() == 3 * 4 * 4 + 5 * 8 + 2 * 8 + 3
+
+
+def test_addressed_rng_depends_on_address_not_order():
+    a = numpy_rng(7, 3, 5, "train").random(4)
+    numpy_rng(7, 3, 6, "train").random(100)  # another client's draws consume nothing of ours
+    b = numpy_rng(7, 3, 5, "train").random(4)
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, numpy_rng(7, 3, 5, "eval").random(4))
+    assert not np.array_equal(a, numpy_rng(7, 4, 5, "train").random(4))
+    assert not np.array_equal(a, numpy_rng(8, 3, 5, "train").random(4))
+    assert derive_seed(1, 2, 3, "x") == derive_seed(1, 2, 3, "x")
+    t1 = torch.randn(3, generator=torch_rng(1, 0, -1, "init"))
+    t2 = torch.randn(3, generator=torch_rng(1, 0, -1, "init"))
+    assert torch.equal(t1, t2)
+
+
+def test_client_sampling_is_a_pure_function_of_seed_and_round():
+    r5 = sample_clients(3, 5, 100, 10)
+    assert r5 == sample_clients(3, 5, 100, 10)
+    assert len(set(r5)) == 10 and all(0 <= c < 100 for c in r5)
+    assert r5 != sample_clients(3, 6, 100, 10)
+    assert sample_clients(3, 0, 4, 8) == [0, 1, 2, 3]
+
+
+def test_weighted_average_by_hand():
+    s1 = {"w": torch.tensor([1.0, 2.0]), "n": torch.tensor(3)}
+    s2 = {"w": torch.tensor([3.0, 6.0]), "n": torch.tensor(5)}
+    out = weighted_average([s1, s2], [1, 3])
+    # (1*[1,2] + 3*[3,6]) / 4 = [2.5, 5.0]; integer buffers keep the largest
+    assert torch.allclose(out["w"], torch.tensor([2.5, 5.0]))
+    assert out["n"].item() == 5
+    with pytest.raises(ValueError):
+        weighted_average([s1], [0])
+
+
+def test_server_lr_moves_part_of_the_way():
+    old = {"w": torch.tensor([0.0, 10.0])}
+    new = {"w": torch.tensor([2.0, 0.0])}
+    assert torch.allclose(apply_server_lr(old, new, 0.5)["w"], torch.tensor([1.0, 5.0]))
+    assert apply_server_lr(old, new, 1.0)["w"] is new["w"]
+
+
+class _RecordingChannel:
+    """Acts as every client: returns fixed models with given sample counts."""
+
+    def __init__(self, models: dict[int, dict[str, torch.Tensor]], sizes: dict[int, int]):
+        self.models, self.sizes, self.sent = models, sizes, []
+
+    def exchange(self, messages):
+        self.sent.append(messages)
+        return {
+            c: Message(
+                "trained",
+                arrays=self.models[c],
+                scalars={"num_samples": self.sizes[c], "loss": 0.0},
+            )
+            for c in messages
+        }
+
+
+def test_fedavg_server_weights_by_sample_count():
+    from fedskew.protocol import ServerSetup
+
+    init = {"w": torch.zeros(2)}
+    setup = ServerSetup(
+        init,
+        num_clients=3,
+        num_classes=2,
+        client_sizes=[10, 30, 60],
+        seed=0,
+        train=LocalTrainConfig(),
+    )
+    server = FedAvg.Server(FedAvg.make_params({}), setup)
+    channel = _RecordingChannel(
+        {0: {"w": torch.tensor([1.0, 0.0])}, 2: {"w": torch.tensor([0.0, 1.0])}}, {0: 10, 2: 30}
+    )
+    server.round(0, [0, 2], channel)
+    assert list(channel.sent[0]) == [0, 2] and channel.sent[0][0].kind == "train"
+    assert torch.allclose(server.global_arrays["w"], torch.tensor([0.25, 0.75]))
+    # server lr 0.5: halfway from the old global model
+    server2 = FedAvg.Server(FedAvg.make_params({"server_lr": "0.5"}), setup)
+    server2.round(0, [0, 2], channel)
+    assert torch.allclose(server2.global_arrays["w"], torch.tensor([0.125, 0.375]))
+
+
+def test_algorithm_params_are_checked():
+    with pytest.raises(UsageError, match="no parameter 'mu'"):
+        FedAvg.make_params({"mu": 1})
+    with pytest.raises(UsageError, match="expects float"):
+        FedAvg.make_params({"server_lr": "fast"})
+    with pytest.raises(UsageError, match="server_lr"):
+        FedAvg.make_params({"server_lr": 0})
+
+
+def test_local_train_runs_expected_steps_and_learns():
+    torch.manual_seed(0)
+    x = torch.randn(200, 5)
+    y = (x[:, 0] > 0).long()
+    data = ClientData(x, y, torch.arange(50, 150), num_classes=2)
+    model = torch.nn.Linear(5, 2)
+    cfg = LocalTrainConfig(epochs=3, batch_size=32, lr=0.5, momentum=0.0, weight_decay=0.0)
+    before = torch.nn.functional.cross_entropy(model(x[50:150]), y[50:150]).item()
+    result = local_train(model, data, cfg, torch_rng(0, 0, 0, "train"))
+    after = torch.nn.functional.cross_entropy(model(x[50:150]), y[50:150]).item()
+    assert result.steps == 3 * 4  # ceil(100 / 32) batches per epoch, last one partial
+    assert result.samples == 300
+    assert after < before
+
+
+def test_local_train_only_sees_its_own_rows():
+    x = torch.arange(10, dtype=torch.float32)[:, None]
+    y = torch.zeros(10, dtype=torch.long)
+    data = ClientData(x, y, torch.tensor([2, 5, 7]), num_classes=1)
+    seen = []
+
+    def spy(model, xb, yb):
+        seen.extend(xb[:, 0].tolist())
+        return model(xb).sum() * 0
+
+    local_train(
+        torch.nn.Linear(1, 1),
+        data,
+        LocalTrainConfig(epochs=2, batch_size=2),
+        torch.Generator().manual_seed(0),
+        loss_fn=spy,
+    )
+    assert sorted(seen) == [2.0, 2.0, 5.0, 5.0, 7.0, 7.0]
+
+
+def test_batch_bounds_cover_everything_and_never_leave_one_sample():
+    from fedskew.algorithms.local import batch_bounds
+
+    assert batch_bounds(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert batch_bounds(9, 4) == [(0, 4), (4, 9)]
+    assert batch_bounds(1, 4) == [(0, 1)]
+    assert batch_bounds(8, 4) == [(0, 4), (4, 8)]

@@ -14,6 +14,7 @@ from fedskew.algorithms.local import (
 )
 from fedskew.data.federated import sample_clients
 from fedskew.errors import UsageError
+from fedskew.models import BodyHeadModel
 from fedskew.protocol import ClientData, LocalTrainConfig, Message
 from fedskew.rng import derive_seed, numpy_rng, torch_rng
 
@@ -125,7 +126,7 @@ def test_local_train_runs_expected_steps_and_learns():
     x = torch.randn(200, 5)
     y = (x[:, 0] > 0).long()
     data = ClientData(x, y, torch.arange(50, 150), num_classes=2)
-    model = torch.nn.Linear(5, 2)
+    model = BodyHeadModel(torch.nn.Identity(), torch.nn.Linear(5, 2), feature_dim=5)
     cfg = LocalTrainConfig(epochs=3, batch_size=32, lr=0.5, momentum=0.0, weight_decay=0.0)
     before = torch.nn.functional.cross_entropy(model(x[50:150]), y[50:150]).item()
     result = local_train(model, data, cfg, torch_rng(0, 0, 0, "train"))
@@ -162,3 +163,32 @@ def test_batch_bounds_cover_everything_and_never_leave_one_sample():
     assert batch_bounds(9, 4) == [(0, 4), (4, 9)]
     assert batch_bounds(1, 4) == [(0, 1)]
     assert batch_bounds(8, 4) == [(0, 4), (4, 8)]
+
+
+def test_extra_loss_terms_see_features_logits_and_labels():
+    x = torch.randn(8, 3)
+    y = torch.tensor([0, 1] * 4)
+    data = ClientData(x, y, torch.arange(8), num_classes=2)
+    model = BodyHeadModel(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2), feature_dim=4)
+    calls = []
+
+    def term(features, logits, labels):
+        calls.append((features.shape, logits.shape, labels.tolist()))
+        return features.pow(2).mean()
+
+    cfg = LocalTrainConfig(epochs=1, batch_size=8, momentum=0.0)
+    local_train(model, data, cfg, torch.Generator().manual_seed(0), extra_terms=[term])
+    assert calls == [(torch.Size([8, 4]), torch.Size([8, 2]), calls[0][2])]
+    assert sorted(calls[0][2]) == sorted(y.tolist())
+
+
+def test_class_feature_means_by_hand():
+    from fedskew.algorithms.local import class_feature_means
+
+    x = torch.tensor([[1.0, 0.0], [3.0, 2.0], [5.0, 5.0], [7.0, 1.0], [9.0, 9.0]])
+    y = torch.tensor([0, 0, 2, 2, 1])
+    data = ClientData(x, y, torch.tensor([0, 1, 2, 3]), num_classes=3)  # row 4 not ours
+    model = BodyHeadModel(torch.nn.Identity(), torch.nn.Linear(2, 3), feature_dim=2)
+    means, counts = class_feature_means(model, data, 3)
+    assert counts.tolist() == [2, 0, 2]
+    assert torch.allclose(means, torch.tensor([[2.0, 1.0], [0.0, 0.0], [6.0, 3.0]]))

@@ -101,6 +101,12 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="algorithm hyper-parameter, e.g. mu=0.01 (repeatable)",
     )
+    p.add_argument(
+        "--feature-matching",
+        action="store_const",
+        const=True,
+        help="add FedFM's anchor feature matching to the algorithm (plug-in)",
+    )
     p.add_argument("--eval-every", type=int, help="evaluate every N rounds (default 1)")
     p.add_argument("-o", "--out-dir", help="where run folders go (default ./runs)")
     p.add_argument(
@@ -133,6 +139,7 @@ def cli_values(args: argparse.Namespace) -> dict[str, Any]:
         "momentum",
         "weight_decay",
         "augment",
+        "feature_matching",
         "eval_every",
         "out_dir",
         "name",

@@ -33,6 +33,7 @@ class ExperimentConfig:
     weight_decay: float = 1e-5
     augment: bool = False
     params: dict[str, Any] = field(default_factory=dict)  # algorithm hyper-parameters
+    feature_matching: bool = False  # FedFM's anchor feature matching as a plug-in
     eval_every: int = 1
     seed: int = 0
     synthetic_alpha: float = 1.0

@@ -96,7 +96,7 @@ def load_experiment_data(cfg: ExperimentConfig) -> Dataset:
 
 def prepare(cfg: ExperimentConfig) -> Prepared:
     check_names(cfg)
-    algorithm = get_algorithm(cfg.algorithm)
+    algorithm = get_algorithm(cfg.algorithm, feature_matching=cfg.feature_matching)
     params = algorithm.make_params(cfg.params)
     dataset = load_experiment_data(cfg)
     partition = build_partition(cfg, dataset)
@@ -152,10 +152,19 @@ def run(
         client_sizes=prep.fed.sizes(),
         seed=cfg.seed,
         train=prep.train,
+        rounds=cfg.rounds,
+        eval_every=cfg.eval_every,
     )
     server = prep.algorithm.Server(prep.params, setup)
     client_logic = prep.algorithm.Client(prep.params)
-    engine = InProcessEngine(client_logic, prep.fed, model, prep.train, cfg.seed)
+    engine = InProcessEngine(
+        client_logic,
+        prep.fed,
+        model,
+        prep.train,
+        cfg.seed,
+        test=(prep.dataset.x_test, prep.dataset.y_test),
+    )
     client_counts = prep.fed.class_counts()
 
     folder = RunFolder.create(Path(cfg.out_dir), default_run_name(cfg))
@@ -201,7 +210,7 @@ def run(
             "seconds": round(round_seconds, 4),
             **{k: float(v) for k, v in round_metrics.items()},
         }
-        if (rnd + 1) % cfg.eval_every == 0 or rnd + 1 == cfg.rounds:
+        if setup.is_eval_round(rnd):
             t1 = time.perf_counter()
             set_arrays(eval_model, server.eval_arrays())
             result = evaluate(
@@ -226,7 +235,7 @@ def run(
 
     accuracies = [r["accuracy"] for r in history if "accuracy" in r]
     summary = {
-        "algorithm": cfg.algorithm,
+        "algorithm": prep.algorithm.name,
         "dataset": cfg.dataset,
         "model": prep.model_name,
         "partition": cfg.partition,

@@ -114,6 +114,13 @@ class ClientContext:
     model: torch.nn.Module  # one scratch model per engine worker: load weights before use
     state: ClientState
     train: LocalTrainConfig
+    # Loss terms (features, logits, y) -> scalar that plug-ins add to the algorithm's loss.
+    loss_terms: list[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = field(
+        default_factory=list
+    )
+    # The uniform test set, for methods that report personalised accuracy on the client.
+    test_x: torch.Tensor | None = None
+    test_y: torch.Tensor | None = None
 
     def rng(self, purpose: str) -> torch.Generator:
         """The generator addressed by (seed, round, this client, purpose)."""
@@ -145,6 +152,12 @@ class ServerSetup:
     client_sizes: list[int]  # training samples per client (FedAvg weights need them up front)
     seed: int
     train: LocalTrainConfig
+    rounds: int = 1
+    eval_every: int = 1
+
+    def is_eval_round(self, rnd: int) -> bool:
+        """Whether the experiment evaluates after round ``rnd`` (0-based)."""
+        return (rnd + 1) % self.eval_every == 0 or rnd + 1 == self.rounds
 
 
 class ServerLogic:

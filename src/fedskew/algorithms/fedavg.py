@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from fedskew.algorithms.local import (
     apply_server_lr,
     get_arrays,
-    local_train,
     set_arrays,
+    train_client,
     weighted_average,
 )
 from fedskew.errors import UsageError
@@ -49,7 +49,7 @@ class FedAvgServer(ServerLogic):
 class FedAvgClient(ClientLogic):
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
         set_arrays(ctx.model, msg.arrays)
-        result = local_train(ctx.model, ctx.data, ctx.train, ctx.rng("train"))
+        result = train_client(ctx)
         return Message(
             "trained",
             arrays=get_arrays(ctx.model),

@@ -8,16 +8,31 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fedskew.protocol import ClientData, LocalTrainConfig
+from fedskew.protocol import ClientContext, ClientData, LocalTrainConfig
 
-# loss_fn(model, x, y) -> scalar loss. Algorithms add their terms here.
-LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+@dataclass
+class Forward:
+    """What a loss function computed: the loss, and the features and logits it used,
+    so that plug-in loss terms (feature matching) can add to it without a second pass."""
+
+    loss: torch.Tensor
+    features: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+# loss_fn(model, x, y) -> Forward (or a bare loss tensor). Algorithms write their loss here.
+LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], "Forward | torch.Tensor"]
+# term(features, logits, y) -> scalar added to the loss: plug-ins install these on the context.
+LossTerm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # Called after backward, before the optimiser step (SCAFFOLD corrects gradients here).
 StepHook = Callable[[torch.nn.Module], None]
 
 
-def cross_entropy_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model(x), y)
+def cross_entropy_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Forward:
+    features = model.body(x)
+    logits = model.head(features)
+    return Forward(F.cross_entropy(logits, y), features, logits)
 
 
 @dataclass
@@ -70,6 +85,7 @@ def local_train(
     epochs: int | None = None,
     before_step: StepHook | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    extra_terms: Sequence[LossTerm] = (),
 ) -> TrainResult:
     """SGD over the client's data: a fresh permutation per epoch, slices as batches.
 
@@ -89,7 +105,18 @@ def local_train(
             xb, yb = data.batch(perm[start:stop])
             if cfg.augment:
                 xb = augment_batch(xb, gen)
-            loss = loss_fn(model, xb, yb)
+            out = loss_fn(model, xb, yb)
+            if isinstance(out, Forward):
+                loss = out.loss
+                if extra_terms:
+                    if out.features is None or out.logits is None:
+                        raise RuntimeError("extra loss terms need a loss_fn that returns features")
+                    for term in extra_terms:
+                        loss = loss + term(out.features, out.logits, yb)
+            else:
+                if extra_terms:
+                    raise RuntimeError("extra loss terms need a loss_fn that returns a Forward")
+                loss = out
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if before_step is not None:
@@ -99,6 +126,29 @@ def local_train(
             steps += 1
     mean_loss = float(loss_sum) / steps if steps else 0.0
     return TrainResult(steps=steps, samples=n * n_epochs, mean_loss=mean_loss)
+
+
+def train_client(
+    ctx: ClientContext,
+    *,
+    loss_fn: LossFn = cross_entropy_loss,
+    epochs: int | None = None,
+    before_step: StepHook | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    purpose: str = "train",
+) -> TrainResult:
+    """``local_train`` on a client's context, with the loss terms plug-ins installed there."""
+    return local_train(
+        ctx.model,
+        ctx.data,
+        ctx.train,
+        ctx.rng(purpose),
+        loss_fn=loss_fn,
+        epochs=epochs,
+        before_step=before_step,
+        optimizer=optimizer,
+        extra_terms=ctx.loss_terms,
+    )
 
 
 def get_arrays(model: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -148,3 +198,40 @@ def apply_server_lr(
     return {
         k: old[k] + server_lr * (v - old[k]) if v.is_floating_point() else v for k, v in new.items()
     }
+
+
+@torch.no_grad()
+def class_feature_sums(
+    model: torch.nn.Module,
+    data: ClientData,
+    num_classes: int,
+    rows: torch.Tensor | None = None,
+    batch_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-class sums of body features and per-class counts over the client's data
+    (or the given rows of it), in eval mode, every sample counted exactly once."""
+    was_training = model.training
+    model.eval()
+    positions = torch.arange(len(data)) if rows is None else rows
+    sums: torch.Tensor | None = None
+    counts = torch.zeros(num_classes, dtype=torch.int64)
+    for start in range(0, len(positions), batch_size):
+        xb, yb = data.batch(positions[start : start + batch_size])
+        feats = model.body(xb).float()
+        if sums is None:
+            sums = torch.zeros(num_classes, feats.shape[1])
+        sums.index_add_(0, yb, feats)
+        counts += torch.bincount(yb, minlength=num_classes)
+    model.train(was_training)
+    if sums is None:
+        sums = torch.zeros(num_classes, getattr(model, "feature_dim", 0))
+    return sums, counts
+
+
+def class_feature_means(
+    model: torch.nn.Module, data: ClientData, num_classes: int, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(C, d) class means of body features (zero rows for absent classes) and (C,) counts."""
+    sums, counts = class_feature_sums(model, data, num_classes, rows)
+    means = sums / counts.clamp(min=1).unsqueeze(1).to(sums.dtype)
+    return means, counts

@@ -41,12 +41,14 @@ class InProcessEngine:
         model: torch.nn.Module,
         train: LocalTrainConfig,
         seed: int,
+        test: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         self.client_logic = client_logic
         self.data = data
         self.model = model
         self.train = train
         self.seed = seed
+        self.test = test
         self.client_states: dict[int, ClientState] = {}
         self.traffic = TrafficCounter()
         self.round = 0
@@ -74,6 +76,8 @@ class InProcessEngine:
                 model=self.model,
                 state=self.state_of(cid),
                 train=self.train,
+                test_x=None if self.test is None else self.test[0],
+                test_y=None if self.test is None else self.test[1],
             )
             reply = self.client_logic.handle(msg, ctx)
             self.traffic.bytes_up += reply.nbytes()

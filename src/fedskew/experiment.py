@@ -122,12 +122,13 @@ def new_model(prep: Prepared) -> torch.nn.Module:
     """The initial model, seeded from the experiment seed without touching global RNG state."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(prep.cfg.seed, -1, -1, "model-init"))
-        return build_model(
+        model = build_model(
             prep.model_name,
             prep.dataset.input_shape,
             prep.dataset.num_classes,
             **prep.cfg.model_options,
         )
+        return prep.algorithm.adapt_model(prep.params, model)
 
 
 def run(

@@ -189,6 +189,13 @@ class Algorithm:
     Client: ClassVar[type[ClientLogic]]
 
     @classmethod
+    def adapt_model(cls, params: Any, model: torch.nn.Module) -> torch.nn.Module:
+        """Change the architecture where the method needs it (MOON's projection head,
+        FedNH's prototype classifier). Called on every model the engine builds, before
+        the initial weights are taken, so server and clients share one architecture."""
+        return model
+
+    @classmethod
     def make_params(cls, values: Mapping[str, object]) -> Any:
         """Build the Params dataclass from user values, coercing strings and naming mistakes."""
         fields = {f.name: f for f in dataclasses.fields(cls.Params)}

@@ -30,6 +30,7 @@ def test_default_run_writes_a_complete_run_folder(tmp_path):
     assert main(["run", "-o", str(tmp_path), "--name", "r", *FAST]) == 0
     folder = tmp_path / "r"
     assert sorted(p.name for p in folder.iterdir()) == [
+        "checkpoint.npz",
         "config.json",
         "metrics.jsonl",
         "partition.npz",

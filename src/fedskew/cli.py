@@ -108,6 +108,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         help="add FedFM's anchor feature matching to the algorithm (plug-in)",
     )
     p.add_argument("--eval-every", type=int, help="evaluate every N rounds (default 1)")
+    p.add_argument(
+        "--checkpoint-every", type=int, help="rounds between checkpoints (default 1; 0: none)"
+    )
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue an unfinished run folder")
     p.add_argument("-o", "--out-dir", help="where run folders go (default ./runs)")
     p.add_argument(
         "--name", help="run folder name (default: algorithm-dataset-partition-seed-time)"
@@ -141,6 +145,7 @@ def cli_values(args: argparse.Namespace) -> dict[str, Any]:
         "augment",
         "feature_matching",
         "eval_every",
+        "checkpoint_every",
         "out_dir",
         "name",
         "quiet",
@@ -173,15 +178,37 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fedskew.experiment import run
     from fedskew.progress import RoundProgress
 
-    cfg = load_config(args)
+    resume = None
+    if args.resume:
+        cfg, resume = resume_config(args)
+    else:
+        cfg = load_config(args)
     progress = RoundProgress(cfg.rounds, f"{cfg.algorithm} on {cfg.dataset}", disable=cfg.quiet)
     try:
-        folder, summary = run(cfg, on_round=progress.update)
+        folder, summary = run(cfg, on_round=progress.update, resume=resume)
     finally:
         progress.close()
     if not cfg.quiet:
         print(format_summary(summary, folder))
     return 0
+
+
+def resume_config(args: argparse.Namespace):
+    """The configuration saved in an unfinished run folder; only --quiet may be added."""
+    from fedskew.config import build_config, normalise_keys
+    from fedskew.runfolder import RunFolder
+
+    given = {k: v for k, v in cli_values(args).items() if v is not None and k != "quiet"}
+    if given or args.config:
+        names = ", ".join(sorted(given)) or "config"
+        raise UsageError(f"--resume takes its configuration from the run folder; drop: {names}")
+    folder = RunFolder.reopen(Path(args.resume))
+    saved = folder.read_config()
+    saved.pop("resolved", None)
+    cfg = build_config(normalise_keys(saved, str(folder.path / "config.json")), {})
+    if args.quiet:
+        cfg.quiet = True
+    return cfg, folder.path
 
 
 def format_summary(summary: dict[str, Any], folder: Path) -> str:
@@ -201,7 +228,7 @@ def format_summary(summary: dict[str, Any], folder: Path) -> str:
             f"  traffic {summary['total_bytes_down'] / mb:.2f} MiB down, "
             f"{summary['total_bytes_up'] / mb:.2f} MiB up;  training "
             f"{summary['train_seconds']:.1f} s ({summary['train_samples_per_second']} samples/s);"
-            f"  wall {summary['wall_seconds']:.1f} s",
+            f"  evaluation {summary['eval_seconds']:.1f} s",
             f"  run folder: {folder}",
         ]
     )

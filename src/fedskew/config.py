@@ -38,6 +38,7 @@ class ExperimentConfig:
     seed: int = 0
     synthetic_alpha: float = 1.0
     synthetic_beta: float = 1.0
+    checkpoint_every: int = 1  # rounds between checkpoints; 0: none
     out_dir: str = "runs"
     name: str | None = None
     quiet: bool = False
@@ -75,6 +76,8 @@ class ExperimentConfig:
             raise UsageError(f"momentum must be in [0, 1), got {self.momentum}")
         if self.weight_decay < 0:
             raise UsageError(f"weight-decay must be >= 0, got {self.weight_decay}")
+        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise UsageError(f"checkpoint-every must be >= 0, got {self.checkpoint_every!r}")
         if self.seed < 0:
             raise UsageError(f"seed must be >= 0, got {self.seed}")
 

@@ -14,12 +14,13 @@ import torch
 from fedskew import __version__
 from fedskew.algorithms import get_algorithm
 from fedskew.algorithms.local import set_arrays
+from fedskew.checkpoint import load_checkpoint, load_server_state, save_checkpoint
 from fedskew.config import ExperimentConfig
 from fedskew.data.federated import FederatedData, sample_clients
 from fedskew.data.partition import PARTITIONS, make_partition
 from fedskew.data.sources import DATASETS, Dataset, load_dataset
 from fedskew.engine.inprocess import InProcessEngine
-from fedskew.errors import UsageError
+from fedskew.errors import FedskewError, UsageError
 from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
 from fedskew.models import MODELS, build_model
 from fedskew.protocol import LocalTrainConfig, ServerSetup
@@ -132,12 +133,16 @@ def new_model(prep: Prepared) -> torch.nn.Module:
 
 
 def run(
-    cfg: ExperimentConfig, on_round: RoundCallback | None = None
+    cfg: ExperimentConfig,
+    on_round: RoundCallback | None = None,
+    resume: Path | None = None,
 ) -> tuple[Path, dict[str, Any]]:
-    """Run the experiment; return the finished run folder and the summary."""
+    """Run the experiment (or continue the one in ``resume``); return the finished run
+    folder and the summary."""
     cfg.validate()
     check_names(cfg)
-    check_writable(Path(cfg.out_dir))
+    if resume is None:
+        check_writable(Path(cfg.out_dir))
     prep = prepare(cfg)
     per_round = cfg.per_round()
     num_clients = len(prep.partition)
@@ -168,43 +173,39 @@ def run(
     )
     client_counts = prep.fed.class_counts()
 
-    folder = RunFolder.create(Path(cfg.out_dir), default_run_name(cfg))
-    folder.write_config(
-        {
-            **cfg.to_dict(),
-            "resolved": {
-                "model": prep.model_name,
-                "clients_per_round": per_round,
-                "num_clients": num_clients,
-                "algorithm_params": vars(prep.params),
-                "dataset_source": prep.dataset.source,
-                "num_classes": prep.dataset.num_classes,
-                "train_samples": int(len(prep.dataset.y_train)),
-                "test_samples": int(len(prep.dataset.y_test)),
-                "fedskew_version": __version__,
-                "torch_version": torch.__version__,
-                "torch_threads": torch.get_num_threads(),
-            },
-        }
-    )
-    folder.write_partition(prep.partition, {"scheme": cfg.partition, **cfg.partition_params})
+    history: list[dict[str, Any]] = []
+    start_round = 0
+    if resume is None:
+        folder = RunFolder.create(Path(cfg.out_dir), default_run_name(cfg))
+        folder.write_config({**cfg.to_dict(), "resolved": resolved_facts(prep, per_round)})
+        folder.write_partition(prep.partition, {"scheme": cfg.partition, **cfg.partition_params})
+    else:
+        folder = RunFolder.reopen(resume)
+        if not partitions_equal(folder.read_partition(), prep.partition):
+            raise FedskewError(
+                f"{resume}: the saved partition differs from the one rebuilt from its config"
+            )
+        if folder.checkpoint_path.exists():
+            done, server_state, client_states, _ = load_checkpoint(folder.checkpoint_path)
+            load_server_state(server, server_state)
+            engine.client_states = client_states
+            start_round = done
+        history = folder.read_metrics(up_to_round=start_round)
 
     started = time.perf_counter()
-    train_seconds = 0.0
-    samples_trained = 0
-    history: list[dict[str, Any]] = []
-    last_eval: dict[str, Any] = {}
-    for rnd in range(cfg.rounds):
+    last_eval: dict[str, Any] = next(
+        ({k: r[k] for k in EVAL_KEYS} for r in reversed(history) if "accuracy" in r), {}
+    )
+    for rnd in range(start_round, cfg.rounds):
         clients = sample_clients(cfg.seed, rnd, num_clients, per_round)
         engine.begin_round(rnd)
         t0 = time.perf_counter()
         round_metrics = server.round(rnd, clients, engine)
         round_seconds = time.perf_counter() - t0
-        train_seconds += round_seconds
-        samples_trained += cfg.local_epochs * sum(len(prep.partition[c]) for c in clients)
         record: dict[str, Any] = {
             "round": rnd + 1,
             "clients": clients,
+            "samples": cfg.local_epochs * sum(len(prep.partition[c]) for c in clients),
             "bytes_down": engine.traffic.bytes_down,
             "bytes_up": engine.traffic.bytes_up,
             "exchanges": engine.traffic.exchanges,
@@ -229,13 +230,58 @@ def run(
             }
             record.update(last_eval)
             record["eval_seconds"] = round(time.perf_counter() - t1, 4)
+        # The checkpoint goes first: metrics of a round are only kept once its state is safe.
+        if cfg.checkpoint_every and (
+            (rnd + 1) % cfg.checkpoint_every == 0 or rnd + 1 == cfg.rounds
+        ):
+            save_checkpoint(folder.checkpoint_path, rnd + 1, server, engine.client_states)
         folder.append_metrics(record)
         history.append(record)
         if on_round is not None:
             on_round(record)
 
+    summary = make_summary(cfg, prep, per_round, num_clients, history, last_eval)
+    summary["wall_seconds_this_process"] = round(time.perf_counter() - started, 3)
+    final = folder.finish(summary)
+    return final, summary
+
+
+EVAL_KEYS = ("accuracy", "loss", "client_dist_accuracy", "per_class_accuracy")
+
+
+def resolved_facts(prep: Prepared, per_round: int) -> dict[str, Any]:
+    return {
+        "model": prep.model_name,
+        "clients_per_round": per_round,
+        "num_clients": len(prep.partition),
+        "algorithm": prep.algorithm.name,
+        "algorithm_params": vars(prep.params),
+        "dataset_source": prep.dataset.source,
+        "num_classes": prep.dataset.num_classes,
+        "train_samples": int(len(prep.dataset.y_train)),
+        "test_samples": int(len(prep.dataset.y_test)),
+        "fedskew_version": __version__,
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def partitions_equal(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def make_summary(
+    cfg: ExperimentConfig,
+    prep: Prepared,
+    per_round: int,
+    num_clients: int,
+    history: list[dict[str, Any]],
+    last_eval: dict[str, Any],
+) -> dict[str, Any]:
     accuracies = [r["accuracy"] for r in history if "accuracy" in r]
-    summary = {
+    train_seconds = sum(r["seconds"] for r in history)
+    samples = sum(r.get("samples", 0) for r in history)
+    return {
         "algorithm": prep.algorithm.name,
         "dataset": cfg.dataset,
         "model": prep.model_name,
@@ -251,13 +297,9 @@ def run(
         "total_bytes_down": sum(r["bytes_down"] for r in history),
         "total_bytes_up": sum(r["bytes_up"] for r in history),
         "train_seconds": round(train_seconds, 3),
-        "train_samples_per_second": round(samples_trained / train_seconds, 1)
-        if train_seconds > 0
-        else None,
-        "wall_seconds": round(time.perf_counter() - started, 3),
+        "eval_seconds": round(sum(r.get("eval_seconds", 0.0) for r in history), 3),
+        "train_samples_per_second": round(samples / train_seconds, 1) if train_seconds else None,
     }
-    final = folder.finish(summary)
-    return final, summary
 
 
 def default_run_name(cfg: ExperimentConfig) -> str:

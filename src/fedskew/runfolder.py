@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from fedskew.data.partition import save_partition
+from fedskew.data.partition import load_partition, save_partition
 from fedskew.errors import FedskewError
 
 INCOMPLETE = ".incomplete"
@@ -48,6 +48,47 @@ class RunFolder:
         except OSError as exc:
             raise FedskewError(f"cannot create run folder {folder.path}: {exc.strerror}") from None
         return folder
+
+    @classmethod
+    def reopen(cls, path: Path) -> RunFolder:
+        """An unfinished run folder (``<name>.incomplete``), to continue it."""
+        path = Path(path)
+        if not path.name.endswith(INCOMPLETE):
+            if (path / "summary.json").exists():
+                raise FedskewError(f"{path} is a finished run; nothing to resume")
+            raise FedskewError(f"{path} is not an unfinished run folder (*{INCOMPLETE})")
+        if not (path / "config.json").is_file():
+            raise FedskewError(f"{path} has no config.json; cannot resume it")
+        folder = cls(path.parent, path.name[: -len(INCOMPLETE)])
+        return folder
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.path / "checkpoint.npz"
+
+    def read_config(self) -> dict[str, Any]:
+        return json.loads((self.path / "config.json").read_text(encoding="utf-8"))
+
+    def read_partition(self) -> list[np.ndarray]:
+        return load_partition(self.path / "partition.npz")[0]
+
+    def read_metrics(self, up_to_round: int) -> list[dict[str, Any]]:
+        """Metrics of rounds 1..up_to_round; later lines (from after the last checkpoint)
+        are dropped from the file, since those rounds will be run again."""
+        path = self.path / "metrics.jsonl"
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break  # a line cut by a kill mid-write
+            if row.get("round", 0) > up_to_round:
+                break
+            rows.append(row)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        return rows
 
     def write_config(self, config: dict[str, Any]) -> None:
         _write_json(self.path / "config.json", config)

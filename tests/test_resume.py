@@ -1,0 +1,104 @@
+"""Checkpoints and resume: a killed run loses no finished round and continues exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedskew.checkpoint import load_checkpoint, save_checkpoint
+from fedskew.cli import main
+from fedskew.config import ExperimentConfig
+from fedskew.experiment import run
+from fedskew.protocol import ClientState
+
+KEYS = ("round", "clients", "accuracy", "loss", "bytes_down", "bytes_up")
+
+
+class Killed(Exception):
+    pass
+
+
+def metrics(folder: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [{k: r.get(k) for k in KEYS} for r in rows]
+
+
+def kill_after(n: int):
+    def hook(record):
+        if record["round"] == n:
+            raise Killed
+
+    return hook
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg"])
+def test_resume_continues_exactly_where_it_stopped(tmp_path, algorithm):
+    common = dict(algorithm=algorithm, rounds=6, local_epochs=1, quiet=True, seed=3)
+    full, _ = run(ExperimentConfig(out_dir=str(tmp_path / "a"), name="r", **common))
+    cfg = ExperimentConfig(out_dir=str(tmp_path / "b"), name="r", **common)
+    with pytest.raises(Killed):
+        run(cfg, on_round=kill_after(3))
+    unfinished = tmp_path / "b" / "r.incomplete"
+    assert unfinished.is_dir() and not (tmp_path / "b" / "r").exists()
+    assert [r["round"] for r in metrics(unfinished)] == [1, 2, 3]
+    assert main(["run", "--resume", str(unfinished), "-q"]) == 0
+    resumed = tmp_path / "b" / "r"
+    assert metrics(resumed) == metrics(full)
+    assert (
+        json.loads((resumed / "summary.json").read_text())["final_accuracy"]
+        == json.loads((full / "summary.json").read_text())["final_accuracy"]
+    )
+
+
+def test_metrics_after_the_last_checkpoint_are_rerun(tmp_path):
+    common = dict(rounds=5, local_epochs=1, quiet=True, seed=1, checkpoint_every=2)
+    full, _ = run(ExperimentConfig(out_dir=str(tmp_path / "a"), name="r", **common))
+    with pytest.raises(Killed):
+        run(
+            ExperimentConfig(out_dir=str(tmp_path / "b"), name="r", **common),
+            on_round=kill_after(3),
+        )
+    unfinished = tmp_path / "b" / "r.incomplete"
+    done, *_ = load_checkpoint(unfinished / "checkpoint.npz")
+    assert done == 2  # round 3 finished but was not checkpointed: it will run again
+    assert main(["run", "--resume", str(unfinished), "-q"]) == 0
+    assert metrics(tmp_path / "b" / "r") == metrics(full)
+
+
+def test_resume_refuses_finished_runs_and_extra_options(tmp_path, capsys):
+    folder, _ = run(ExperimentConfig(rounds=1, local_epochs=1, quiet=True, out_dir=str(tmp_path)))
+    assert main(["run", "--resume", str(folder)]) == 1
+    assert "finished run" in capsys.readouterr().err
+    assert main(["run", "--resume", str(folder), "--rounds", "3"]) == 2
+    assert "drop: rounds" in capsys.readouterr().err
+
+
+def test_checkpoint_round_trip_without_pickle(tmp_path):
+    class Server:
+        checkpoint_fields = ("c", "store", "count")
+
+    server = Server()
+    server.global_arrays = {"w": torch.arange(6.0).reshape(2, 3), "n": torch.tensor(4)}
+    server.c = torch.ones(3, dtype=torch.bfloat16)
+    server.store = {7: torch.tensor([0.5, 0.25]), 9: None}
+    server.count = 5
+    clients = {2: ClientState(arrays={"prev": torch.zeros(2)}, scalars={"steps": 4.0})}
+    path = tmp_path / "ck.npz"
+    save_checkpoint(path, 3, server, clients)
+    with np.load(path, allow_pickle=False) as data:  # loads with pickle disabled
+        assert "__index__" in data.files
+    rnd, state, states, _ = load_checkpoint(path)
+    assert rnd == 3
+    assert torch.equal(state["global_arrays"]["w"], server.global_arrays["w"])
+    assert state["c"].dtype == torch.bfloat16 and torch.equal(state["c"], server.c)
+    assert torch.equal(state["store"][7], server.store[7]) and state["store"][9] is None
+    assert state["count"] == 5
+    assert torch.equal(states[2].arrays["prev"], torch.zeros(2))
+    assert states[2].scalars == {"steps": 4.0}
+    with pytest.raises(TypeError):
+        server.count = object()
+        save_checkpoint(path, 4, server, clients)

@@ -109,6 +109,11 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--eval-every", type=int, help="evaluate every N rounds (default 1)")
     p.add_argument(
+        "--memory-format",
+        choices=["auto", "channels_last", "contiguous"],
+        help="tensor layout (default auto: channels_last for convolutional models)",
+    )
+    p.add_argument(
         "--checkpoint-every", type=int, help="rounds between checkpoints (default 1; 0: none)"
     )
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an unfinished run folder")
@@ -146,6 +151,7 @@ def cli_values(args: argparse.Namespace) -> dict[str, Any]:
         "feature_matching",
         "eval_every",
         "checkpoint_every",
+        "memory_format",
         "out_dir",
         "name",
         "quiet",

@@ -32,6 +32,7 @@ class ExperimentConfig:
     momentum: float = 0.9
     weight_decay: float = 1e-5
     augment: bool = False
+    memory_format: str = "auto"  # auto: channels_last for convolutional models
     params: dict[str, Any] = field(default_factory=dict)  # algorithm hyper-parameters
     feature_matching: bool = False  # FedFM's anchor feature matching as a plug-in
     eval_every: int = 1
@@ -78,6 +79,11 @@ class ExperimentConfig:
             raise UsageError(f"weight-decay must be >= 0, got {self.weight_decay}")
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
             raise UsageError(f"checkpoint-every must be >= 0, got {self.checkpoint_every!r}")
+        if self.memory_format not in MEMORY_FORMATS:
+            raise UsageError(
+                f"memory-format must be one of {', '.join(MEMORY_FORMATS)}, "
+                f"got {self.memory_format!r}"
+            )
         if self.seed < 0:
             raise UsageError(f"seed must be >= 0, got {self.seed}")
 
@@ -85,6 +91,7 @@ class ExperimentConfig:
         return dataclasses.asdict(self)
 
 
+MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
 FIELDS = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
 TABLES = ("model_options", "partition_params", "params")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ class Prepared:
     algorithm: Any
     params: Any
     train: LocalTrainConfig
-    extra: dict[str, Any] = field(default_factory=dict)
+    channels_last: bool = False
 
 
 def resolve_model_name(cfg: ExperimentConfig) -> str:
@@ -107,7 +107,6 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
             f"partition '{cfg.partition}' left {len(empty)} client(s) without data "
             f"(first: client {empty[0]}); use fewer clients or another partition"
         )
-    fed = FederatedData(dataset.x_train, dataset.y_train, partition, dataset.num_classes)
     train = LocalTrainConfig(
         epochs=cfg.local_epochs,
         batch_size=cfg.batch_size,
@@ -116,7 +115,15 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         weight_decay=cfg.weight_decay,
         augment=cfg.augment,
     )
-    return Prepared(cfg, dataset, resolve_model_name(cfg), partition, fed, algorithm, params, train)
+    model_name = resolve_model_name(cfg)
+    channels_last = use_channels_last(cfg, dataset, model_name)
+    if channels_last:
+        dataset.x_train = dataset.x_train.contiguous(memory_format=torch.channels_last)
+        dataset.x_test = dataset.x_test.contiguous(memory_format=torch.channels_last)
+    fed = FederatedData(dataset.x_train, dataset.y_train, partition, dataset.num_classes)
+    return Prepared(
+        cfg, dataset, model_name, partition, fed, algorithm, params, train, channels_last
+    )
 
 
 def new_model(prep: Prepared) -> torch.nn.Module:
@@ -129,7 +136,21 @@ def new_model(prep: Prepared) -> torch.nn.Module:
             prep.dataset.num_classes,
             **prep.cfg.model_options,
         )
-        return prep.algorithm.adapt_model(prep.params, model)
+        model = prep.algorithm.adapt_model(prep.params, model)
+    if prep.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def use_channels_last(cfg: ExperimentConfig, dataset: Dataset, model_name: str) -> bool:
+    """channels_last is faster for convolutions on CPU (measured in benchmarks/), and the
+    same for everything else, so 'auto' turns it on for models with convolutions."""
+    if cfg.memory_format != "auto":
+        return cfg.memory_format == "channels_last" and len(dataset.input_shape) == 3
+    if len(dataset.input_shape) != 3:
+        return False
+    probe = build_model(model_name, dataset.input_shape, dataset.num_classes, **cfg.model_options)
+    return any(isinstance(m, torch.nn.Conv2d) for m in probe.modules())
 
 
 def run(
@@ -263,6 +284,7 @@ def resolved_facts(prep: Prepared, per_round: int) -> dict[str, Any]:
         "fedskew_version": __version__,
         "torch_version": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "channels_last": prep.channels_last,
     }
 
 

@@ -88,7 +88,9 @@ class ClientData:
     def batch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and labels of the given positions (0..len-1) of this client's data."""
         idx = self.indices.index_select(0, rows)
-        return self.x.index_select(0, idx), self.y.index_select(0, idx)
+        # Advanced indexing keeps the inputs' memory format (channels_last); index_select
+        # would silently return the default layout.
+        return self.x[idx], self.y.index_select(0, idx)
 
 
 @dataclass

@@ -1,0 +1,172 @@
+"""Generalised FedProto (after Tan et al., AAAI 2022), as FedFM compares against it.
+
+FedProto is a personalisation method; FedFM's "generalised" version keeps its prototype
+regulariser but trains and evaluates ONE global model with FedAvg. Local loss:
+    CE(f(x), y) + ld * R(h(x), P_y),
+where P_y is the global prototype (class mean of body features) of the label y, broadcast
+by the server. A sample whose class has no global prototype yet adds nothing (round 0 is
+plain FedAvg).
+
+After training, each client computes the class means of its features with its trained
+model (eval mode, every sample once) and uploads them with the class counts, only for the
+classes it holds. The server averages them weighted by the counts,
+P_c = sum_k n_kc a_kc / sum_k n_kc, and broadcasts the prototypes that exist (with their
+class indices) in the next round's training message.
+
+Choices FedFM leaves open:
+- R is FedProto's reference regulariser, the mean squared error over batch AND feature
+  dimension ((1 / (N d)) sum_i ||h_i - P_{y_i}||^2, samples without a prototype counted
+  as zero); ``distance=sq`` uses the squared L2 distance averaged over the batch
+  ((1 / N) sum_i ||h_i - P_{y_i}||^2), d times stronger for the same ``ld``.
+- A class no client of the round holds keeps its previous prototype (``keep_stale=true``);
+  ``keep_stale=false`` forgets it, as FedProto's server builds prototypes from the round's
+  uploads only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fedskew.algorithms.local import (
+    Forward,
+    class_feature_means,
+    get_arrays,
+    set_arrays,
+    train_client,
+    weighted_average,
+)
+from fedskew.errors import UsageError
+from fedskew.protocol import (
+    Algorithm,
+    Channel,
+    ClientContext,
+    ClientLogic,
+    Message,
+    ServerLogic,
+    ServerSetup,
+)
+
+DISTANCES = ("mse", "sq")
+PROTOS, PROTO_CLASSES, PROTO_COUNTS = "proto.values", "proto.classes", "proto.counts"
+
+
+@dataclass
+class FedProtoParams:
+    ld: float = 1.0  # weight of the prototype regulariser (FedProto's lambda)
+    distance: str = "mse"
+    keep_stale: bool = True
+
+    def validate(self) -> None:
+        if self.ld < 0:
+            raise UsageError(f"fedproto: ld must be >= 0, got {self.ld}")
+        if self.distance not in DISTANCES:
+            raise UsageError(
+                f"fedproto: distance must be one of {', '.join(DISTANCES)}, got '{self.distance}'"
+            )
+
+
+def prototype_regulariser(
+    features: torch.Tensor,
+    y: torch.Tensor,
+    prototypes: torch.Tensor,
+    known: torch.Tensor,
+    distance: str,
+) -> torch.Tensor:
+    """Mean over the batch of the distance of each feature to its class prototype;
+    samples of classes without a prototype (``known`` False) contribute zero."""
+    mask = known[y].to(features.dtype).unsqueeze(1)
+    sq = ((features - prototypes[y]) * mask) ** 2
+    return sq.mean() if distance == "mse" else sq.sum(dim=1).mean()
+
+
+class FedProtoServer(ServerLogic):
+    params: FedProtoParams
+    checkpoint_fields = ("prototypes", "known")  # server state a resumed run needs
+
+    def __init__(self, params: FedProtoParams, setup: ServerSetup) -> None:
+        super().__init__(params, setup)
+        self.prototypes: torch.Tensor | None = None  # (C, d), valid where self.known
+        self.known = torch.zeros(setup.num_classes, dtype=torch.bool)
+
+    def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
+        arrays = dict(self.global_arrays)
+        if self.prototypes is not None and bool(self.known.any()):
+            classes = torch.nonzero(self.known).flatten()
+            arrays[PROTOS] = self.prototypes[classes]
+            arrays[PROTO_CLASSES] = classes
+        replies = channel.exchange({c: Message("train", arrays=arrays) for c in clients})
+        model_keys = list(self.global_arrays)
+        self.global_arrays = weighted_average(
+            [{k: replies[c].arrays[k] for k in model_keys} for c in clients],
+            [replies[c].scalars["num_samples"] for c in clients],
+        )
+        self.aggregate_prototypes([replies[c] for c in clients])
+        return {"train_loss": sum(replies[c].scalars["loss"] for c in clients) / len(clients)}
+
+    def aggregate_prototypes(self, replies: list[Message]) -> None:
+        """P_c = sum_k n_kc a_kc / sum_k n_kc over the replies holding class c."""
+        dim = replies[0].arrays[PROTOS].shape[1]
+        sums = torch.zeros(self.setup.num_classes, dim, dtype=torch.float64)
+        counts = torch.zeros(self.setup.num_classes, dtype=torch.float64)
+        for reply in replies:
+            cls, n = reply.arrays[PROTO_CLASSES], reply.arrays[PROTO_COUNTS].to(torch.float64)
+            sums.index_add_(0, cls, reply.arrays[PROTOS].to(torch.float64) * n[:, None])
+            counts.index_add_(0, cls, n)
+        held = counts > 0
+        fresh = (sums / counts.clamp(min=1)[:, None]).to(torch.float32)
+        if self.prototypes is None or not self.params.keep_stale:
+            self.prototypes = torch.where(held[:, None], fresh, torch.zeros_like(fresh))
+            self.known = held
+        else:
+            self.prototypes = torch.where(held[:, None], fresh, self.prototypes)
+            self.known = self.known | held
+
+
+class FedProtoClient(ClientLogic):
+    params: FedProtoParams
+
+    def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        set_arrays(ctx.model, {k: v for k, v in msg.arrays.items() if not k.startswith("proto.")})
+        num_classes = ctx.data.num_classes
+        prototypes = torch.zeros(num_classes, ctx.model.feature_dim)
+        known = torch.zeros(num_classes, dtype=torch.bool)
+        if PROTO_CLASSES in msg.arrays:
+            prototypes[msg.arrays[PROTO_CLASSES]] = msg.arrays[PROTOS]
+            known[msg.arrays[PROTO_CLASSES]] = True
+        ld, distance = self.params.ld, self.params.distance
+        regularise = ld > 0 and bool(known.any())
+
+        def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Forward:
+            features = model.body(x)
+            logits = model.head(features)
+            loss = F.cross_entropy(logits, y)
+            if regularise:
+                loss = loss + ld * prototype_regulariser(features, y, prototypes, known, distance)
+            return Forward(loss, features, logits)
+
+        result = train_client(ctx, loss_fn=loss_fn)
+        means, counts = class_feature_means(ctx.model, ctx.data, num_classes)
+        held = torch.nonzero(counts > 0).flatten()
+        arrays = get_arrays(ctx.model)
+        arrays[PROTOS] = means[held]
+        arrays[PROTO_CLASSES] = held
+        arrays[PROTO_COUNTS] = counts[held]
+        return Message(
+            "trained",
+            arrays=arrays,
+            scalars={"num_samples": float(len(ctx.data)), "loss": result.mean_loss},
+        )
+
+
+class FedProto(Algorithm):
+    name = "fedproto"
+    description = (
+        "Generalised FedProto (FedFM's baseline): global model with CE + ld * distance of "
+        "features to count-weighted global class prototypes"
+    )
+    Params = FedProtoParams
+    Server = FedProtoServer
+    Client = FedProtoClient

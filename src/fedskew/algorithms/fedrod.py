@@ -1,0 +1,201 @@
+"""FedROD (Chen & Chao, ICLR 2022): a shared body with a generic and a personal head.
+
+The shared model (body + generic head g) is trained with the balanced-softmax loss
+CE(g(h) + gamma * log n_c, y), n_c being the client's class counts: the shift undoes the
+client's label prior, so g learns the class-balanced classifier. A class the client lacks
+has log 0 = -inf and drops out of the softmax (exactly, not via a tiny count).
+
+A personal linear head p lives ONLY on the client (``ctx.state``): it is trained with
+CE(g(h).detach() + p(h.detach()), y), so it learns the client's correction of the generic
+logits and sends no gradient into the shared part. It never appears in a message. The
+server averages body and generic head as FedAvg does; the engine's evaluation of that model
+is the generic accuracy.
+
+Personalised accuracy is measured where p lives: on evaluation rounds the server sets
+``evaluate`` in the training message; each client, after training, scores body + g + p on
+the uniform test set, weights the per-class accuracies by its own label proportions (a test
+set shaped like its data) and returns that one number with its update (8 bytes). The round
+metric ``personal_accuracy`` is their plain mean over the round's clients.
+
+Choices the paper leaves open: p starts at zero, so the personalised logits start equal to
+the generic ones (``phead_init=generic`` starts p as a copy of the generic head the client
+first receives, as FedNH's code base does); p shares the client's optimiser settings (lr,
+momentum, weight decay); the hypernetwork variant of p is not implemented.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fedskew.algorithms.local import (
+    Forward,
+    get_arrays,
+    set_arrays,
+    train_client,
+    weighted_average,
+)
+from fedskew.errors import UsageError
+from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
+from fedskew.protocol import (
+    Algorithm,
+    Channel,
+    ClientContext,
+    ClientLogic,
+    Message,
+    ServerLogic,
+)
+
+PHEAD_INITS = ("zeros", "generic")
+PHEAD_WEIGHT = "personal_head.weight"
+PHEAD_BIAS = "personal_head.bias"
+
+
+@dataclass
+class FedRODParams:
+    gamma: float = 1.0  # balanced-softmax exponent on the class counts; 0 gives plain CE
+    phead_init: str = "zeros"
+
+    def validate(self) -> None:
+        if self.gamma < 0:
+            raise UsageError(f"fedrod: gamma must be >= 0, got {self.gamma}")
+        if self.phead_init not in PHEAD_INITS:
+            raise UsageError(
+                f"fedrod: phead_init must be one of {', '.join(PHEAD_INITS)}, "
+                f"got '{self.phead_init}'"
+            )
+
+
+def balanced_shift(counts: torch.Tensor, gamma: float) -> torch.Tensor:
+    """gamma * log n_c, with -inf for absent classes (they leave the softmax).
+
+    With gamma = 0 nothing is shifted and nothing removed: 0 * log 0 would be nan.
+    """
+    counts = counts.to(torch.float32)
+    if gamma == 0:
+        return torch.zeros_like(counts)
+    return torch.where(counts > 0, gamma * counts.clamp(min=1).log(), float("-inf"))
+
+
+def balanced_softmax_loss(
+    logits: torch.Tensor, y: torch.Tensor, shift: torch.Tensor
+) -> torch.Tensor:
+    # Labels come from the client's own data, so the target logit is never -inf and both
+    # the loss and its gradient stay finite (the -inf entries get softmax weight 0).
+    return F.cross_entropy(logits + shift, y)
+
+
+class _Personalised(torch.nn.Module):
+    """body + generic head + personal head, for scoring on the client only."""
+
+    def __init__(self, model: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.model = model
+        self.weight = weight
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.model.body(x)
+        return self.model.head(h) + F.linear(h, self.weight, self.bias)
+
+
+def personal_accuracy(
+    model: torch.nn.Module,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    test_x: torch.Tensor,
+    test_y: torch.Tensor,
+    counts: torch.Tensor,
+) -> float:
+    """Accuracy of body + g + p on a test set shaped like the client's labels."""
+    result = evaluate(_Personalised(model, weight, bias), test_x, test_y, len(counts))
+    return client_distribution_accuracy(result.per_class_accuracy, counts.numpy()[None, :])
+
+
+class FedRODServer(ServerLogic):
+    def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
+        scalars = {"evaluate": 1.0} if self.setup.is_eval_round(rnd) else {}
+        msg = Message("train", arrays=self.global_arrays, scalars=scalars)
+        replies = channel.exchange({c: msg for c in clients})
+        self.global_arrays = weighted_average(
+            [replies[c].arrays for c in clients],
+            [replies[c].scalars["num_samples"] for c in clients],
+        )
+        metrics = {"train_loss": sum(replies[c].scalars["loss"] for c in clients) / len(clients)}
+        scores = [
+            replies[c].scalars["personal_accuracy"]
+            for c in clients
+            if "personal_accuracy" in replies[c].scalars
+        ]
+        if scores:
+            metrics["personal_accuracy"] = sum(scores) / len(scores)
+        return metrics
+
+
+class FedRODClient(ClientLogic):
+    params: FedRODParams
+
+    def _personal_head(self, ctx: ClientContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The client's personal head from its state (made on first participation),
+        as fresh leaf tensors: the state keeps clones, never the tensors being trained."""
+        state = ctx.state.arrays
+        if PHEAD_WEIGHT not in state:
+            num_classes, dim = ctx.data.num_classes, ctx.model.feature_dim
+            weight = torch.zeros(num_classes, dim)
+            bias = torch.zeros(num_classes)
+            if self.params.phead_init == "generic":
+                head = dict(ctx.model.head.state_dict())
+                weight = head["weight"].detach().clone()
+                if "bias" in head:
+                    bias = head["bias"].detach().clone()
+            state[PHEAD_WEIGHT], state[PHEAD_BIAS] = weight, bias
+        weight = state[PHEAD_WEIGHT].clone().requires_grad_(True)
+        bias = state[PHEAD_BIAS].clone().requires_grad_(True)
+        return weight, bias
+
+    def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        set_arrays(ctx.model, msg.arrays)
+        counts = ctx.data.class_counts()
+        shift = balanced_shift(counts, self.params.gamma)
+        p_weight, p_bias = self._personal_head(ctx)
+
+        def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Forward:
+            features = model.body(x)
+            logits = model.head(features)
+            generic = balanced_softmax_loss(logits, y, shift)
+            personal_logits = logits.detach() + F.linear(features.detach(), p_weight, p_bias)
+            personal = F.cross_entropy(personal_logits, y)
+            # The two terms touch disjoint parameters, so one backward of their sum trains
+            # the shared model on BSM alone and p on the personal CE alone.
+            return Forward(generic + personal, features, logits)
+
+        cfg = ctx.train
+        optimizer = torch.optim.SGD(
+            [*ctx.model.parameters(), p_weight, p_bias],
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+        )
+        result = train_client(ctx, loss_fn=loss_fn, optimizer=optimizer)
+        ctx.state.arrays[PHEAD_WEIGHT] = p_weight.detach().clone()
+        ctx.state.arrays[PHEAD_BIAS] = p_bias.detach().clone()
+
+        scalars = {"num_samples": float(len(ctx.data)), "loss": result.mean_loss}
+        if msg.scalars.get("evaluate") and ctx.test_x is not None and ctx.test_y is not None:
+            scalars["personal_accuracy"] = personal_accuracy(
+                ctx.model, p_weight.detach(), p_bias.detach(), ctx.test_x, ctx.test_y, counts
+            )
+        return Message("trained", arrays=get_arrays(ctx.model), scalars=scalars)
+
+
+class FedROD(Algorithm):
+    name = "fedrod"
+    description = (
+        "FedROD: balanced-softmax generic head (shared) + personal head kept on the client; "
+        "reports personal_accuracy"
+    )
+    Params = FedRODParams
+    Server = FedRODServer
+    Client = FedRODClient

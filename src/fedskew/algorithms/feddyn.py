@@ -1,0 +1,124 @@
+"""FedDyn (Acar et al., ICLR 2021): dynamic regularisation of the local objectives.
+
+Client ``k`` keeps ``g_k``, its last ``grad L_k(theta_k)`` (zeros before it first trains), in
+its state. From the server model ``theta`` it minimises::
+
+    L_k(theta') - <g_k, theta'> + alpha/2 ||theta' - theta||^2
+
+reaching ``theta_k``, then sets ``g_k <- g_k - alpha (theta_k - theta)`` (the first-order
+optimality condition of that objective) and replies ``theta_k``. The server keeps ``h``
+(zeros at first) and, with ``m`` the total number of clients and ``P`` the sampled ones::
+
+    h     <- h - alpha/m * sum_{k in P} (theta_k - theta)
+    theta <- mean_{k in P} theta_k - h / alpha
+
+The new ``theta`` is both what clients receive next and what is evaluated, as in the paper's
+algorithm. The mean is unweighted (``1/|P|``), as the paper writes.
+
+Weight decay and momentum come from the local training settings. The state update is the
+optimality condition of the local objective, so it does not depend on the optimiser; with
+weight decay the objective the optimiser sees also holds ``wd/2 ||theta'||^2``, whose gradient
+the update then attributes to ``g_k`` (the paper's own code trains with weight decay too).
+``g_k`` and ``h`` cover trainable variables only; buffers (BatchNorm statistics) are averaged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fedskew.algorithms.fednova import trained_keys
+from fedskew.algorithms.local import Forward, get_arrays, set_arrays, train_client, weighted_average
+from fedskew.errors import UsageError
+from fedskew.protocol import (
+    Algorithm,
+    Channel,
+    ClientContext,
+    ClientLogic,
+    Message,
+    ServerLogic,
+    ServerSetup,
+)
+
+STATE_PREFIX = "feddyn.grad/"  # the client's g_k in its state
+
+
+@dataclass
+class FedDynParams:
+    alpha: float = 0.01
+
+    def validate(self) -> None:
+        if self.alpha <= 0:
+            raise UsageError(f"feddyn: alpha must be > 0, got {self.alpha}")
+
+
+def dynamic_loss(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    variables: Sequence[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]],
+    alpha: float,
+) -> Forward:
+    """Cross-entropy minus ``<g_k, theta'>`` plus ``alpha/2 ||theta' - theta||^2``, with
+    ``variables`` the triples (parameter theta', its g_k, its server value theta)."""
+    features = model.body(x)
+    logits = model.head(features)
+    # one or two fused kernels per tensor: this runs at every local step
+    linear = [p.reshape(-1) @ grad.reshape(-1) for p, grad, _ in variables]
+    quad = [F.mse_loss(p, server, reduction="sum") for p, _, server in variables]
+    loss = F.cross_entropy(logits, y)
+    if variables:
+        loss = loss - torch.stack(linear).sum() + 0.5 * alpha * torch.stack(quad).sum()
+    return Forward(loss, features, logits)
+
+
+class FedDynServer(ServerLogic):
+    def __init__(self, params: FedDynParams, setup: ServerSetup) -> None:
+        super().__init__(params, setup)
+        self.h = {
+            k: torch.zeros_like(self.global_arrays[k]) for k in trained_keys(self.global_arrays)
+        }
+
+    def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
+        replies = channel.exchange(
+            {c: Message("train", arrays=self.global_arrays) for c in clients}
+        )
+        models = [replies[c].arrays for c in clients]
+        mean = weighted_average(models, [1.0] * len(clients))
+        alpha, m = self.params.alpha, self.setup.num_clients
+        for k, h in self.h.items():
+            drift = torch.stack([s[k] for s in models]).sum(0) - len(models) * self.global_arrays[k]
+            self.h[k] = h - (alpha / m) * drift
+            mean[k] = mean[k] - self.h[k] / alpha
+        self.global_arrays = mean
+        return {"train_loss": sum(replies[c].scalars["loss"] for c in clients) / len(clients)}
+
+
+class FedDynClient(ClientLogic):
+    def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        set_arrays(ctx.model, msg.arrays)
+        params = dict(ctx.model.named_parameters())
+        keys = [k for k in trained_keys(msg.arrays) if k in params]
+        grads = {
+            k: ctx.state.arrays.get(STATE_PREFIX + k, torch.zeros_like(msg.arrays[k])) for k in keys
+        }
+        variables = [(params[k], grads[k], msg.arrays[k]) for k in keys]
+        alpha = self.params.alpha
+        result = train_client(
+            ctx, loss_fn=lambda mdl, x, y: dynamic_loss(mdl, x, y, variables, alpha)
+        )
+        theta_k = get_arrays(ctx.model)
+        for k in keys:
+            ctx.state.arrays[STATE_PREFIX + k] = grads[k] - alpha * (theta_k[k] - msg.arrays[k])
+        return Message("trained", arrays=theta_k, scalars={"loss": result.mean_loss})
+
+
+class FedDyn(Algorithm):
+    name = "feddyn"
+    description = "FedDyn: dynamic regularisation (linear + proximal terms, server correction h)"
+    Params = FedDynParams
+    Server = FedDynServer
+    Client = FedDynClient

@@ -1,0 +1,345 @@
+"""FedACD (Zhou et al., IJCAI 2025): federated learning with adaptability over client distributions.
+
+A local model adapts well to every client's label distribution when its per-class error rates
+are equal. The client tracks a soft confusion matrix P (row i: the mean softmax output over its
+samples of class i) and trains with
+
+    L = L_LA + lam * L_flat
+
+- ``L_flat`` (Eq. 7) pulls each sample's non-true probabilities towards a flat spread:
+  KL(sg[q] || p) with q_y = p_y and q_k = (1 - p_y) / (C - 1) for k != y.
+- ``L_LA`` (Eq. 8) is cross-entropy on logits shifted by log Delta_{y,i}, Delta_yi = P_yi / P_iy,
+  which pushes P towards symmetry (and so, with flat rows, towards equal diagonals).
+- Input mixup in every mini-batch; both terms are mixed: mix * L(x~, y_a) + (1 - mix) * L(x~, y_b).
+
+After training the client scores its final model by D = mean over its classes of KL(P_i || Q_i),
+Q a smoothed identity (Q_ii = tau), and uploads D as one scalar. The server averages the models
+with weights from the scores only (sample counts are not used, and not sent).
+
+Choices the paper leaves open ([PROPOSAL] in docs/ALGORITHMS.md section 3), defaults first:
+
+- KL direction of L_flat: ``flat_kl=qp`` is KL(sg[q] || p); ``flat_kl=pq`` is KL(p || sg[q]).
+  Both sum over all classes: the true-class term is zero in value, and keeping it makes the
+  gradient on the logits p - q, which moves only non-true mass and never the true logit.
+- When P is estimated: at the start of the round with the received model on all local data
+  (eval mode, no grad); during training the detached softmax outputs of one epoch's batches
+  give P for the next epoch (a mixed sample adds to row y_a with weight mix, row y_b with
+  1 - mix). 1e-8 is added to the denominators.
+- Missing classes: Delta_yk = ``delta`` (1e-3) when class k has no local sample; every log Delta
+  is clipped to [log delta, -log delta] because rows of rare classes are noisy.
+- Mixup: one mix ~ Beta(mixup_alpha, mixup_alpha) per batch (``mixup_alpha=1.0``; 0.2 is the
+  usual alternative), partner = a random permutation of the batch. The optional
+  class-balanced partner sampling is not implemented.
+- The score: rows averaged over present classes (``score_rows=mean``; ``sum`` adds them).
+- Score to weight: ``weighting=inverse`` (V = 1/D); ``softmax`` (V = exp(-D)); ``uniform``
+  (1/|S_t|: the paper's FedACD_base ablation; the score is then not computed nor sent).
+- Which loss lam scales: L_flat (lam = 1 in the paper, where the choice does not matter).
+
+Ablation switches: ``lam=0`` drops L_flat, ``margin=false`` turns L_LA into plain CE,
+``mixup=false``, ``weighting=uniform``. The paper's CIFAR model is ``-m cnn-cifar``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedskew.algorithms.local import (
+    Forward,
+    get_arrays,
+    set_arrays,
+    train_client,
+    weighted_average,
+)
+from fedskew.errors import UsageError
+from fedskew.protocol import (
+    Algorithm,
+    Channel,
+    ClientContext,
+    ClientData,
+    ClientLogic,
+    Message,
+    ServerLogic,
+)
+
+EPS = 1e-8  # added to denominators of P and of Delta
+WEIGHTINGS = ("inverse", "softmax", "uniform")
+FLAT_KLS = ("qp", "pq")
+SCORE_ROWS = ("mean", "sum")
+
+
+@dataclass
+class FedACDParams:
+    lam: float = 1.0  # weight of L_flat; 0 switches the flattening term off
+    margin: bool = True  # adaptive logit margins; false gives plain cross-entropy
+    delta: float = 1e-3  # Delta for missing classes, and the clip of log Delta
+    mixup: bool = True
+    mixup_alpha: float = 1.0
+    tau: float = 1 - 1e-5  # diagonal of the template Q
+    weighting: str = "inverse"
+    flat_kl: str = "qp"
+    score_rows: str = "mean"
+
+    def validate(self) -> None:
+        if not (self.lam >= 0 and math.isfinite(self.lam)):
+            raise UsageError(f"fedacd: lam must be a finite number >= 0, got {self.lam}")
+        if not 0 < self.delta < 1:
+            raise UsageError(f"fedacd: delta must be in (0, 1), got {self.delta}")
+        if not (self.mixup_alpha > 0 and math.isfinite(self.mixup_alpha)):
+            raise UsageError(f"fedacd: mixup_alpha must be > 0, got {self.mixup_alpha}")
+        if not 0 < self.tau < 1:
+            raise UsageError(f"fedacd: tau must be in (0, 1), got {self.tau}")
+        for name, value, allowed in (
+            ("weighting", self.weighting, WEIGHTINGS),
+            ("flat_kl", self.flat_kl, FLAT_KLS),
+            ("score_rows", self.score_rows, SCORE_ROWS),
+        ):
+            if value not in allowed:
+                raise UsageError(
+                    f"fedacd: {name} must be one of {'|'.join(allowed)}, got '{value}'"
+                )
+
+
+# --- the soft confusion matrix ------------------------------------------------------------
+
+
+class ConfusionAccumulator:
+    """Weighted per-class sums of softmax outputs; ``result()`` gives P and the row weights."""
+
+    def __init__(self, num_classes: int) -> None:
+        self.sums = torch.zeros(num_classes, num_classes, dtype=torch.float64)
+        self.weights = torch.zeros(num_classes, dtype=torch.float64)
+
+    def add(
+        self, probs: torch.Tensor, y_a: torch.Tensor, y_b: torch.Tensor, mix: float = 1.0
+    ) -> None:
+        """Add a batch: each sample to row y_a with weight ``mix``, to row y_b with 1 - mix."""
+        probs = probs.detach().to(torch.float64)
+        for rows, w in ((y_a, mix), (y_b, 1.0 - mix)):
+            if w == 0.0:
+                continue
+            self.sums.index_add_(0, rows, probs, alpha=w)
+            self.weights.index_add_(0, rows, torch.full(rows.shape, w, dtype=torch.float64))
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.sums / (self.weights.unsqueeze(1) + EPS), self.weights.clone()
+
+
+@torch.no_grad()
+def soft_confusion(
+    model: torch.nn.Module, data: ClientData, num_classes: int, batch_size: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """P over all of the client's data in eval mode, and the per-class sample counts.
+
+    Rows of classes the client lacks are zero; their count (0) marks them as undefined."""
+    was_training = model.training
+    model.eval()
+    acc = ConfusionAccumulator(num_classes)
+    n = len(data)
+    for start in range(0, n, batch_size):
+        xb, yb = data.batch(torch.arange(start, min(start + batch_size, n)))
+        acc.add(F.softmax(model.head(model.body(xb)).float(), dim=1), yb, yb)
+    model.train(was_training)
+    return acc.result()
+
+
+# --- the local losses ---------------------------------------------------------------------
+
+
+def flat_target(probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """q with q_y = p_y and the rest of the mass, 1 - p_y, spread evenly over the others."""
+    num_classes = probs.shape[1]
+    p_y = probs.gather(1, y.unsqueeze(1))
+    q = ((1.0 - p_y) / (num_classes - 1)).expand_as(probs).clone()
+    return q.scatter_(1, y.unsqueeze(1), p_y)
+
+
+def flat_kl(logits: torch.Tensor, y: torch.Tensor, direction: str = "qp") -> torch.Tensor:
+    """Per-sample flattening loss, the target q treated as a constant."""
+    log_p = F.log_softmax(logits, dim=1)
+    q = flat_target(log_p.detach().exp(), y)
+    if direction == "qp":
+        return (torch.special.xlogy(q, q) - q * log_p).sum(dim=1)
+    log_q = torch.log(q.clamp_min(torch.finfo(q.dtype).tiny))
+    return (log_p.exp() * (log_p - log_q)).sum(dim=1)
+
+
+def log_margins(confusion: torch.Tensor, present: torch.Tensor, delta: float) -> torch.Tensor:
+    """(C, C) table of log Delta_yi = log(P_yi / P_iy), clipped to [log delta, -log delta].
+
+    Column k of a missing class gets log delta, which nearly removes k from the local softmax;
+    the diagonal is 0 (Delta_yy = 1); rows of missing classes are never used and are 0."""
+    ratio = confusion / (confusion.t() + EPS)
+    table = torch.log(ratio.clamp(min=delta, max=1.0 / delta))
+    table[:, ~present] = math.log(delta)
+    table[~present, :] = 0.0
+    table.fill_diagonal_(0.0)
+    return table
+
+
+class Mixup:
+    """Input-mixup draws for one client's round: a Beta mixing weight and a partner permutation
+    per batch, both from the client's addressed generator."""
+
+    def __init__(self, alpha: float, gen: torch.Generator) -> None:
+        self.alpha = alpha
+        self.gen = gen
+        # torch's Beta sampler takes no generator: seed a NumPy one from the addressed stream.
+        self._np = np.random.default_rng(int(torch.randint(0, 2**62, (1,), generator=gen)))
+
+    def draw(self, n: int) -> tuple[float, torch.Tensor]:
+        mix = float(self._np.beta(self.alpha, self.alpha))
+        return mix, torch.randperm(n, generator=self.gen)
+
+
+class FedACDLoss:
+    """The local objective as a ``loss_fn(model, x, y) -> Forward`` for ``train_client``.
+
+    It also keeps P up to date: the batches of one epoch build the P whose margins the next
+    epoch uses. An epoch ends after ``epoch_size`` samples, since the shared loop visits every
+    local sample exactly once per epoch (and keeping one ``train_client`` call keeps its
+    batch order the same as FedAvg's)."""
+
+    def __init__(
+        self,
+        params: FedACDParams,
+        num_classes: int,
+        epoch_size: int,
+        start: tuple[torch.Tensor, torch.Tensor] | None = None,
+        mixer: Mixup | None = None,
+    ) -> None:
+        if num_classes < 2:
+            raise UsageError("fedacd needs at least 2 classes")
+        self.params = params
+        self.num_classes = num_classes
+        self.epoch_size = epoch_size
+        self.mixer = mixer
+        self.log_delta: torch.Tensor | None = None
+        self.acc: ConfusionAccumulator | None = None
+        if params.margin:
+            if start is None:
+                raise ValueError("margins need the start-of-round confusion matrix")
+            self.log_delta = log_margins(start[0], start[1] > 0, params.delta)
+            self.acc = ConfusionAccumulator(num_classes)
+        self.seen = 0
+
+    def single(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of the (possibly mixed) inputs against one label vector, batch-averaged."""
+        shifted = logits
+        if self.log_delta is not None:
+            shifted = logits + self.log_delta.to(logits.dtype)[y]
+        loss = F.cross_entropy(shifted, y)
+        if self.params.lam > 0:
+            loss = loss + self.params.lam * flat_kl(logits, y, self.params.flat_kl).mean()
+        return loss
+
+    def __call__(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Forward:
+        mix, y_b = 1.0, y
+        if self.mixer is not None:
+            mix, perm = self.mixer.draw(x.shape[0])
+            x = mix * x + (1.0 - mix) * x[perm]
+            y_b = y[perm]
+        features = model.body(x)
+        logits = model.head(features)
+        loss = self.single(logits, y)
+        if mix < 1.0:
+            loss = mix * loss + (1.0 - mix) * self.single(logits, y_b)
+        if self.acc is not None:
+            self.acc.add(F.softmax(logits.detach().float(), dim=1), y, y_b, mix)
+            self.seen += int(y.shape[0])
+            if self.seen >= self.epoch_size:
+                confusion, weights = self.acc.result()
+                self.log_delta = log_margins(confusion, weights > 0, self.params.delta)
+                self.acc = ConfusionAccumulator(self.num_classes)
+                self.seen = 0
+        return Forward(loss, features, logits)
+
+
+# --- the score and the aggregation weights ------------------------------------------------
+
+
+def template(num_classes: int, tau: float) -> torch.Tensor:
+    """Q: tau on the diagonal, (1 - tau) / (C - 1) elsewhere (a smoothed identity)."""
+    q = torch.full((num_classes, num_classes), (1.0 - tau) / (num_classes - 1), dtype=torch.float64)
+    return q.fill_diagonal_(tau)
+
+
+def adaptability_divergence(
+    confusion: torch.Tensor, present: torch.Tensor, tau: float, rows: str = "mean"
+) -> float:
+    """D = mean (or sum) over present classes i of KL(P_i || Q_i); smaller is better."""
+    if not bool(present.any()):
+        raise ValueError("no class is present: the score is undefined")
+    p = confusion.to(torch.float64)
+    q = template(p.shape[0], tau)
+    kl = (torch.special.xlogy(p, p) - p * q.log()).sum(dim=1)[present]
+    return float(kl.mean() if rows == "mean" else kl.sum())
+
+
+def aggregation_weights(divergences: Sequence[float], weighting: str) -> list[float]:
+    """Normalised weights from the clients' scores D (the sample counts play no part)."""
+    d = torch.tensor([float(v) for v in divergences], dtype=torch.float64)
+    if weighting == "inverse":
+        v = 1.0 / d.clamp_min(1e-12)
+    elif weighting == "softmax":
+        v = torch.softmax(-d, dim=0)  # exp(-D) normalised, without overflow
+    elif weighting == "uniform":
+        v = torch.ones_like(d)
+    else:
+        raise ValueError(f"unknown weighting '{weighting}'")
+    return (v / v.sum()).tolist()
+
+
+# --- server and client --------------------------------------------------------------------
+
+
+class FedACDServer(ServerLogic):
+    def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
+        msg = Message("train", arrays=self.global_arrays)
+        replies = channel.exchange({c: msg for c in clients})
+        states = [replies[c].arrays for c in clients]
+        metrics = {"train_loss": sum(replies[c].scalars["loss"] for c in clients) / len(clients)}
+        if self.params.weighting == "uniform":
+            weights = [1.0 / len(clients)] * len(clients)
+        else:
+            divergences = [replies[c].scalars["divergence"] for c in clients]
+            weights = aggregation_weights(divergences, self.params.weighting)
+            metrics["divergence"] = sum(divergences) / len(divergences)
+            metrics["weight_max"] = max(weights)
+        self.global_arrays = weighted_average(states, weights)
+        return metrics
+
+
+class FedACDClient(ClientLogic):
+    def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        p: FedACDParams = self.params
+        set_arrays(ctx.model, msg.arrays)
+        num_classes = ctx.data.num_classes
+        # P only feeds the margins, so it is skipped when they are off.
+        start = soft_confusion(ctx.model, ctx.data, num_classes) if p.margin else None
+        mixer = Mixup(p.mixup_alpha, ctx.rng("fedacd-mixup")) if p.mixup else None
+        loss_fn = FedACDLoss(p, num_classes, len(ctx.data), start, mixer)
+        result = train_client(ctx, loss_fn=loss_fn)
+        scalars = {"loss": result.mean_loss}
+        if p.weighting != "uniform":
+            confusion, counts = soft_confusion(ctx.model, ctx.data, num_classes)
+            scalars["divergence"] = adaptability_divergence(
+                confusion, counts > 0, p.tau, p.score_rows
+            )
+        return Message("trained", arrays=get_arrays(ctx.model), scalars=scalars)
+
+
+class FedACD(Algorithm):
+    name = "fedacd"
+    description = (
+        "FedACD: flattened-error KL + adaptive logit margins + mixup, "
+        "aggregation weighted by confusion-matrix adaptability"
+    )
+    Params = FedACDParams
+    Server = FedACDServer
+    Client = FedACDClient

@@ -1,7 +1,9 @@
 """Multi-seed comparison of algorithms in one setting: runs, then a table and a curve plot.
 
 Each (algorithm, seed) is one `fedskew run` in its own process, so a killed comparison
-resumes where it stopped: finished run folders are kept and skipped. The report is made
+resumes where it stopped: finished run folders are kept and skipped. Their config,
+metrics and summary are committed under results/runs/ (checkpoints and partitions are
+not), so the table can be rebuilt and checked from them with --report-only. The report is made
 from whatever runs have finished and says how many seeds each row has.
 
     python benchmarks/compare.py --preset methods            # FedAvg, FedCME, FedFM, FedACD
@@ -126,7 +128,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
-    ap.add_argument("--out", default=str(HERE / "out" / "compare"))
+    ap.add_argument("--out", default=str(HERE / "results" / "runs"))
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args()
     out = Path(args.out) / args.preset

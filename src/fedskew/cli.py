@@ -191,7 +191,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg = load_config(args)
     progress = RoundProgress(cfg.rounds, f"{cfg.algorithm} on {cfg.dataset}", disable=cfg.quiet)
     try:
-        folder, summary = run(cfg, on_round=progress.update, resume=resume)
+        folder, summary = run(cfg, on_round=progress.update, resume=resume, on_start=progress.start)
     finally:
         progress.close()
     if not cfg.quiet:

@@ -157,6 +157,7 @@ def run(
     cfg: ExperimentConfig,
     on_round: RoundCallback | None = None,
     resume: Path | None = None,
+    on_start: Callable[[int], None] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """Run the experiment (or continue the one in ``resume``); return the finished run
     folder and the summary."""
@@ -217,6 +218,8 @@ def run(
     last_eval: dict[str, Any] = next(
         ({k: r[k] for k in EVAL_KEYS} for r in reversed(history) if "accuracy" in r), {}
     )
+    if on_start is not None:
+        on_start(start_round)
     for rnd in range(start_round, cfg.rounds):
         clients = sample_clients(cfg.seed, rnd, num_clients, per_round)
         engine.begin_round(rnd)

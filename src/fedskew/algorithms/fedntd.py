@@ -1,0 +1,104 @@
+"""FedNTD (Lee et al., NeurIPS 2022): not-true distillation from the global model.
+
+Local loss: CE(f, y) + beta * tau^2 * KL(q~_glob || q~_local), where q~ is the softmax at
+temperature tau over the not-true classes only (the true class's logit is removed, not
+masked to a value), q~_glob comes from a frozen copy of the global model received this
+round, and KL is summed over classes and averaged over the batch (``batchmean``, as in the
+official code). The global copy runs in eval mode, as MOON's frozen models do (the
+official FedNTD code sets no mode on its copy; it matters only for BatchNorm/dropout).
+
+Messages and server are FedAvg's. Defaults: tau = 1, beta = 1; ``server_lr`` is FedAvg's
+(1 = plain averaging).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
+from fedskew.algorithms.local import Forward, get_arrays, set_arrays, train_client
+from fedskew.errors import UsageError
+from fedskew.protocol import Algorithm, ClientContext, ClientLogic, Message
+
+
+@dataclass
+class FedNTDParams(FedAvgParams):
+    tau: float = 1.0
+    beta: float = 1.0
+
+    def validate(self) -> None:
+        if self.server_lr <= 0:
+            raise UsageError(f"fedntd: server_lr must be > 0, got {self.server_lr}")
+        if self.tau <= 0:
+            raise UsageError(f"fedntd: tau must be > 0, got {self.tau}")
+        if self.beta < 0:
+            raise UsageError(f"fedntd: beta must be >= 0, got {self.beta}")
+
+
+def not_true_logits(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(N, C-1) logits without each row's true class, other classes in their order."""
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    keep[torch.arange(len(y)), y] = False
+    return logits[keep].view(len(y), logits.shape[1] - 1)
+
+
+def not_true_distillation(
+    logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor, tau: float
+) -> torch.Tensor:
+    """tau^2 * KL(q~_glob || q~_local) over the not-true classes, batch mean."""
+    log_q = F.log_softmax(not_true_logits(logits, y) / tau, dim=1)
+    log_q_glob = F.log_softmax(not_true_logits(global_logits, y) / tau, dim=1)
+    return tau**2 * F.kl_div(log_q, log_q_glob, reduction="batchmean", log_target=True)
+
+
+def _frozen_like(model: nn.Module) -> nn.Module:
+    # Built once per client logic, then reloaded with set_arrays: a deep copy per client
+    # per round would dominate the cost of small models.
+    frozen = copy.deepcopy(model)
+    frozen.requires_grad_(False)
+    for p in frozen.parameters():
+        p.grad = None
+    return frozen.eval()
+
+
+class FedNTDClient(ClientLogic):
+    def __init__(self, params: FedNTDParams) -> None:
+        super().__init__(params)
+        self._global: nn.Module | None = None
+
+    def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        set_arrays(ctx.model, msg.arrays)
+        if self._global is None:
+            self._global = _frozen_like(ctx.model)
+        set_arrays(self._global, msg.arrays)
+        glob, tau, beta = self._global, self.params.tau, self.params.beta
+
+        def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Forward:
+            features = model.body(x)
+            logits = model.head(features)
+            with torch.no_grad():
+                global_logits = glob(x)
+            ntd = not_true_distillation(logits, global_logits, y, tau)
+            return Forward(F.cross_entropy(logits, y) + beta * ntd, features, logits)
+
+        result = train_client(ctx, loss_fn=loss_fn)
+        return Message(
+            "trained",
+            arrays=get_arrays(ctx.model),
+            scalars={"num_samples": float(len(ctx.data)), "loss": result.mean_loss},
+        )
+
+
+class FedNTD(Algorithm):
+    name = "fedntd"
+    description = (
+        "FedNTD: CE + not-true distillation (KL on non-target classes) from the global model"
+    )
+    Params = FedNTDParams
+    Server = FedAvgServer
+    Client = FedNTDClient

@@ -1,0 +1,66 @@
+"""FedRS (Li & Zhan, KDD 2021): restricted softmax for label-skewed clients.
+
+During local training the logit of every class the client has no sample of is multiplied
+by ``alpha`` before the softmax cross-entropy, p_c ∝ exp(alpha_c * f_c) with alpha_c = 1
+for local classes and ``alpha`` otherwise. The whole logit is scaled, bias included, as in
+the Flower baseline (the paper's classifier has no bias). Evaluation uses the plain logits.
+
+The local classes come from the client's own data: nothing extra is sent, so messages and
+server are FedAvg's. Defaults: alpha = 0.5 (the paper's other setting is 0.9);
+``server_lr`` is FedAvg's (1 = plain averaging).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
+from fedskew.algorithms.local import Forward, get_arrays, set_arrays, train_client
+from fedskew.errors import UsageError
+from fedskew.protocol import Algorithm, ClientContext, ClientLogic, Message
+
+
+@dataclass
+class FedRSParams(FedAvgParams):
+    alpha: float = 0.5
+
+    def validate(self) -> None:
+        if self.server_lr <= 0:
+            raise UsageError(f"fedrs: server_lr must be > 0, got {self.server_lr}")
+        if not 0 <= self.alpha <= 1:
+            raise UsageError(f"fedrs: alpha must be in [0, 1], got {self.alpha}")
+
+
+def restriction_factors(class_counts: torch.Tensor, alpha: float) -> torch.Tensor:
+    """(C,) factors: 1 for classes with local samples, alpha for absent ones."""
+    return torch.where(class_counts > 0, 1.0, alpha)
+
+
+class FedRSClient(ClientLogic):
+    def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        set_arrays(ctx.model, msg.arrays)
+        factors = restriction_factors(ctx.data.class_counts(), self.params.alpha)
+
+        def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Forward:
+            features = model.body(x)
+            logits = model.head(features)
+            return Forward(F.cross_entropy(logits * factors, y), features, logits)
+
+        result = train_client(ctx, loss_fn=loss_fn)
+        return Message(
+            "trained",
+            arrays=get_arrays(ctx.model),
+            scalars={"num_samples": float(len(ctx.data)), "loss": result.mean_loss},
+        )
+
+
+class FedRS(Algorithm):
+    name = "fedrs"
+    description = "FedRS: restricted softmax, logits of locally absent classes scaled by alpha"
+    Params = FedRSParams
+    Server = FedAvgServer
+    Client = FedRSClient

@@ -1,0 +1,157 @@
+"""MOON (Li, He & Song, CVPR 2021): model-contrastive local training.
+
+The model gets a projection head between the body and the classifier: the head is
+``projection`` (Linear d->d, ReLU, Linear d->``out_dim``) followed by ``classifier``
+(Linear ``out_dim``->C), so ``model.body(x)`` stays the feature extractor,
+``z = model.head.projection(features)`` is MOON's representation and the logits are
+``model.head.classifier(z)``. Server and messages are FedAvg's (the whole model, which is
+bigger by the projection head).
+
+Local loss: CE(logits, y) + ``mu`` * l_con with
+
+    l_con = -log( e^{cos(z, z_glob)/tau} / (e^{cos(z, z_glob)/tau} + e^{cos(z, z_prev)/tau}) )
+
+averaged over the batch, where z_glob comes from the global model received this round and
+z_prev from the model this client uploaded the last time it trained (kept in
+``ctx.state``; the official code keeps one previous model, ``model_buffer_size`` = 1).
+Both are frozen copies in eval mode, as in the official code.
+
+First participation: no previous model exists. The official code then has an empty model
+pool in its first round, so the contrastive term is zero with no gradient; FL-bench uses
+the global model as the previous one. We do the latter: z_prev = z_glob, which makes
+l_con exactly log 2 with zero gradient, so training equals the official first round
+(the logged loss includes the constant mu * log 2; the frozen passes are skipped then).
+
+Defaults: tau = 0.5, mu = 5 (the paper's value for CIFAR-10; use mu = 1 for CIFAR-100 and
+Tiny-ImageNet), out_dim = 256. ``server_lr`` is FedAvg's (1 = plain averaging).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
+from fedskew.algorithms.local import Forward, get_arrays, set_arrays, train_client
+from fedskew.errors import UsageError
+from fedskew.protocol import Algorithm, ClientContext, ClientLogic, Message
+
+PREV = "moon.prev."  # client-state prefix of the previous local model
+LOG2 = math.log(2.0)
+
+
+@dataclass
+class MoonParams(FedAvgParams):
+    mu: float = 5.0
+    tau: float = 0.5
+    out_dim: int = 256
+
+    def validate(self) -> None:
+        if self.server_lr <= 0:
+            raise UsageError(f"moon: server_lr must be > 0, got {self.server_lr}")
+        if self.mu < 0:
+            raise UsageError(f"moon: mu must be >= 0, got {self.mu}")
+        if self.tau <= 0:
+            raise UsageError(f"moon: tau must be > 0, got {self.tau}")
+        if self.out_dim < 1:
+            raise UsageError(f"moon: out_dim must be >= 1, got {self.out_dim}")
+
+
+def model_contrastive_loss(
+    z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor, tau: float
+) -> torch.Tensor:
+    """Batch mean of MOON's l_con: a two-way softmax with the global z as the positive."""
+    pos = F.cosine_similarity(z, z_glob, dim=-1)
+    neg = F.cosine_similarity(z, z_prev, dim=-1)
+    logits = torch.stack([pos, neg], dim=1) / tau
+    return F.cross_entropy(logits, torch.zeros(len(z), dtype=torch.long, device=z.device))
+
+
+def projection_head(feature_dim: int, out_dim: int, num_classes: int, bias: bool) -> nn.Module:
+    projection = nn.Sequential(
+        OrderedDict(
+            fc1=nn.Linear(feature_dim, feature_dim),
+            relu=nn.ReLU(),
+            fc2=nn.Linear(feature_dim, out_dim),
+        )
+    )
+    classifier = nn.Linear(out_dim, num_classes, bias=bias)
+    return nn.Sequential(OrderedDict(projection=projection, classifier=classifier))
+
+
+def _frozen_like(model: nn.Module) -> nn.Module:
+    # Built once per client logic, then reloaded with set_arrays: a deep copy per client
+    # per round would dominate the cost of small models.
+    frozen = copy.deepcopy(model)
+    frozen.requires_grad_(False)
+    for p in frozen.parameters():
+        p.grad = None
+    return frozen.eval()
+
+
+class MoonClient(ClientLogic):
+    def __init__(self, params: MoonParams) -> None:
+        super().__init__(params)
+        self._global: nn.Module | None = None
+        self._prev: nn.Module | None = None
+
+    def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        set_arrays(ctx.model, msg.arrays)
+        if self._global is None or self._prev is None:
+            self._global, self._prev = _frozen_like(ctx.model), _frozen_like(ctx.model)
+        set_arrays(self._global, msg.arrays)
+        prev_arrays = {k[len(PREV) :]: v for k, v in ctx.state.arrays.items() if k.startswith(PREV)}
+        has_prev = bool(prev_arrays)
+        if has_prev:
+            set_arrays(self._prev, prev_arrays)
+        glob, prev, mu, tau = self._global, self._prev, self.params.mu, self.params.tau
+
+        def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Forward:
+            features = model.body(x)
+            z = model.head.projection(features)
+            logits = model.head.classifier(z)
+            if not has_prev:
+                # z_prev = z_glob: l_con is log 2 whatever z is, so skip both frozen passes.
+                return Forward(F.cross_entropy(logits, y) + mu * LOG2, features, logits)
+            with torch.no_grad():
+                z_glob = glob.head.projection(glob.body(x))
+                z_prev = prev.head.projection(prev.body(x))
+            loss = F.cross_entropy(logits, y) + mu * model_contrastive_loss(z, z_glob, z_prev, tau)
+            return Forward(loss, features, logits)
+
+        result = train_client(ctx, loss_fn=loss_fn)
+        arrays = get_arrays(ctx.model)
+        for k, v in arrays.items():
+            ctx.state.arrays[PREV + k] = v.clone()
+        return Message(
+            "trained",
+            arrays=arrays,
+            scalars={"num_samples": float(len(ctx.data)), "loss": result.mean_loss},
+        )
+
+
+class Moon(Algorithm):
+    name = "moon"
+    description = (
+        "MOON: projection head + model-contrastive loss (global z positive, previous z negative)"
+    )
+    Params = MoonParams
+    Server = FedAvgServer
+    Client = MoonClient
+
+    @classmethod
+    def adapt_model(cls, params: MoonParams, model: nn.Module) -> nn.Module:
+        old = model.head
+        if not isinstance(old, nn.Linear):
+            raise UsageError("moon: the model's head must be a linear classifier")
+        # Keep the architecture's bias choice (cnn-cifar's classifier has none).
+        model.head = projection_head(
+            model.feature_dim, params.out_dim, old.out_features, old.bias is not None
+        )
+        return model

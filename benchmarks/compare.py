@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -58,8 +57,8 @@ def run_one(label: str, args: list[str], seed: int, rounds: int, out: Path, thre
     return f"{name}: {time.time() - t0:.0f} s"
 
 
-def std(a) -> float:
-    return float(a.std(ddof=1)) if len(a) > 1 else math.nan
+def fmt_std(a) -> str:
+    return f"{float(a.std(ddof=1)):.2f}" if len(a) > 1 else "n/a (1 seed)"
 
 
 def report(preset: str, out: Path, seeds: list[int], rounds: int, results: Path) -> None:
@@ -89,8 +88,8 @@ def report(preset: str, out: Path, seeds: list[int], rounds: int, results: Path)
             continue
         f, b = np.array(finals) * 100, np.array(bests) * 100
         rows.append(
-            f"| {label} | {len(finals)} | {f.mean():.2f} ± {std(f):.2f} | "
-            f"{b.mean():.2f} ± {std(b):.2f} | {np.mean(mib) / len(curves[0]):.2f} |"
+            f"| {label} | {len(finals)} | {f.mean():.2f} ± {fmt_std(f)} | "
+            f"{b.mean():.2f} ± {fmt_std(b)} | {np.mean(mib) / len(curves[0]):.2f} |"
         )
         n = min(len(c) for c in curves)
         arr = np.array([c[:n] for c in curves]) * 100
@@ -109,7 +108,8 @@ def report(preset: str, out: Path, seeds: list[int], rounds: int, results: Path)
     (results / f"compare_{preset}.md").write_text(
         f"# Comparison: {preset}\n\n"
         f"Produced by `python benchmarks/compare.py --preset {preset} --rounds {rounds} "
-        f"--seeds {' '.join(map(str, seeds))}`.\n\n"
+        f"--seeds {' '.join(map(str, seeds))}`; the seeds column says how many of those "
+        "runs had finished when the table was made.\n\n"
         f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; torch {m['torch']}\n"
         f"- Data: Fashion-MNIST (Debian's dataset-fashion-mnist copy of the official files)\n"
         f"- Setting: `fedskew run {' '.join(SETTING)} -r {rounds}`, seeds {seeds}; "

@@ -273,6 +273,9 @@ def loss_term_installed(ctx: ClientContext, term: LossTerm | None) -> Iterator[N
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # The same tensor object first: a diverged model (NaN) is never equal to itself by value.
+    if a is b:
+        return True
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
 
 

@@ -76,6 +76,8 @@ def dynamic_loss(
 
 
 class FedDynServer(ServerLogic):
+    checkpoint_fields = ("h",)  # server state a resumed run must find
+
     def __init__(self, params: FedDynParams, setup: ServerSetup) -> None:
         super().__init__(params, setup)
         self.h = {

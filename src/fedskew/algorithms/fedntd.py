@@ -13,7 +13,6 @@ Messages and server are FedAvg's. Defaults: tau = 1, beta = 1; ``server_lr`` is 
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
-from fedskew.algorithms.local import Forward, get_arrays, set_arrays, train_client
+from fedskew.algorithms.local import Forward, frozen_copy, get_arrays, set_arrays, train_client
 from fedskew.errors import UsageError
 from fedskew.protocol import Algorithm, ClientContext, ClientLogic, Message
 
@@ -56,16 +55,6 @@ def not_true_distillation(
     return tau**2 * F.kl_div(log_q, log_q_glob, reduction="batchmean", log_target=True)
 
 
-def _frozen_like(model: nn.Module) -> nn.Module:
-    # Built once per client logic, then reloaded with set_arrays: a deep copy per client
-    # per round would dominate the cost of small models.
-    frozen = copy.deepcopy(model)
-    frozen.requires_grad_(False)
-    for p in frozen.parameters():
-        p.grad = None
-    return frozen.eval()
-
-
 class FedNTDClient(ClientLogic):
     def __init__(self, params: FedNTDParams) -> None:
         super().__init__(params)
@@ -74,7 +63,7 @@ class FedNTDClient(ClientLogic):
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
         set_arrays(ctx.model, msg.arrays)
         if self._global is None:
-            self._global = _frozen_like(ctx.model)
+            self._global = frozen_copy(ctx.model)
         set_arrays(self._global, msg.arrays)
         glob, tau, beta = self._global, self.params.tau, self.params.beta
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -235,3 +236,14 @@ def class_feature_means(
     sums, counts = class_feature_sums(model, data, num_classes, rows)
     means = sums / counts.clamp(min=1).unsqueeze(1).to(sums.dtype)
     return means, counts
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A gradient-free eval-mode copy of the model's architecture (a teacher: the global
+    or previous model). Build it once per client logic and reload it with ``set_arrays``:
+    a deep copy per client per round would dominate the cost of small models."""
+    frozen = copy.deepcopy(model)
+    frozen.requires_grad_(False)
+    for p in frozen.parameters():
+        p.grad = None
+    return frozen.eval()

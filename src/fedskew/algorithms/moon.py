@@ -28,7 +28,6 @@ Tiny-ImageNet), out_dim = 256. ``server_lr`` is FedAvg's (1 = plain averaging).
 
 from __future__ import annotations
 
-import copy
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
-from fedskew.algorithms.local import Forward, get_arrays, set_arrays, train_client
+from fedskew.algorithms.local import Forward, frozen_copy, get_arrays, set_arrays, train_client
 from fedskew.errors import UsageError
 from fedskew.protocol import Algorithm, ClientContext, ClientLogic, Message
 
@@ -85,16 +84,6 @@ def projection_head(feature_dim: int, out_dim: int, num_classes: int, bias: bool
     return nn.Sequential(OrderedDict(projection=projection, classifier=classifier))
 
 
-def _frozen_like(model: nn.Module) -> nn.Module:
-    # Built once per client logic, then reloaded with set_arrays: a deep copy per client
-    # per round would dominate the cost of small models.
-    frozen = copy.deepcopy(model)
-    frozen.requires_grad_(False)
-    for p in frozen.parameters():
-        p.grad = None
-    return frozen.eval()
-
-
 class MoonClient(ClientLogic):
     def __init__(self, params: MoonParams) -> None:
         super().__init__(params)
@@ -104,7 +93,7 @@ class MoonClient(ClientLogic):
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
         set_arrays(ctx.model, msg.arrays)
         if self._global is None or self._prev is None:
-            self._global, self._prev = _frozen_like(ctx.model), _frozen_like(ctx.model)
+            self._global, self._prev = frozen_copy(ctx.model), frozen_copy(ctx.model)
         set_arrays(self._global, msg.arrays)
         prev_arrays = {k[len(PREV) :]: v for k, v in ctx.state.arrays.items() if k.startswith(PREV)}
         has_prev = bool(prev_arrays)

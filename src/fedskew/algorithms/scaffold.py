@@ -81,6 +81,8 @@ class ScaffoldParams:
 
 
 class ScaffoldServer(ServerLogic):
+    checkpoint_fields = ("c",)  # server state a resumed run must find
+
     def __init__(self, params: ScaffoldParams, setup: ServerSetup) -> None:
         super().__init__(params, setup)
         self.c = {

@@ -8,6 +8,7 @@ from whatever runs have finished and says how many seeds each row has.
 
     python benchmarks/compare.py --preset methods            # FedAvg, FedCME, FedFM, FedACD
     python benchmarks/compare.py --preset methods --report-only
+    python benchmarks/compare.py --preset baselines          # the 14 baselines
 
 Presets fix the setting of the project's comparison issues: Fashion-MNIST, simple-cnn,
 20 clients, Dirichlet beta 0.1, 8 clients per round, 5 local epochs, batch 64, lr 0.01.
@@ -40,6 +41,26 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         "fedfm": ["-a", "fedfm"],
         "fedacd": ["-a", "fedacd"],
     },
+    # The baselines the three papers compare against, each with its defaults.
+    "baselines": {
+        name: ["-a", name]
+        for name in (
+            "fedavg",
+            "fedprox",
+            "scaffold",
+            "feddyn",
+            "fednova",
+            "moon",
+            "fedrs",
+            "fedlc",
+            "fedrod",
+            "fedntd",
+            "feddecorr",
+            "fednh",
+            "creff",
+            "fedproto",
+        )
+    },  # fmt: skip
 }
 
 
@@ -99,7 +120,7 @@ def report(preset: str, out: Path, seeds: list[int], rounds: int, results: Path)
             ax.fill_between(x, arr.min(0), arr.max(0), alpha=0.2)
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title("Fashion-MNIST, simple-cnn, 20 clients, Dir(0.1), 8/round, E=5")
+    ax.set_title(f"{preset}: Fashion-MNIST, simple-cnn, 20 clients, Dir(0.1), 8/round, E=5")
     ax.grid(alpha=0.3)
     ax.legend()
     results.mkdir(parents=True, exist_ok=True)

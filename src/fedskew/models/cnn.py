@@ -51,24 +51,31 @@ def _two_conv_flat_size(
     return channels, out_channels * sizes[0] * sizes[1]
 
 
-def build_simple_cnn(input_shape: tuple[int, ...], num_classes: int) -> BodyHeadModel:
-    """The LeNet-style "simple-cnn" of MOON and FedCME (84-d features)."""
-    channels, flat = _two_conv_flat_size("simple-cnn", input_shape, 16)
-    body = nn.Sequential(
+def _two_conv_body(channels: int, flat: int, widths: tuple[int, int, int, int]) -> nn.Module:
+    """conv5-ReLU-pool2 twice, then two ReLU fully connected layers: the shape both small
+    CNNs of the papers share; only the widths differ."""
+    c1, c2, f1, f2 = widths
+    return nn.Sequential(
         OrderedDict(
-            conv1=nn.Conv2d(channels, 6, 5),
+            conv1=nn.Conv2d(channels, c1, 5),
             relu1=nn.ReLU(),
             pool1=nn.MaxPool2d(2),
-            conv2=nn.Conv2d(6, 16, 5),
+            conv2=nn.Conv2d(c1, c2, 5),
             relu2=nn.ReLU(),
             pool2=nn.MaxPool2d(2),
             flatten=nn.Flatten(),
-            fc1=nn.Linear(flat, 120),
+            fc1=nn.Linear(flat, f1),
             relu3=nn.ReLU(),
-            fc2=nn.Linear(120, 84),
+            fc2=nn.Linear(f1, f2),
             relu4=nn.ReLU(),
         )
     )
+
+
+def build_simple_cnn(input_shape: tuple[int, ...], num_classes: int) -> BodyHeadModel:
+    """The LeNet-style "simple-cnn" of MOON and FedCME (84-d features)."""
+    channels, flat = _two_conv_flat_size("simple-cnn", input_shape, 16)
+    body = _two_conv_body(channels, flat, (6, 16, 120, 84))
     return BodyHeadModel(body, nn.Linear(84, num_classes), 84)
 
 
@@ -78,19 +85,5 @@ def build_cnn_cifar(input_shape: tuple[int, ...], num_classes: int) -> BodyHeadM
     The head has no bias, as in FedNH, whose prototype head is a bias-free linear map.
     """
     channels, flat = _two_conv_flat_size("cnn-cifar", input_shape, 64)
-    body = nn.Sequential(
-        OrderedDict(
-            conv1=nn.Conv2d(channels, 64, 5),
-            relu1=nn.ReLU(),
-            pool1=nn.MaxPool2d(2),
-            conv2=nn.Conv2d(64, 64, 5),
-            relu2=nn.ReLU(),
-            pool2=nn.MaxPool2d(2),
-            flatten=nn.Flatten(),
-            fc1=nn.Linear(flat, 384),
-            relu3=nn.ReLU(),
-            fc2=nn.Linear(384, 192),
-            relu4=nn.ReLU(),
-        )
-    )
+    body = _two_conv_body(channels, flat, (64, 64, 384, 192))
     return BodyHeadModel(body, nn.Linear(192, num_classes, bias=False), 192)

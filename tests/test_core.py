@@ -192,3 +192,18 @@ def test_class_feature_means_by_hand():
     means, counts = class_feature_means(model, data, 3)
     assert counts.tolist() == [2, 0, 2]
     assert torch.allclose(means, torch.tensor([[2.0, 1.0], [0.0, 0.0], [6.0, 3.0]]))
+
+
+def test_grad_clip_bounds_each_step():
+    x = torch.full((4, 3), 100.0)
+    y = torch.tensor([0, 1, 0, 1])
+    data = ClientData(x, y, torch.arange(4), num_classes=2)
+    model = BodyHeadModel(torch.nn.Identity(), torch.nn.Linear(3, 2), feature_dim=3)
+    before = [p.detach().clone() for p in model.parameters()]
+    cfg = LocalTrainConfig(epochs=1, batch_size=4, lr=1.0, momentum=0.0, weight_decay=0.0,
+                           grad_clip=0.5)  # fmt: skip
+    local_train(model, data, cfg, torch.Generator().manual_seed(0))
+    params = list(model.parameters())
+    step = torch.cat([(b - p.detach()).reshape(-1) for b, p in zip(before, params, strict=True)])
+    # one SGD step with lr 1 moves the weights by exactly the clipped gradient
+    assert abs(float(step.norm()) - 0.5) < 1e-5

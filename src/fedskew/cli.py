@@ -89,6 +89,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--momentum", type=float, help="local SGD momentum (default 0.9)")
     p.add_argument("--weight-decay", type=float, help="local weight decay (default 1e-5)")
     p.add_argument(
+        "--grad-clip", type=float, help="clip each local step's gradient norm (default 0: off)"
+    )
+    p.add_argument(
         "--augment",
         action="store_const",
         const=True,
@@ -149,6 +152,7 @@ def cli_values(args: argparse.Namespace) -> dict[str, Any]:
         "momentum",
         "weight_decay",
         "augment",
+        "grad_clip",
         "feature_matching",
         "eval_every",
         "checkpoint_every",

@@ -32,6 +32,7 @@ class ExperimentConfig:
     momentum: float = 0.9
     weight_decay: float = 1e-5
     augment: bool = False
+    grad_clip: float = 0.0  # max gradient norm per local step; 0: off
     memory_format: str = "auto"  # auto: channels_last for convolutional models
     params: dict[str, Any] = field(default_factory=dict)  # algorithm hyper-parameters
     feature_matching: bool = False  # FedFM's anchor feature matching as a plug-in
@@ -75,6 +76,8 @@ class ExperimentConfig:
             raise UsageError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise UsageError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.grad_clip < 0:
+            raise UsageError(f"grad-clip must be >= 0 (0: off), got {self.grad_clip}")
         if self.weight_decay < 0:
             raise UsageError(f"weight-decay must be >= 0, got {self.weight_decay}")
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:

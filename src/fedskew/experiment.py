@@ -114,6 +114,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         momentum=cfg.momentum,
         weight_decay=cfg.weight_decay,
         augment=cfg.augment,
+        grad_clip=cfg.grad_clip,
     )
     model_name = resolve_model_name(cfg)
     channels_last = use_channels_last(cfg, dataset, model_name)

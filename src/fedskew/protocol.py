@@ -103,6 +103,7 @@ class LocalTrainConfig:
     momentum: float = 0.9
     weight_decay: float = 1e-5
     augment: bool = False
+    grad_clip: float = 0.0  # max gradient norm per step; 0: no clipping
 
 
 @dataclass

@@ -120,6 +120,8 @@ def local_train(
                 loss = out
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             if before_step is not None:
                 before_step(model)
             opt.step()

@@ -69,8 +69,12 @@ def run_one(label: str, args: list[str], seed: int, rounds: int, out: Path, thre
     if (out / name / "summary.json").exists():
         return f"{name}: done before"
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    cmd = [sys.executable, "-m", "fedskew", "run", *SETTING, *args, "--seed", str(seed),
-           "-r", str(rounds), "-o", str(out), "--name", name, "-q"]  # fmt: skip
+    unfinished = out / f"{name}.incomplete"
+    if unfinished.is_dir():  # killed earlier: continue from its last checkpoint
+        cmd = [sys.executable, "-m", "fedskew", "run", "--resume", str(unfinished), "-q"]
+    else:
+        cmd = [sys.executable, "-m", "fedskew", "run", *SETTING, *args, "--seed", str(seed),
+               "-r", str(rounds), "-o", str(out), "--name", name, "-q"]  # fmt: skip
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -91,9 +95,24 @@ def report(preset: str, out: Path, seeds: list[int], rounds: int, results: Path)
 
     rows = []
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    # Means only over the seeds every algorithm has finished, so that rows compare like with
+    # like; every finished run is listed per seed below the table.
+    finished = {
+        label: [s for s in seeds if (out / f"{label}-s{s}" / "summary.json").exists()]
+        for label in PRESETS[preset]
+    }
+    common = [s for s in seeds if all(s in f for f in finished.values())]
+    per_seed = []
+    for label, done in finished.items():
+        for seed in done:
+            summary = json.loads((out / f"{label}-s{seed}" / "summary.json").read_text())
+            per_seed.append(
+                f"| {label} | {seed} | {100 * summary['final_accuracy']:.2f} | "
+                f"{100 * summary['best_accuracy']:.2f} |"
+            )
     for label in PRESETS[preset]:
         finals, bests, curves, mib = [], [], [], []
-        for seed in seeds:
+        for seed in common:
             folder = out / f"{label}-s{seed}"
             if not (folder / "summary.json").exists():
                 continue
@@ -130,15 +149,19 @@ def report(preset: str, out: Path, seeds: list[int], rounds: int, results: Path)
         f"# Comparison: {preset}\n\n"
         f"Produced by `python benchmarks/compare.py --preset {preset} --rounds {rounds} "
         f"--seeds {' '.join(map(str, seeds))}`; the seeds column says how many of those "
-        "runs had finished when the table was made.\n\n"
+        "runs count in the means.\n\n"
         f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; torch {m['torch']}\n"
         f"- Data: Fashion-MNIST (Debian's dataset-fashion-mnist copy of the official files)\n"
         f"- Setting: `fedskew run {' '.join(SETTING)} -r {rounds}`, seeds {seeds}; "
         "each algorithm with its defaults\n\n"
+        f"Mean ± sample standard deviation over the seeds every algorithm finished: {common}.\n\n"
         "| algorithm | seeds | final accuracy (%) | best accuracy (%) | MiB per round |\n"
         "|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+        "Every finished run:\n\n| algorithm | seed | final (%) | best (%) |\n|---|---|---|---|\n"
+        + "\n".join(per_seed)
+        + "\n\n"
         f"![accuracy curves](compare_{preset}.png)\n\n"
-        "Mean ± sample standard deviation over seeds; the shaded band is the min-max range.\n"
+        "Curves: mean over the common seeds; the shaded band is the min-max range.\n"
     )
 
 

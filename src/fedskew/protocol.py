@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from fedskew.errors import UsageError
+from fedskew.errors import FedskewError, UsageError
 from fedskew.rng import torch_rng
 
 SCALAR_BYTES = 8  # a number travels as a 64-bit value in every engine we support
@@ -39,9 +39,25 @@ class Message:
 
 
 class Channel(Protocol):
-    """What a server logic sees of the engine: one call per exchange of the round."""
+    """What a server logic sees of the engine: one call per exchange of the round.
+
+    The reply dict may lack clients: on a real deployment a node can die or send a reply
+    that fails validation. Servers work with the clients that replied (see ``arrived``).
+    """
 
     def exchange(self, messages: Mapping[int, Message]) -> dict[int, Message]: ...
+
+
+class NoReplies(FedskewError):
+    """No addressed client replied in an exchange; the engine skips the round."""
+
+
+def arrived(clients: list[int], replies: Mapping[int, Message]) -> list[int]:
+    """The clients (in their sampled order) whose reply arrived; NoReplies when none did."""
+    present = [c for c in clients if c in replies]
+    if not present:
+        raise NoReplies(f"none of {len(clients)} addressed clients replied")
+    return present
 
 
 @dataclass
@@ -104,6 +120,7 @@ class LocalTrainConfig:
     weight_decay: float = 1e-5
     augment: bool = False
     grad_clip: float = 0.0  # max gradient norm per step; 0: no clipping
+    precision: str = "fp32"  # forward passes in fp32 or under bf16 autocast (fedskew.precision)
 
 
 @dataclass

@@ -26,7 +26,9 @@ features persist across rounds (standard normal at the start); the re-trained cl
 starts from a fresh initialisation each round. Two choices of ours: each client uses ALL
 its samples of a class (the exact mean gradient that the code's ten random 32-sample draws
 estimate), and the first round's W is the initial model's head. The model's head must be
-linear (``head.weight`` and optionally ``head.bias``).
+linear (``head.weight`` and optionally ``head.bias``). A client whose reply does not arrive
+takes no part in the round: the model average and the per-class gradients, hence the synthetic
+features the server moves, come from the replies that arrived only.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from fedskew.protocol import (
     Message,
     ServerLogic,
     ServerSetup,
+    arrived,
 )
 from fedskew.rng import torch_rng
 
@@ -189,6 +192,7 @@ class CReFFServer(ServerLogic):
     def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
         msg = Message("train", arrays={**self.global_arrays, **self.classifier})
         replies = channel.exchange({c: msg for c in clients})
+        clients = arrived(clients, replies)  # features move only by the gradients that arrived
         model_keys = list(self.global_arrays)
         self.global_arrays = weighted_average(
             [{k: replies[c].arrays[k] for k in model_keys} for c in clients],

@@ -44,6 +44,9 @@ Choices the paper leaves open, marked [PROPOSAL]:
 - Before the launching round (rounds are 0-based; FM is on when ``round >= start_round``) the
   anchors are still computed and aggregated every round, but not broadcast: the round is then
   exactly the inner algorithm's.
+- A client whose anchor reply does not arrive is left out of the anchor aggregation and of the
+  inner round (which addresses only the clients that replied in step 1): the server cannot
+  tell a rejected reply from a dead node.
 - The plug-in's own parameters are ``lam`` (lambda, 50), ``cg_tau`` (the CG temperature
   alpha, 0.1; not ``tau``, which MOON already uses), ``start_round`` (T_s, 20), ``fm_loss``
   (cg|l2) and ``anchor_agg`` (weighted|uniform). If the inner algorithm already has a
@@ -76,6 +79,7 @@ from fedskew.protocol import (
     ClientContext,
     Message,
     ServerSetup,
+    arrived,
 )
 
 ANCHOR_KIND = "fm_anchors"  # step 1, server -> client: the global model
@@ -371,6 +375,7 @@ def with_feature_matching(cls: type[Algorithm]) -> type[Algorithm]:
             # if the inner server later rebinds or rebuilds its arrays.
             delivered = {k: v.detach().clone() for k, v in self.global_arrays.items()}
             replies = channel.exchange({c: Message(ANCHOR_KIND, arrays=delivered) for c in clients})
+            clients = arrived(clients, replies)  # the inner round runs with these only
             self.fm_anchors = aggregate_anchors(
                 [replies[c] for c in clients], self.fm_anchors, s.agg
             )

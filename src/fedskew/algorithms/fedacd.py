@@ -33,6 +33,7 @@ Choices the paper leaves open ([PROPOSAL] in docs/ALGORITHMS.md section 3), defa
 - The score: rows averaged over present classes (``score_rows=mean``; ``sum`` adds them).
 - Score to weight: ``weighting=inverse`` (V = 1/D); ``softmax`` (V = exp(-D)); ``uniform``
   (1/|S_t|: the paper's FedACD_base ablation; the score is then not computed nor sent).
+  ``S_t`` is the set of clients whose reply arrived; the weights are normalised over it.
 - Which loss lam scales: L_flat (lam = 1 in the paper, where the choice does not matter).
 
 Ablation switches: ``lam=0`` drops L_flat, ``margin=false`` turns L_LA into plain CE,
@@ -65,6 +66,7 @@ from fedskew.protocol import (
     ClientLogic,
     Message,
     ServerLogic,
+    arrived,
 )
 
 EPS = 1e-8  # added to denominators of P and of Delta
@@ -302,6 +304,7 @@ class FedACDServer(ServerLogic):
     def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
         msg = Message("train", arrays=self.global_arrays)
         replies = channel.exchange({c: msg for c in clients})
+        clients = arrived(clients, replies)
         states = [replies[c].arrays for c in clients]
         metrics = {"train_loss": sum(replies[c].scalars["loss"] for c in clients) / len(clients)}
         if self.params.weighting == "uniform":

@@ -2,6 +2,9 @@
 
 ``server_lr`` (1.0 by default, which is plain FedAvg) moves the global model by
 server_lr times the averaged update, as in FedOpt's FedAvgM without momentum.
+
+A sampled client whose reply does not arrive (a dead node, a rejected reply) is left out:
+the average and the metrics are over the clients that replied.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from fedskew.protocol import (
     ClientLogic,
     Message,
     ServerLogic,
+    arrived,
 )
 
 
@@ -39,6 +43,7 @@ class FedAvgServer(ServerLogic):
     def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
         msg = Message("train", arrays=self.global_arrays)
         replies = channel.exchange({c: msg for c in clients})
+        clients = arrived(clients, replies)
         states = [replies[c].arrays for c in clients]
         weights = [replies[c].scalars["num_samples"] for c in clients]
         averaged = weighted_average(states, weights)

@@ -55,6 +55,14 @@ features and that global feature ([PROPOSAL] normalisation), weighted by ``mu`` 
 both halves ([PROPOSAL]). ``mu = 0`` switches alignment off and then no features are computed
 or sent either way: nothing would use them.
 
+Missing replies (a dead node, a rejected reply): a client whose reply does not arrive leaves
+the round at that exchange, and later exchanges address only the others. A new client whose
+cold-start vector is missing is not matched (the round goes on with the rest). A paired client
+whose partner's half-time reply is missing gets no part in ``train_rest`` (an empty message)
+and finishes its training with its own part; a many-to-one receiver whose donor is missing
+likewise. A paired client whose final upload is missing is left out of the aggregation.
+``exchanged`` counts the parts actually relayed and ``donors`` the clients whose part was.
+
 Evaluation vector ([PROPOSAL]): per-class accuracy of the final local model, in eval mode, on a
 uniform random ``eval_fraction`` of the local data (at least one sample, redrawn every round)
 to which the first drawn sample of every present class the draw missed is added; 0 for
@@ -100,8 +108,10 @@ from fedskew.protocol import (
     ClientData,
     ClientLogic,
     Message,
+    NoReplies,
     ServerLogic,
     ServerSetup,
+    arrived,
 )
 from fedskew.rng import SERVER, numpy_rng
 
@@ -332,7 +342,7 @@ class FedCMEServer(ServerLogic):
         metrics: dict[str, float] = {"cold_starts": 0.0, "exchanged": 0.0, "donors": 0.0}
         if not exchanges_parts(p, epochs):
             replies = channel.exchange({c: self.train_message("train", False) for c in clients})
-            return {**metrics, **self.aggregate(clients, replies)}
+            return {**metrics, **self.aggregate(arrived(clients, replies), replies)}
 
         cached: set[int] = set()
         new = [c for c in clients if c not in self.vectors]
@@ -340,6 +350,11 @@ class FedCMEServer(ServerLogic):
             evaluated = channel.exchange(
                 {c: Message("evaluate", arrays=self.global_arrays) for c in new}
             )
+            # A new client without a vector leaves the round; the others need not wait for it.
+            clients = [c for c in clients if c not in new or c in evaluated]
+            if not clients:
+                raise NoReplies(f"none of {len(new)} cold-started clients replied")
+            new = [c for c in new if c in evaluated]
             for c in new:
                 self.vectors[c] = evaluated[c].arrays[EVAL_VECTOR].clone()
             cached = set(new)
@@ -355,15 +370,18 @@ class FedCMEServer(ServerLogic):
                 msg.scalars["share"] = float(c in sharing)
             first[c] = msg
         replies = channel.exchange(first)
+        clients = arrived(clients, replies)
         halves = [c for c in clients if replies[c].kind == "half"]
+        # Only parts that arrived: a client whose donor is missing gets an empty train_rest.
+        parts = {c: replies[c].arrays for c in halves if c in sharing}
+        rest = {c: Message("train_rest", arrays=dict(parts.get(donor.get(c), {}))) for c in halves}
         if halves:
-            parts = {c: replies[c].arrays for c in halves if c in sharing}
-            rest = {
-                c: Message("train_rest", arrays=dict(parts.get(donor.get(c), {}))) for c in halves
-            }
-            replies = {**replies, **channel.exchange(rest)}
-        metrics["exchanged"] = float(sum(1 for c in clients if c in donor))
-        metrics["donors"] = float(len(sharing))
+            # A half is no upload: a client whose final reply is missing leaves the aggregation.
+            replies = {c: r for c, r in replies.items() if r.kind != "half"}
+            replies.update(channel.exchange(rest))
+            clients = arrived(clients, replies)
+        metrics["exchanged"] = float(sum(1 for m in rest.values() if m.arrays))
+        metrics["donors"] = float(len({donor[c] for c in halves if donor.get(c) in parts}))
         return {**metrics, **self.aggregate(clients, replies)}
 
     def train_message(self, kind: str, cached: bool) -> Message:

@@ -13,7 +13,9 @@ optimality condition of that objective) and replies ``theta_k``. The server keep
     theta <- mean_{k in P} theta_k - h / alpha
 
 The new ``theta`` is both what clients receive next and what is evaluated, as in the paper's
-algorithm. The mean is unweighted (``1/|P|``), as the paper writes.
+algorithm. The mean is unweighted (``1/|P|``), as the paper writes. When some replies do not
+arrive, ``P`` is the set of clients that replied (both sums and the mean are over it, ``m``
+stays the total number of clients), as the formulas read for that smaller sample.
 
 Weight decay and momentum come from the local training settings. The state update is the
 optimality condition of the local objective, so it does not depend on the optimiser; with
@@ -41,6 +43,7 @@ from fedskew.protocol import (
     Message,
     ServerLogic,
     ServerSetup,
+    arrived,
 )
 
 STATE_PREFIX = "feddyn.grad/"  # the client's g_k in its state
@@ -88,6 +91,7 @@ class FedDynServer(ServerLogic):
         replies = channel.exchange(
             {c: Message("train", arrays=self.global_arrays) for c in clients}
         )
+        clients = arrived(clients, replies)  # P is the set that replied, m stays all clients
         models = [replies[c].arrays for c in clients]
         mean = weighted_average(models, [1.0] * len(clients))
         alpha, m = self.params.alpha, self.setup.num_clients

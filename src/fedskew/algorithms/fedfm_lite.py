@@ -24,6 +24,9 @@ Choices the paper leaves open, marked [PROPOSAL]:
   global model when it is next sampled and starts from it; its older local model is dropped.
   The server knows this from its own record of which model version it sent to whom; it never
   reads client state. A client deletes its kept model after uploading it in a model round.
+- A client whose reply does not arrive is left out of the anchor aggregation and of the model
+  average. The server cannot tell whether it still holds a model (a dead node loses it), so it
+  forgets what it sent it: the client gets the global model again when it is next sampled.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from fedskew.protocol import (
     Message,
     ServerLogic,
     ServerSetup,
+    arrived,
 )
 
 _KEPT = "fmlite.model/"  # client state prefix: the local model between model rounds
@@ -100,6 +104,10 @@ class FedFMLiteServer(ServerLogic):
                 "lite_train", arrays=arrays, scalars={"upload_model": float(sync)}
             )
         replies = channel.exchange(messages)
+        for c in clients:
+            if c not in replies:  # it may have lost its model: send it again next time
+                self.version_sent.pop(c, None)
+        clients = arrived(clients, replies)
         self.fm_anchors = aggregate_anchors([replies[c] for c in clients], self.fm_anchors, s.agg)
         if sync:
             states = [

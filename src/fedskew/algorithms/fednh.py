@@ -12,7 +12,8 @@ sample counts as FedAvg does, and moves every class some client held:
     mu_c <- normalize(rho * mu_c + (1 - rho) * normalize(sum_k n_kc nu_kc / sum_k n_kc)).
 The counts are not uploaded: the outer normalize removes the positive denominator
 sum_k n_kc, so the summed count-scaled means carry all the server needs. A class no client
-of the round holds keeps its prototype.
+of the round holds keeps its prototype; a client whose reply does not arrive counts as not
+sampled (body, scale and prototypes move with the replies that arrived).
 
 The scale starts at 1 for the small CNNs and the MLP and at 20 for ResNet
 (``scale_init=auto``; give a number to override). Prototype initialisation draws from the
@@ -39,6 +40,7 @@ from fedskew.protocol import (
     ClientLogic,
     Message,
     ServerLogic,
+    arrived,
 )
 
 PROTOTYPES = "head.prototypes"
@@ -129,6 +131,7 @@ class FedNHServer(ServerLogic):
     def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
         msg = Message("train", arrays=self.global_arrays)
         replies = channel.exchange({c: msg for c in clients})
+        clients = arrived(clients, replies)
         model_keys = [k for k in self.global_arrays if k != PROTOTYPES]
         averaged = weighted_average(
             [{k: replies[c].arrays[k] for k in model_keys} for c in clients],

@@ -8,9 +8,10 @@ zero every round, as ``train_client`` builds a fresh optimiser)::
     a_i = 1/(1 - rho) * [tau_i - rho (1 - rho^tau_i) / (1 - rho)]    (plain SGD: a_i = tau_i)
 
 The server moves ``w <- w - tau_eff * sum_i p_i d_i`` with ``tau_eff = sum_i p_i a_i`` and
-``p_i = n_i / n`` over the sampled clients. Clients that run more steps (more data, or more
-epochs) thus no longer pull the average towards their own optimum: each contributes its
-per-step direction, and the global step size is the weighted mean number of steps.
+``p_i = n_i / n`` over the sampled clients (those whose reply arrived). Clients that run more
+steps (more data, or more epochs) thus no longer pull the average towards their own optimum:
+each contributes its per-step direction, and the global step size is the weighted mean number
+of steps.
 
 Weight decay is treated as part of the local objective's gradient: it changes the gradient the
 optimiser sees, not how many times (with which coefficients) gradients are applied, so ``a_i``
@@ -39,6 +40,7 @@ from fedskew.protocol import (
     ClientLogic,
     Message,
     ServerLogic,
+    arrived,
 )
 
 # BatchNorm keeps these as buffers; the forward pass moves them, not the optimiser.
@@ -84,6 +86,7 @@ class FedNovaServer(ServerLogic):
         replies = channel.exchange(
             {c: Message("train", arrays=self.global_arrays) for c in clients}
         )
+        clients = arrived(clients, replies)
         sizes = [replies[c].scalars["num_samples"] for c in clients]
         total = sum(sizes)
         p = [n / total for n in sizes]

@@ -21,6 +21,8 @@ Choices FedFM leaves open:
 - A class no client of the round holds keeps its previous prototype (``keep_stale=true``);
   ``keep_stale=false`` forgets it, as FedProto's server builds prototypes from the round's
   uploads only.
+- A client whose reply does not arrive counts as not sampled: models and prototypes are
+  aggregated over the replies that arrived.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from fedskew.protocol import (
     Message,
     ServerLogic,
     ServerSetup,
+    arrived,
 )
 
 DISTANCES = ("mse", "sq")
@@ -98,6 +101,7 @@ class FedProtoServer(ServerLogic):
             arrays[PROTOS] = self.prototypes[classes]
             arrays[PROTO_CLASSES] = classes
         replies = channel.exchange({c: Message("train", arrays=arrays) for c in clients})
+        clients = arrived(clients, replies)
         model_keys = list(self.global_arrays)
         self.global_arrays = weighted_average(
             [{k: replies[c].arrays[k] for k in model_keys} for c in clients],

@@ -15,7 +15,8 @@ Personalised accuracy is measured where p lives: on evaluation rounds the server
 ``evaluate`` in the training message; each client, after training, scores body + g + p on
 the uniform test set, weights the per-class accuracies by its own label proportions (a test
 set shaped like its data) and returns that one number with its update (8 bytes). The round
-metric ``personal_accuracy`` is their plain mean over the round's clients.
+metric ``personal_accuracy`` is their plain mean over the round's clients whose reply arrived
+(like the average, which leaves out missing replies).
 
 Choices the paper leaves open: p starts at zero, so the personalised logits start equal to
 the generic ones (``phead_init=generic`` starts p as a copy of the generic head the client
@@ -46,6 +47,7 @@ from fedskew.protocol import (
     ClientLogic,
     Message,
     ServerLogic,
+    arrived,
 )
 
 PHEAD_INITS = ("zeros", "generic")
@@ -119,6 +121,7 @@ class FedRODServer(ServerLogic):
         scalars = {"evaluate": 1.0} if self.setup.is_eval_round(rnd) else {}
         msg = Message("train", arrays=self.global_arrays, scalars=scalars)
         replies = channel.exchange({c: msg for c in clients})
+        clients = arrived(clients, replies)
         self.global_arrays = weighted_average(
             [replies[c].arrays for c in clients],
             [replies[c].scalars["num_samples"] for c in clients],

@@ -30,6 +30,10 @@ local objective; every client applies the same decay, so its share in ``c`` and 
 alike and mostly cancels in the correction ``c - c_k``.
 
 The server averages ``y_k`` without sample weights (``1/|S|``), as the paper writes.
+When some replies do not arrive, ``S`` is the set of clients that replied: ``y_k`` is averaged
+over it and ``c`` moves by ``(1/N) sum_{k in S} delta c_k``, the paper's update for that smaller
+sample (a lost ``delta c_k`` is not added later, so ``c`` no longer equals the mean of the
+clients' ``c_k`` exactly).
 Control variates cover the trainable variables only; buffers (BatchNorm statistics) are
 averaged like the other entries of ``y_k`` but carry no control variate.
 """
@@ -57,6 +61,7 @@ from fedskew.protocol import (
     Message,
     ServerLogic,
     ServerSetup,
+    arrived,
 )
 
 C_PREFIX = "c/"  # the server's control variate in the "train" message
@@ -95,6 +100,7 @@ class ScaffoldServer(ServerLogic):
             arrays={**self.global_arrays, **{C_PREFIX + k: v for k, v in self.c.items()}},
         )
         replies = channel.exchange({c: msg for c in clients})
+        clients = arrived(clients, replies)  # S is the set that replied, N stays all clients
         models = [{k: replies[c].arrays[k] for k in self.global_arrays} for c in clients]
         # mean of y_k, then w + eta_g (mean - w) = w + eta_g * mean(y_k - w)
         averaged = weighted_average(models, [1.0] * len(clients))

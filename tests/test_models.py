@@ -19,6 +19,8 @@ CASES = [
     ("simple-cnn", (1, 28, 28), {}, 84),
     ("simple-cnn", (3, 32, 32), {}, 84),
     ("cnn-cifar", (3, 32, 32), {}, 192),
+    ("fedavg-cnn", (1, 28, 28), {}, 512),
+    ("fedavg-cnn", (3, 32, 32), {}, 512),
 ] + [
     ("resnet18", shape, {"stem": stem, "norm": norm}, 512)
     for shape in ((3, 32, 32), (3, 64, 64))
@@ -101,6 +103,27 @@ def test_cnn_cifar_structure_and_parameter_count() -> None:
     assert not any(isinstance(m, BATCH_NORMS) for m in model.modules())
 
 
+def test_fedavg_cnn_structure_and_parameter_count() -> None:
+    model = build_model("fedavg-cnn", (1, 28, 28), 10)
+    # 28 -conv5-> 24 -pool-> 12 -conv5-> 8 -pool-> 4: 64 channels of 4x4 are flattened.
+    assert model.body.fc1.in_features == 64 * 4 * 4
+    assert [m.out_channels for m in model.body if isinstance(m, nn.Conv2d)] == [32, 64]
+    assert [m.kernel_size for m in model.body if isinstance(m, nn.Conv2d)] == [(5, 5), (5, 5)]
+    assert all(m.padding == (0, 0) for m in model.body if isinstance(m, nn.Conv2d))
+    assert [m.out_features for m in model.body if isinstance(m, nn.Linear)] == [512]
+    assert model.head.in_features == 512 and model.head.bias is not None
+    expected = (
+        (1 * 32 * 25 + 32)  # conv1
+        + (32 * 64 * 25 + 64)  # conv2
+        + (1024 * 512 + 512)  # fc1
+        + (512 * 10 + 10)  # head
+    )
+    assert _count(model) == expected == 582_026  # the count McMahan et al.'s CNN is known by
+    assert not any(isinstance(m, BATCH_NORMS) for m in model.modules())
+    # CIFAR-sized colour input: 32 -> 28 -> 14 -> 10 -> 5, so 64 * 25 features into fc1.
+    assert build_model("fedavg-cnn", (3, 32, 32), 10).body.fc1.in_features == 1600
+
+
 def test_resnet18_groupnorm_has_no_batchnorm() -> None:
     model = build_model("resnet18", (3, 32, 32), 10, norm="gn")
     assert not any(isinstance(m, BATCH_NORMS) for m in model.modules())
@@ -146,7 +169,7 @@ def test_construction_is_deterministic_under_manual_seed() -> None:
 
 
 def test_registry_descriptions_are_single_lines() -> None:
-    assert set(MODELS) == {"mlp", "simple-cnn", "cnn-cifar", "resnet18"}
+    assert set(MODELS) == {"mlp", "simple-cnn", "cnn-cifar", "fedavg-cnn", "resnet18"}
     for name, info in MODELS.items():
         assert info.name == name
         assert info.description and "\n" not in info.description
@@ -154,7 +177,9 @@ def test_registry_descriptions_are_single_lines() -> None:
 
 
 def test_unknown_model_lists_choices() -> None:
-    with pytest.raises(UsageError, match="choices: cnn-cifar, mlp, resnet18, simple-cnn"):
+    with pytest.raises(
+        UsageError, match="choices: cnn-cifar, fedavg-cnn, mlp, resnet18, simple-cnn"
+    ):
         build_model("vgg", (3, 32, 32), 10)
 
 
@@ -180,7 +205,7 @@ def test_invalid_mlp_hidden(hidden: object) -> None:
         build_model("mlp", (64,), 10, hidden=hidden)
 
 
-@pytest.mark.parametrize("name", ["simple-cnn", "cnn-cifar"])
+@pytest.mark.parametrize("name", ["simple-cnn", "cnn-cifar", "fedavg-cnn"])
 def test_small_images_rejected_by_unpadded_cnns(name: str) -> None:
     with pytest.raises(UsageError, match="at least 16x16") as info:
         build_model(name, (1, 8, 8), 10)
@@ -188,7 +213,7 @@ def test_small_images_rejected_by_unpadded_cnns(name: str) -> None:
     build_model(name, (1, 16, 16), 10)  # the smallest size that fits
 
 
-@pytest.mark.parametrize("name", ["simple-cnn", "cnn-cifar", "resnet18"])
+@pytest.mark.parametrize("name", ["simple-cnn", "cnn-cifar", "fedavg-cnn", "resnet18"])
 def test_image_models_reject_tabular_input(name: str) -> None:
     with pytest.raises(UsageError, match=r"needs image input \(C, H, W\)"):
         build_model(name, (64,), 10)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fedskew.precision import autocast
 from fedskew.protocol import ClientContext, ClientData, LocalTrainConfig
 
 
@@ -91,7 +92,9 @@ def local_train(
     """SGD over the client's data: a fresh permutation per epoch, slices as batches.
 
     No DataLoader: the client's rows are gathered per batch from tensors held once
-    for all clients, which keeps the loop at bare-PyTorch speed.
+    for all clients, which keeps the loop at bare-PyTorch speed. Under ``cfg.precision``
+    "bf16" the loss function and plug-in terms run under bf16 autocast; parameters,
+    gradients and the optimizer's state stay fp32.
     """
     model.train()
     opt = optimizer if optimizer is not None else make_optimizer(model, cfg)
@@ -106,18 +109,22 @@ def local_train(
             xb, yb = data.batch(perm[start:stop])
             if cfg.augment:
                 xb = augment_batch(xb, gen)
-            out = loss_fn(model, xb, yb)
-            if isinstance(out, Forward):
-                loss = out.loss
-                if extra_terms:
-                    if out.features is None or out.logits is None:
-                        raise RuntimeError("extra loss terms need a loss_fn that returns features")
-                    for term in extra_terms:
-                        loss = loss + term(out.features, out.logits, yb)
-            else:
-                if extra_terms:
-                    raise RuntimeError("extra loss terms need a loss_fn that returns a Forward")
-                loss = out
+            # Forward and loss under the precision policy; backward outside, weights fp32.
+            with autocast(cfg.precision, xb.device.type):
+                out = loss_fn(model, xb, yb)
+                if isinstance(out, Forward):
+                    loss = out.loss
+                    if extra_terms:
+                        if out.features is None or out.logits is None:
+                            raise RuntimeError(
+                                "extra loss terms need a loss_fn that returns features"
+                            )
+                        for term in extra_terms:
+                            loss = loss + term(out.features, out.logits, yb)
+                else:
+                    if extra_terms:
+                        raise RuntimeError("extra loss terms need a loss_fn that returns a Forward")
+                    loss = out
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.grad_clip > 0:

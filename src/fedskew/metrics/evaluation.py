@@ -8,6 +8,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedskew.precision import autocast
+
 
 @dataclass
 class EvalResult:
@@ -17,15 +19,20 @@ class EvalResult:
     class_counts: np.ndarray
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def evaluate(
     model: torch.nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
     num_classes: int,
     batch_size: int = 1024,
+    precision: str = "fp32",
 ) -> EvalResult:
-    """Accuracy, mean loss and per-class accuracy in one batched pass without autograd."""
+    """Accuracy, mean loss and per-class accuracy in one batched pass without autograd.
+
+    The forward pass runs under ``precision`` (see fedskew.precision); the loss, the
+    arg-max and the per-class counts are taken from the logits in fp32.
+    """
     was_training = model.training
     model.eval()
     correct = torch.zeros(num_classes, dtype=torch.int64)
@@ -33,7 +40,9 @@ def evaluate(
     loss_sum = 0.0
     for start in range(0, len(y), batch_size):
         xb, yb = x[start : start + batch_size], y[start : start + batch_size]
-        logits = model(xb)
+        with autocast(precision, xb.device.type):
+            logits = model(xb)
+        logits = logits.float()  # a no-op in fp32
         loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
         hit = (logits.argmax(dim=1) == yb).to(torch.int64)
         correct += torch.bincount(yb, weights=hit, minlength=num_classes).to(torch.int64)

@@ -8,7 +8,7 @@ from typing import Any
 
 from fedskew.errors import UsageError
 from fedskew.models.base import BodyHeadModel, ModelInfo
-from fedskew.models.cnn import build_cnn_cifar, build_mlp, build_simple_cnn
+from fedskew.models.cnn import build_cnn_cifar, build_fedavg_cnn, build_mlp, build_simple_cnn
 from fedskew.models.resnet import build_resnet18
 
 __all__ = ["MODELS", "BodyHeadModel", "ModelInfo", "build_model", "split_names"]
@@ -25,6 +25,12 @@ MODELS: dict[str, ModelInfo] = {
             "simple-cnn",
             "MOON/FedCME simple CNN: 2 conv5 + 2 FC (84-d features); images >= 16x16",
             build_simple_cnn,
+        ),
+        ModelInfo(
+            "fedavg-cnn",
+            "McMahan FedAvg CNN: conv 32, conv 64 (5x5, no padding), FC 512 (512-d features); "
+            "images >= 16x16",
+            build_fedavg_cnn,
         ),
         ModelInfo(
             "cnn-cifar",

@@ -51,32 +51,45 @@ def _two_conv_flat_size(
     return channels, out_channels * sizes[0] * sizes[1]
 
 
-def _two_conv_body(channels: int, flat: int, widths: tuple[int, int, int, int]) -> nn.Module:
-    """conv5-ReLU-pool2 twice, then two ReLU fully connected layers: the shape both small
-    CNNs of the papers share; only the widths differ."""
-    c1, c2, f1, f2 = widths
-    return nn.Sequential(
-        OrderedDict(
-            conv1=nn.Conv2d(channels, c1, 5),
-            relu1=nn.ReLU(),
-            pool1=nn.MaxPool2d(2),
-            conv2=nn.Conv2d(c1, c2, 5),
-            relu2=nn.ReLU(),
-            pool2=nn.MaxPool2d(2),
-            flatten=nn.Flatten(),
-            fc1=nn.Linear(flat, f1),
-            relu3=nn.ReLU(),
-            fc2=nn.Linear(f1, f2),
-            relu4=nn.ReLU(),
-        )
+def _two_conv_body(
+    channels: int, flat: int, convs: tuple[int, int], fcs: tuple[int, ...]
+) -> nn.Module:
+    """conv5-ReLU-pool2 twice, then ReLU fully connected layers: the shape the papers' small
+    CNNs share; only the widths and the number of fully connected layers differ."""
+    c1, c2 = convs
+    layers: OrderedDict[str, nn.Module] = OrderedDict(
+        conv1=nn.Conv2d(channels, c1, 5),
+        relu1=nn.ReLU(),
+        pool1=nn.MaxPool2d(2),
+        conv2=nn.Conv2d(c1, c2, 5),
+        relu2=nn.ReLU(),
+        pool2=nn.MaxPool2d(2),
+        flatten=nn.Flatten(),
     )
+    width = flat
+    for i, out in enumerate(fcs):
+        layers[f"fc{i + 1}"] = nn.Linear(width, out)
+        layers[f"relu{i + 3}"] = nn.ReLU()
+        width = out
+    return nn.Sequential(layers)
 
 
 def build_simple_cnn(input_shape: tuple[int, ...], num_classes: int) -> BodyHeadModel:
     """The LeNet-style "simple-cnn" of MOON and FedCME (84-d features)."""
     channels, flat = _two_conv_flat_size("simple-cnn", input_shape, 16)
-    body = _two_conv_body(channels, flat, (6, 16, 120, 84))
+    body = _two_conv_body(channels, flat, (6, 16), (120, 84))
     return BodyHeadModel(body, nn.Linear(84, num_classes), 84)
+
+
+def build_fedavg_cnn(input_shape: tuple[int, ...], num_classes: int) -> BodyHeadModel:
+    """McMahan et al.'s FedAvg CNN for 28x28 images (582,026 parameters with 10 classes).
+
+    conv 32 5x5 and conv 64 5x5 without padding, each followed by ReLU and 2x2 pooling, then
+    one fully connected ReLU layer of 512 units as the features and a linear head.
+    """
+    channels, flat = _two_conv_flat_size("fedavg-cnn", input_shape, 64)
+    body = _two_conv_body(channels, flat, (32, 64), (512,))
+    return BodyHeadModel(body, nn.Linear(512, num_classes), 512)
 
 
 def build_cnn_cifar(input_shape: tuple[int, ...], num_classes: int) -> BodyHeadModel:
@@ -85,5 +98,5 @@ def build_cnn_cifar(input_shape: tuple[int, ...], num_classes: int) -> BodyHeadM
     The head has no bias, as in FedNH, whose prototype head is a bias-free linear map.
     """
     channels, flat = _two_conv_flat_size("cnn-cifar", input_shape, 64)
-    body = _two_conv_body(channels, flat, (64, 64, 384, 192))
+    body = _two_conv_body(channels, flat, (64, 64), (384, 192))
     return BodyHeadModel(body, nn.Linear(192, num_classes, bias=False), 192)

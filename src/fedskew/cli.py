@@ -118,7 +118,22 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         help="tensor layout (default auto: channels_last for convolutional models)",
     )
     p.add_argument(
+        "--precision",
+        metavar="fp32|bf16",
+        help="forward passes in fp32 (default) or under bf16 autocast; weights stay fp32",
+    )
+    p.add_argument(
         "--checkpoint-every", type=int, help="rounds between checkpoints (default 1; 0: none)"
+    )
+    p.add_argument(
+        "--engine",
+        choices=["inprocess", "flower-sim"],
+        help="inprocess (default) or flower-sim: Flower's simulation engine (needs .[flower])",
+    )
+    p.add_argument(
+        "--reply-timeout",
+        type=float,
+        help="seconds a Flower round waits for client replies (default 0: no limit)",
     )
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an unfinished run folder")
     p.add_argument("-o", "--out-dir", help="where run folders go (default ./runs)")
@@ -157,6 +172,9 @@ def cli_values(args: argparse.Namespace) -> dict[str, Any]:
         "eval_every",
         "checkpoint_every",
         "memory_format",
+        "precision",
+        "engine",
+        "reply_timeout",
         "out_dir",
         "name",
         "quiet",
@@ -196,12 +214,31 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg = load_config(args)
     progress = RoundProgress(cfg.rounds, f"{cfg.algorithm} on {cfg.dataset}", disable=cfg.quiet)
     try:
-        folder, summary = run(cfg, on_round=progress.update, resume=resume, on_start=progress.start)
+        if cfg.engine == "flower-sim":
+            run_flower = flower_simulation()
+            folder, summary = run_flower(
+                cfg, on_round=progress.update, on_start=progress.start, resume=resume
+            )
+        else:
+            folder, summary = run(
+                cfg, on_round=progress.update, resume=resume, on_start=progress.start
+            )
     finally:
         progress.close()
     if not cfg.quiet:
         print(format_summary(summary, folder))
     return 0
+
+
+def flower_simulation():
+    """The Flower simulation entry point, or a one-line error when Flower is missing."""
+    try:
+        from fedskew.engine.flower_app import run_simulation
+    except ImportError as exc:
+        raise UsageError(
+            f"--engine flower-sim needs Flower: pip install 'fedskew[flower]' ({exc})"
+        ) from None
+    return run_simulation
 
 
 def resume_config(args: argparse.Namespace):

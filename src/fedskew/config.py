@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fedskew.errors import UsageError
+from fedskew.precision import check_precision
 
 
 @dataclass
@@ -34,6 +35,7 @@ class ExperimentConfig:
     augment: bool = False
     grad_clip: float = 0.0  # max gradient norm per local step; 0: off
     memory_format: str = "auto"  # auto: channels_last for convolutional models
+    precision: str = "fp32"  # fp32, or bf16 autocast for forward passes (fedskew.precision)
     params: dict[str, Any] = field(default_factory=dict)  # algorithm hyper-parameters
     feature_matching: bool = False  # FedFM's anchor feature matching as a plug-in
     eval_every: int = 1
@@ -41,6 +43,8 @@ class ExperimentConfig:
     synthetic_alpha: float = 1.0
     synthetic_beta: float = 1.0
     checkpoint_every: int = 1  # rounds between checkpoints; 0: none
+    engine: str = "inprocess"  # inprocess | flower-sim (flower deployments start from `flwr run`)
+    reply_timeout: float = 0.0  # seconds a Flower round waits for replies; 0: no limit
     out_dir: str = "runs"
     name: str | None = None
     quiet: bool = False
@@ -87,14 +91,20 @@ class ExperimentConfig:
                 f"memory-format must be one of {', '.join(MEMORY_FORMATS)}, "
                 f"got {self.memory_format!r}"
             )
+        check_precision(self.precision)
         if self.seed < 0:
             raise UsageError(f"seed must be >= 0, got {self.seed}")
+        if self.engine not in ENGINES:
+            raise UsageError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.reply_timeout < 0:
+            raise UsageError(f"reply-timeout must be >= 0 (0: no limit), got {self.reply_timeout}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
+ENGINES = ("inprocess", "flower-sim", "flower")  # "flower": set by the deployed ServerApp
 FIELDS = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
 TABLES = ("model_options", "partition_params", "params")
 

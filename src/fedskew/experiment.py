@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,7 +16,7 @@ import torch
 from fedskew import __version__
 from fedskew.algorithms import get_algorithm
 from fedskew.algorithms.local import set_arrays
-from fedskew.checkpoint import load_checkpoint, load_server_state, save_checkpoint
+from fedskew.checkpoint import load_checkpoint, load_server_state, save_checkpoint, server_state
 from fedskew.config import ExperimentConfig
 from fedskew.data.federated import FederatedData, sample_clients
 from fedskew.data.partition import PARTITIONS, make_partition
@@ -23,11 +25,13 @@ from fedskew.engine.inprocess import InProcessEngine
 from fedskew.errors import FedskewError, UsageError
 from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
 from fedskew.models import MODELS, build_model
-from fedskew.protocol import LocalTrainConfig, ServerSetup
+from fedskew.protocol import ClientLogic, LocalTrainConfig, NoReplies, ServerSetup
 from fedskew.rng import derive_seed
 from fedskew.runfolder import RunFolder, check_writable
 
 RoundCallback = Callable[[dict[str, Any]], None]
+EngineFactory = Callable[["Prepared", ClientLogic, torch.nn.Module], Any]
+log = logging.getLogger("fedskew")
 
 
 @dataclass
@@ -115,6 +119,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         weight_decay=cfg.weight_decay,
         augment=cfg.augment,
         grad_clip=cfg.grad_clip,
+        precision=cfg.precision,
     )
     model_name = resolve_model_name(cfg)
     channels_last = use_channels_last(cfg, dataset, model_name)
@@ -159,9 +164,16 @@ def run(
     on_round: RoundCallback | None = None,
     resume: Path | None = None,
     on_start: Callable[[int], None] | None = None,
+    engine_factory: EngineFactory | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """Run the experiment (or continue the one in ``resume``); return the finished run
-    folder and the summary."""
+    folder and the summary.
+
+    ``engine_factory`` builds the engine that carries the algorithm's messages (the
+    in-process engine by default; the Flower ServerApp passes one that sends them through
+    Flower's Grid). An engine whose ``may_lose_replies`` is true can return fewer replies
+    than it was sent; a round in which no client replied is skipped and recorded.
+    """
     cfg.validate()
     check_names(cfg)
     if resume is None:
@@ -186,14 +198,18 @@ def run(
     )
     server = prep.algorithm.Server(prep.params, setup)
     client_logic = prep.algorithm.Client(prep.params)
-    engine = InProcessEngine(
-        client_logic,
-        prep.fed,
-        model,
-        prep.train,
-        cfg.seed,
-        test=(prep.dataset.x_test, prep.dataset.y_test),
-    )
+    if engine_factory is None:
+        engine = InProcessEngine(
+            client_logic,
+            prep.fed,
+            model,
+            prep.train,
+            cfg.seed,
+            test=(prep.dataset.x_test, prep.dataset.y_test),
+        )
+    else:
+        engine = engine_factory(prep, client_logic, model)
+    may_lose = bool(getattr(engine, "may_lose_replies", False))
     client_counts = prep.fed.class_counts()
 
     history: list[dict[str, Any]] = []
@@ -209,8 +225,8 @@ def run(
                 f"{resume}: the saved partition differs from the one rebuilt from its config"
             )
         if folder.checkpoint_path.exists():
-            done, server_state, client_states, _ = load_checkpoint(folder.checkpoint_path)
-            load_server_state(server, server_state)
+            done, saved_server, client_states, _ = load_checkpoint(folder.checkpoint_path)
+            load_server_state(server, saved_server)
             engine.client_states = client_states
             start_round = done
         history = folder.read_metrics(up_to_round=start_round)
@@ -224,24 +240,39 @@ def run(
     for rnd in range(start_round, cfg.rounds):
         clients = sample_clients(cfg.seed, rnd, num_clients, per_round)
         engine.begin_round(rnd)
+        # A lossy engine may fail a round part-way; its server state is then put back.
+        before = copy.deepcopy(server_state(server)) if may_lose else None
         t0 = time.perf_counter()
-        round_metrics = server.round(rnd, clients, engine)
+        try:
+            round_metrics = server.round(rnd, clients, engine)
+        except NoReplies as exc:
+            load_server_state(server, before)
+            log.warning("round %d skipped: %s", rnd + 1, exc)
+            round_metrics = {"skipped": 1.0}
         round_seconds = time.perf_counter() - t0
+        trained = [c for c in clients if not may_lose or c not in engine.missing]
         record: dict[str, Any] = {
             "round": rnd + 1,
             "clients": clients,
-            "samples": cfg.local_epochs * sum(len(prep.partition[c]) for c in clients),
+            "samples": cfg.local_epochs * sum(len(prep.partition[c]) for c in trained),
             "bytes_down": engine.traffic.bytes_down,
             "bytes_up": engine.traffic.bytes_up,
             "exchanges": engine.traffic.exchanges,
             "seconds": round(round_seconds, 4),
             **{k: float(v) for k, v in round_metrics.items()},
         }
+        if may_lose:
+            record["missing_replies"] = sorted(engine.missing)
+            record["rejected_replies"] = sorted(engine.rejected)
         if setup.is_eval_round(rnd):
             t1 = time.perf_counter()
             set_arrays(eval_model, server.eval_arrays())
             result = evaluate(
-                eval_model, prep.dataset.x_test, prep.dataset.y_test, prep.dataset.num_classes
+                eval_model,
+                prep.dataset.x_test,
+                prep.dataset.y_test,
+                prep.dataset.num_classes,
+                precision=prep.train.precision,
             )
             last_eval = {
                 "accuracy": result.accuracy,

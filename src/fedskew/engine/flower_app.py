@@ -1,0 +1,275 @@
+"""fedskew as a Flower app: a ServerApp that drives any algorithm, a ClientApp that runs it.
+
+The same algorithm file runs here as in the in-process engine. The ServerApp runs the
+experiment loop of :func:`fedskew.experiment.run` with a :class:`FlowerEngine`; the
+ClientApp routes each message to the algorithm's client handler, keeping the client's
+state in the node's ``context.state``.
+
+Start-up handshake: the ServerApp waits for the nodes, then sends each one a ``setup``
+message carrying the experiment configuration (JSON); the node answers with the partition
+id from its node config (``partition-id``), which becomes its fedskew client id. Every
+node thus builds the same data partition from the same seed and takes its own part; a
+node may point at its local copy of the data with the node config key ``data-dir``.
+
+Entry points: ``server_app`` / ``client_app`` (named in the Flower app's pyproject for
+``flwr run``), and :func:`run_simulation` for ``fedskew run --engine flower-sim``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord, Context
+from flwr.app import Message as FlowerMessage
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from fedskew.config import ExperimentConfig, build_config, normalise_keys
+from fedskew.engine.flower_codec import decode, encode, load_state, store_state
+from fedskew.engine.flower_engine import MESSAGE_TYPE, FlowerEngine
+from fedskew.errors import FedskewError, UsageError
+from fedskew.protocol import ClientContext, Message
+
+log = logging.getLogger("fedskew")
+SETUP = "fedskew.setup"
+CONFIG_RECORD = "fedskew.config"
+NODE_WAIT_SECONDS = 120.0
+
+
+# ---------------------------------------------------------------------------- server
+
+
+def config_from_run_config(run_config: dict[str, Any]) -> ExperimentConfig:
+    """An ExperimentConfig from Flower's run config.
+
+    Keys are the config keys of ``fedskew run`` (dashes or underscores); ``config-file``
+    names a fedskew TOML/YAML file read first; the tables ``params``, ``partition-params``
+    and ``model-options`` are strings of ``key=value`` pairs ("lam=10 start_round=0");
+    empty strings mean "not set".
+    """
+    from fedskew.cli import _parse_scalar
+    from fedskew.config import TABLES, read_config_file
+
+    values: dict[str, Any] = {}
+    file_values: dict[str, Any] = {}
+    for raw_key, value in run_config.items():
+        key = raw_key.replace("-", "_")
+        if value == "":
+            continue
+        if key == "config_file":
+            file_values = read_config_file(str(value))
+        elif key in TABLES:
+            values[key] = parse_pairs(str(value), raw_key, _parse_scalar)
+        else:
+            values[key] = value
+    values = normalise_keys(values, "Flower run config")
+    cfg = build_config(normalise_keys(file_values, "config-file"), values)
+    cfg.engine = "flower"
+    return cfg
+
+
+def parse_pairs(text: str, key: str, parse: Callable[[str], Any]) -> dict[str, Any]:
+    pairs: dict[str, Any] = {}
+    for item in text.replace(",", " ").split():
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise UsageError(f"run config '{key}': expected key=value pairs, got {item!r}")
+        pairs[name.replace("-", "_")] = parse(value)
+    return pairs
+
+
+def wait_for_nodes(grid: Grid, wanted: int, timeout: float = NODE_WAIT_SECONDS) -> list[int]:
+    """Node ids once ``wanted`` nodes are connected, or those there are after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    nodes = list(grid.get_node_ids())
+    while len(nodes) < wanted and time.monotonic() < deadline:
+        time.sleep(0.5)
+        nodes = list(grid.get_node_ids())
+    return nodes
+
+
+def handshake(grid: Grid, nodes: list[int], cfg: ExperimentConfig) -> dict[int, int]:
+    """Send the configuration to every node; return {client id: node id}."""
+    text = json.dumps(cfg.to_dict())
+    messages = [
+        FlowerMessage(
+            encode(Message(SETUP, strings={"config": text}), {"round": -1, "client_id": -1}),
+            node,
+            MESSAGE_TYPE,
+        )
+        for node in nodes
+    ]
+    node_of: dict[int, int] = {}
+    for reply in grid.send_and_receive(messages, timeout=NODE_WAIT_SECONDS):
+        node = reply.metadata.src_node_id
+        if reply.has_error():
+            log.warning("node %d failed the setup: %s", node, reply.error.reason)
+            continue
+        msg, _ = decode(reply.content)
+        cid = int(msg.scalars["partition_id"])
+        if cid in node_of:
+            raise UsageError(f"nodes {node_of[cid]} and {node} both hold partition {cid}")
+        if not 0 <= cid < cfg.num_clients:
+            raise UsageError(f"node {node} holds partition {cid}, outside 0..{cfg.num_clients - 1}")
+        node_of[cid] = node
+    absent = sorted(set(range(cfg.num_clients)) - set(node_of))
+    if len(absent) == cfg.num_clients:
+        raise FedskewError("no Flower node answered the setup message")
+    if absent:
+        log.warning("no node holds partitions %s; they count as missing", absent)
+    return node_of
+
+
+def serve(
+    grid: Grid,
+    cfg: ExperimentConfig,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+    on_start: Callable[[int], None] | None = None,
+    resume: Path | None = None,
+) -> tuple[Path, dict[str, Any]]:
+    """Run the experiment through ``grid``: the body of the ServerApp."""
+    from fedskew.experiment import run
+
+    cfg.validate()
+    node_of = handshake(grid, wait_for_nodes(grid, cfg.num_clients), cfg)
+    timeout = cfg.reply_timeout or None
+
+    def engine_factory(prep: Any, client_logic: Any, model: torch.nn.Module) -> FlowerEngine:
+        return FlowerEngine(grid, node_of, model.state_dict(), timeout=timeout)
+
+    return run(cfg, on_round=on_round, resume=resume, on_start=on_start,
+               engine_factory=engine_factory)  # fmt: skip
+
+
+server_app = ServerApp()
+
+
+@server_app.main()
+def _server_main(grid: Grid, context: Context) -> None:
+    cfg = config_from_run_config(dict(context.run_config))
+    folder, summary = serve(grid, cfg)
+    log.info("fedskew run finished: %s, final accuracy %s", folder, summary.get("final_accuracy"))
+
+
+# ---------------------------------------------------------------------------- client
+
+
+class _NodeRuntime:
+    """What a node builds once per experiment: data, partition, scratch model, logic."""
+
+    def __init__(self, cfg: ExperimentConfig) -> None:
+        from fedskew.experiment import new_model, prepare
+
+        self.prep = prepare(cfg)
+        self.model = new_model(self.prep)
+        self.logic = self.prep.algorithm.Client(self.prep.params)
+
+
+_RUNTIMES: dict[str, _NodeRuntime] = {}  # config JSON -> runtime; one process, many nodes
+
+
+def _runtime(config_json: str, data_dir: str | None) -> _NodeRuntime:
+    key = f"{config_json}\n{data_dir}"
+    runtime = _RUNTIMES.get(key)
+    if runtime is None:
+        raw = json.loads(config_json)
+        if data_dir:
+            raw["data_dir"] = data_dir
+        raw["engine"] = "inprocess"  # the node runs the client side itself
+        cfg = build_config(normalise_keys(raw, "setup message"), {})
+        _RUNTIMES.clear()  # a node serves one experiment at a time
+        runtime = _RUNTIMES[key] = _NodeRuntime(cfg)
+    return runtime
+
+
+def _partition_id(context: Context) -> int:
+    value = context.node_config.get("partition-id")
+    if value is None:
+        raise UsageError("this SuperNode has no 'partition-id' in its node config")
+    return int(value)
+
+
+client_app = ClientApp()
+
+
+@client_app.train()
+def _client_main(message: FlowerMessage, context: Context) -> FlowerMessage:
+    msg, envelope = decode(message.content)
+    pid = _partition_id(context)
+    data_dir = context.node_config.get("data-dir")
+    data_dir = str(data_dir) if data_dir else None
+    if msg.kind == SETUP:
+        context.state[CONFIG_RECORD] = ConfigRecord({"json": msg.strings["config"]})
+        _runtime(msg.strings["config"], data_dir)  # load data now, not in round 1
+        reply = Message("ready", scalars={"partition_id": float(pid)})
+        return FlowerMessage(encode(reply, {}), reply_to=message)
+    if CONFIG_RECORD not in context.state:
+        raise FedskewError("message before the setup message")
+    runtime = _runtime(str(context.state.config_records[CONFIG_RECORD]["json"]), data_dir)
+    cid = int(envelope["client_id"])
+    if cid != pid:
+        raise FedskewError(f"message for client {cid} reached the node of partition {pid}")
+    prep = runtime.prep
+    state = load_state(context.state)
+    ctx = ClientContext(
+        client_id=cid,
+        round=int(envelope["round"]),
+        seed=prep.cfg.seed,
+        data=prep.fed.client(cid),
+        model=runtime.model,
+        state=state,
+        train=prep.train,
+        test_x=prep.dataset.x_test,
+        test_y=prep.dataset.y_test,
+    )
+    reply = runtime.logic.handle(msg, ctx)
+    store_state(state, context.state)
+    return FlowerMessage(encode(reply, {}), reply_to=message)
+
+
+# ---------------------------------------------------------------------------- simulation
+
+
+def run_simulation(
+    cfg: ExperimentConfig,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+    on_start: Callable[[int], None] | None = None,
+    resume: Path | None = None,
+    cpus_per_client: float = 1.0,
+) -> tuple[Path, dict[str, Any]]:
+    """``fedskew run --engine flower-sim``: the experiment on Flower's simulation engine
+    (Ray backend), one virtual SuperNode per client."""
+    from flwr.simulation import run_simulation as flower_run_simulation
+
+    outcome: dict[str, Any] = {}
+    app = ServerApp()
+
+    @app.main()
+    def _main(grid: Grid, context: Context) -> None:
+        try:
+            outcome["result"] = serve(grid, cfg, on_round, on_start, resume)
+        except BaseException as exc:  # re-raised below, outside Flower's thread
+            outcome["error"] = exc
+
+    if cfg.quiet:
+        logging.getLogger("flwr").setLevel(logging.WARNING)
+    flower_run_simulation(
+        server_app=app,
+        client_app=client_app,
+        num_supernodes=cfg.num_clients,
+        backend_config={
+            "client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0},
+            "init_args": {"log_to_driver": False, "logging_level": "error"},
+        },
+    )
+    if "error" in outcome:
+        raise outcome["error"]
+    if "result" not in outcome:
+        raise FedskewError("the Flower simulation ended without a result (see its log)")
+    return outcome["result"]

@@ -31,7 +31,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from fedskew.config import ExperimentConfig, build_config, normalise_keys
-from fedskew.engine.flower_codec import decode, encode, load_state, store_state
+from fedskew.engine.flower_codec import clear_state, decode, encode, load_state, store_state
 from fedskew.engine.flower_engine import MESSAGE_TYPE, FlowerEngine
 from fedskew.errors import FedskewError, UsageError
 from fedskew.protocol import ClientContext, Message
@@ -132,12 +132,14 @@ def serve(
     on_round: Callable[[dict[str, Any]], None] | None = None,
     on_start: Callable[[int], None] | None = None,
     resume: Path | None = None,
+    node_wait: float = NODE_WAIT_SECONDS,
 ) -> tuple[Path, dict[str, Any]]:
-    """Run the experiment through ``grid``: the body of the ServerApp."""
+    """Run the experiment through ``grid``: the body of the ServerApp. It waits up to
+    ``node_wait`` seconds for one node per client, then starts with those connected."""
     from fedskew.experiment import run
 
     cfg.validate()
-    node_of = handshake(grid, wait_for_nodes(grid, cfg.num_clients), cfg)
+    node_of = handshake(grid, wait_for_nodes(grid, cfg.num_clients, node_wait), cfg)
     timeout = cfg.reply_timeout or None
 
     def engine_factory(prep: Any, client_logic: Any, model: torch.nn.Module) -> FlowerEngine:
@@ -205,6 +207,8 @@ def _client_main(message: FlowerMessage, context: Context) -> FlowerMessage:
     data_dir = context.node_config.get("data-dir")
     data_dir = str(data_dir) if data_dir else None
     if msg.kind == SETUP:
+        # A new experiment: state left by an earlier one on this node must not leak in.
+        clear_state(context.state)
         context.state[CONFIG_RECORD] = ConfigRecord({"json": msg.strings["config"]})
         _runtime(msg.strings["config"], data_dir)  # load data now, not in round 1
         reply = Message("ready", scalars={"partition_id": float(pid)})

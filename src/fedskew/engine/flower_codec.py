@@ -73,6 +73,12 @@ def store_state(state: ClientState, records: RecordDict) -> None:
     records[STATE_SCALARS] = MetricRecord({k: float(v) for k, v in state.scalars.items()})
 
 
+def clear_state(records: RecordDict) -> None:
+    for key in (STATE_ARRAYS, STATE_SCALARS):
+        if key in records:
+            del records[key]
+
+
 def load_state(records: RecordDict) -> ClientState:
     """The client state kept in ``context.state`` (empty on a node's first message)."""
     if STATE_ARRAYS not in records:

@@ -337,3 +337,42 @@ def test_ray_simulation_equals_inprocess(tmp_path):
         cfg = digits_cfg(tmp_path / "ip", algorithm, params=params, rounds=2, name=algorithm)
         folder_ip, _ = run(cfg)
         assert_same_curves(metrics(folder_ip), metrics(folders[algorithm]))
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def test_deployed_run_resumes_through_the_run_config(tmp_path):
+    """A deployed run killed after round 2 continues with `--run-config resume=DIR` and
+    ends with the same curve as an uninterrupted in-process run."""
+    from fedskew.engine.flower_app import _server_main
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_two(record: dict) -> None:
+        if record["round"] == 2:
+            raise Killed
+
+    cfg = digits_cfg(tmp_path / "fl", "fedavg", rounds=4, name="dep")
+    cfg.engine = "flower"
+    with pytest.raises(Killed):
+        serve(LocalGrid(4), cfg, on_round=kill_after_two)
+    unfinished = tmp_path / "fl" / "dep.incomplete"
+    assert len(metrics(unfinished)) == 2
+
+    context = Context(run_id=2, node_id=0, node_config={}, state=RecordDict(),
+                      run_config={"resume": str(unfinished), "rounds": 99})  # fmt: skip
+    _server_main(LocalGrid(4), context)
+    finished = tmp_path / "fl" / "dep"
+    reference, _ = run(digits_cfg(tmp_path / "ip", "fedavg", rounds=4))
+    assert_same_curves(metrics(reference), metrics(finished))
+
+    # fedskew run --resume refuses a deployed run rather than continuing it in-process.
+    from fedskew.cli import main
+
+    cfg2 = digits_cfg(tmp_path / "fl2", "fedavg", rounds=3, name="dep2")
+    cfg2.engine = "flower"
+    with pytest.raises(Killed):
+        serve(LocalGrid(4), cfg2, on_round=kill_after_two)
+    assert main(["run", "--resume", str(tmp_path / "fl2" / "dep2.incomplete"), "-q"]) == 2

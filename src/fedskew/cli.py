@@ -135,6 +135,12 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         type=float,
         help="seconds a Flower round waits for client replies (default 0: no limit)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="run clients in N worker processes, one torch thread each (default 0: in-process)",
+    )
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an unfinished run folder")
     p.add_argument("-o", "--out-dir", help="where run folders go (default ./runs)")
     p.add_argument(
@@ -175,6 +181,7 @@ def cli_values(args: argparse.Namespace) -> dict[str, Any]:
         "precision",
         "engine",
         "reply_timeout",
+        "workers",
         "out_dir",
         "name",
         "quiet",
@@ -210,6 +217,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     resume = None
     if args.resume:
         cfg, resume = resume_config(args)
+        if cfg.engine == "flower":
+            raise UsageError(
+                "this run was deployed on a Flower federation: continue it there with "
+                f"flwr run flower <connection> --run-config 'resume=\"{resume}\"'"
+            )
     else:
         cfg = load_config(args)
     progress = RoundProgress(cfg.rounds, f"{cfg.algorithm} on {cfg.dataset}", disable=cfg.quiet)

@@ -84,6 +84,18 @@ def parse_pairs(text: str, key: str, parse: Callable[[str], Any]) -> dict[str, A
     return pairs
 
 
+def resumed_config(folder: Path) -> tuple[ExperimentConfig, Path]:
+    """The configuration saved in an unfinished run folder, to continue it on Flower."""
+    from fedskew.runfolder import RunFolder
+
+    run_folder = RunFolder.reopen(folder)
+    saved = run_folder.read_config()
+    saved.pop("resolved", None)
+    cfg = build_config(normalise_keys(saved, str(run_folder.path / "config.json")), {})
+    cfg.engine = "flower"
+    return cfg, run_folder.path
+
+
 def wait_for_nodes(grid: Grid, wanted: int, timeout: float = NODE_WAIT_SECONDS) -> list[int]:
     """Node ids once ``wanted`` nodes are connected, or those there are after ``timeout``."""
     deadline = time.monotonic() + timeout
@@ -154,8 +166,19 @@ server_app = ServerApp()
 
 @server_app.main()
 def _server_main(grid: Grid, context: Context) -> None:
-    cfg = config_from_run_config(dict(context.run_config))
-    folder, summary = serve(grid, cfg)
+    # fedskew's warnings (lost or rejected replies) go where Flower's own log goes.
+    fedskew_log = logging.getLogger("fedskew")
+    if not fedskew_log.handlers:
+        for handler in logging.getLogger("flwr").handlers:
+            fedskew_log.addHandler(handler)
+        fedskew_log.setLevel(logging.INFO)
+    run_config = dict(context.run_config)
+    resume_dir = str(run_config.pop("resume", "") or "")
+    if resume_dir:
+        cfg, resume = resumed_config(Path(resume_dir))
+    else:
+        cfg, resume = config_from_run_config(run_config), None
+    folder, summary = serve(grid, cfg, resume=resume)
     log.info("fedskew run finished: %s, final accuracy %s", folder, summary.get("final_accuracy"))
 
 

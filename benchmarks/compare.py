@@ -43,6 +43,9 @@ PRESETS: dict[str, dict[str, list[str]]] = {
         # end of the paper's best range (see compare_methods.md).
         "fedfm-lam10": ["-a", "fedfm", "-p", "lam=10"],
         "fedacd": ["-a", "fedacd"],
+        # FedCME ablations, to see which part costs accuracy in this setting.
+        "fedcme-noexchange": ["-a", "fedcme", "-p", "exchange=none"],
+        "fedcme-mu0": ["-a", "fedcme", "-p", "mu=0"],
     },
     # The baselines the three papers compare against, each with its defaults.
     "baselines": {
@@ -195,11 +198,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
     ap.add_argument("--out", default=str(HERE / "results" / "runs"))
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--only", nargs="+", metavar="LABEL", help="run only these rows")
     args = ap.parse_args()
     out = Path(args.out) / args.preset
     if not args.report_only:
         jobs = [
-            (label, a, seed) for seed in args.seeds for label, a in PRESETS[args.preset].items()
+            (label, a, seed)
+            for seed in args.seeds
+            for label, a in PRESETS[args.preset].items()
+            if not args.only or label in args.only
         ]
         with ThreadPoolExecutor(args.jobs) as pool:
             futures = [

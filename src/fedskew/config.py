@@ -45,6 +45,7 @@ class ExperimentConfig:
     checkpoint_every: int = 1  # rounds between checkpoints; 0: none
     engine: str = "inprocess"  # inprocess | flower-sim (flower deployments start from `flwr run`)
     reply_timeout: float = 0.0  # seconds a Flower round waits for replies; 0: no limit
+    workers: int = 0  # client worker processes, one torch thread each; 0 or 1: in-process
     out_dir: str = "runs"
     name: str | None = None
     quiet: bool = False
@@ -98,6 +99,10 @@ class ExperimentConfig:
             raise UsageError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.reply_timeout < 0:
             raise UsageError(f"reply-timeout must be >= 0 (0: no limit), got {self.reply_timeout}")
+        if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 0:
+            raise UsageError(f"workers must be an integer >= 0, got {self.workers!r}")
+        if self.workers > 1 and self.engine != "inprocess":
+            raise UsageError(f"workers runs clients of the inprocess engine, not {self.engine}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -170,10 +170,37 @@ def run(
     folder and the summary.
 
     ``engine_factory`` builds the engine that carries the algorithm's messages (the
-    in-process engine by default; the Flower ServerApp passes one that sends them through
-    Flower's Grid). An engine whose ``may_lose_replies`` is true can return fewer replies
-    than it was sent; a round in which no client replied is skipped and recorded.
+    in-process engine by default, or with ``cfg.workers`` >= 2 the worker-pool engine,
+    whose processes end with the run, also on errors; the Flower ServerApp passes one
+    that sends them through Flower's Grid). An engine whose ``may_lose_replies`` is true
+    can return fewer replies than it was sent; a round in which no client replied is
+    skipped and recorded.
     """
+    cfg.validate()
+    if engine_factory is not None or cfg.workers <= 1:
+        return _run(cfg, on_round, resume, on_start, engine_factory)
+    from fedskew.engine.workers import WorkerPoolEngine
+
+    started: list[WorkerPoolEngine] = []
+
+    def start_workers(prep: Prepared, client_logic: ClientLogic, model: Any) -> Any:
+        started.append(WorkerPoolEngine(prep.cfg, client_sizes=prep.fed.sizes()))
+        return started[-1]
+
+    try:
+        return _run(cfg, on_round, resume, on_start, start_workers)
+    finally:
+        for engine in started:
+            engine.close()
+
+
+def _run(
+    cfg: ExperimentConfig,
+    on_round: RoundCallback | None,
+    resume: Path | None,
+    on_start: Callable[[int], None] | None,
+    engine_factory: EngineFactory | None,
+) -> tuple[Path, dict[str, Any]]:
     cfg.validate()
     check_names(cfg)
     if resume is None:

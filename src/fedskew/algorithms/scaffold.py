@@ -29,13 +29,28 @@ step, the decay inside it), so the control variates estimate the gradient of the
 local objective; every client applies the same decay, so its share in ``c`` and ``c_k`` is
 alike and mostly cancels in the correction ``c - c_k``.
 
-The server averages ``y_k`` without sample weights (``1/|S|``), as the paper writes.
+The server averages ``y_k`` without sample weights (``1/|S|``), as the paper writes
+(``weighting="uniform"``, default). ``weighting="samples"`` weights ``y_k`` by ``n_k`` as FedAvg
+does (what many public implementations do under quantity skew; the client then also sends
+``num_samples``); ``c`` keeps the paper's ``1/N`` update either way. It does not cure the
+instability below (on digits it made it worse: it weights the clients that drift furthest most).
 When some replies do not arrive, ``S`` is the set of clients that replied: ``y_k`` is averaged
 over it and ``c`` moves by ``(1/N) sum_{k in S} delta c_k``, the paper's update for that smaller
 sample (a lost ``delta c_k`` is not added later, so ``c`` no longer equals the mean of the
 clients' ``c_k`` exactly).
 Control variates cover the trainable variables only; buffers (BatchNorm statistics) are
 averaged like the other entries of ``y_k`` but carry no control variate.
+
+Stability: ``c - c_k`` is a fixed, first-order stand-in for the other clients' losses, valid
+near ``w`` only, and unlike the client's own gradient it does not fade once the client has fitted
+its data; so the client keeps moving along it, about ``K lr / (1 - rho) |c - c_k|`` in all (the
+paper's analysis likewise needs ``K lr`` small). When this local step budget is large (thousands
+of samples per client, several epochs, momentum 0.9 multiplying every step tenfold) the clients
+leave that region, the next control variates are measured far from the optimum, and accuracy
+swings or diverges where FedAvg does not. On digits with ``--beta 0.1`` this happened with full
+participation too, and with momentum 0 at the same ``lr / (1 - rho)``: the budget, not
+staleness or momentum as such, is the cause. Cut it: fewer local epochs, ``--momentum 0`` (the
+paper's plain SGD) at the same ``--lr``, or a smaller ``--lr``.
 """
 
 from __future__ import annotations
@@ -68,12 +83,14 @@ C_PREFIX = "c/"  # the server's control variate in the "train" message
 DC_PREFIX = "dc/"  # the client's delta c_k in its reply
 STATE_PREFIX = "scaffold.c_k/"  # the client's own control variate in its state
 NORMALISERS = ("momentum", "steps")
+WEIGHTINGS = ("uniform", "samples")
 
 
 @dataclass
 class ScaffoldParams:
     global_lr: float = 1.0  # the paper's eta_g
     normaliser: str = "momentum"  # K_eff in c_k+: momentum-corrected steps, or the raw K
+    weighting: str = "uniform"  # mean of y_k: 1/|S| (paper) or n_k / n (FedAvg's)
 
     def validate(self) -> None:
         if self.global_lr <= 0:
@@ -82,6 +99,11 @@ class ScaffoldParams:
             raise UsageError(
                 f"scaffold: normaliser must be one of {', '.join(NORMALISERS)}, "
                 f"got '{self.normaliser}'"
+            )
+        if self.weighting not in WEIGHTINGS:
+            raise UsageError(
+                f"scaffold: weighting must be one of {', '.join(WEIGHTINGS)}, "
+                f"got '{self.weighting}'"
             )
 
 
@@ -103,7 +125,11 @@ class ScaffoldServer(ServerLogic):
         clients = arrived(clients, replies)  # S is the set that replied, N stays all clients
         models = [{k: replies[c].arrays[k] for k in self.global_arrays} for c in clients]
         # mean of y_k, then w + eta_g (mean - w) = w + eta_g * mean(y_k - w)
-        averaged = weighted_average(models, [1.0] * len(clients))
+        if self.params.weighting == "samples":
+            weights = [replies[c].scalars["num_samples"] for c in clients]
+        else:
+            weights = [1.0] * len(clients)
+        averaged = weighted_average(models, weights)
         self.global_arrays = apply_server_lr(self.global_arrays, averaged, self.params.global_lr)
         n = self.setup.num_clients
         for k, ck in self.c.items():
@@ -141,7 +167,10 @@ class ScaffoldClient(ClientLogic):
                 c_new = c_k[k]
             delta_c[DC_PREFIX + k] = c_new - c_k[k]
             ctx.state.arrays[STATE_PREFIX + k] = c_new.detach().clone()
-        return Message("trained", arrays={**y, **delta_c}, scalars={"loss": result.mean_loss})
+        scalars = {"loss": result.mean_loss}
+        if self.params.weighting == "samples":  # only sent when the server needs it
+            scalars["num_samples"] = float(len(ctx.data))
+        return Message("trained", arrays={**y, **delta_c}, scalars=scalars)
 
 
 class Scaffold(Algorithm):

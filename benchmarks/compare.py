@@ -66,6 +66,10 @@ PRESETS: dict[str, dict[str, list[str]]] = {
             "creff",
             "fedproto",
         )
+    }
+    | {
+        # SCAFFOLD's remedy for its local step budget (see scaffold.py): the paper's plain SGD.
+        "scaffold-momentum0": ["-a", "scaffold", "--momentum", "0"],
     },  # fmt: skip
 }
 

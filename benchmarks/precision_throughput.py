@@ -102,7 +102,7 @@ def experiment_config(args: argparse.Namespace, precision: str, memory_format: s
         batch_size=BATCH, lr=LR, momentum=MOMENTUM, weight_decay=args.weight_decay,
         eval_every=1, seed=0, memory_format=memory_format, precision=precision,
         checkpoint_every=0, out_dir=str(Path(tempfile.gettempdir()) / "fedskew-bench"),
-        quiet=True,
+        quiet=True, workers=args.workers,
     )  # fmt: skip
 
 
@@ -114,7 +114,7 @@ def cli_command(args: argparse.Namespace, precision: str, memory_format: str) ->
         f"-n 20 --clients-per-round 8 --partition dirichlet --beta 0.1 -e {args.local_epochs} "
         f"-b {BATCH} --lr {LR} --momentum {MOMENTUM} --weight-decay {args.weight_decay} "
         f"-r {args.rounds} --eval-every 1 --memory-format {memory_format} "
-        f"--precision {precision} --checkpoint-every 0 --seed 0"
+        f"--precision {precision} --checkpoint-every 0 --seed 0 --workers {args.workers}"
     )
 
 
@@ -207,6 +207,12 @@ def main() -> None:
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--repeat", type=int, default=2, help="repeat the whole measurement")
     ap.add_argument("--data-dir", default=None)
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="clients in N worker processes of one thread each (0: in this process)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "precision_throughput.md"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -260,7 +266,12 @@ def main() -> None:
                 "FedAvg, fmnist, fedavg-cnn, 20 clients, dirichlet beta 0.1, 8 per round, "
                 f"E={args.local_epochs}, batch {BATCH}, lr {LR}, momentum {MOMENTUM}, "
                 f"weight decay {args.weight_decay}, eval every round, seed 0, "
-                f"{args.rounds} rounds"
+                f"{args.rounds} rounds, "
+                + (
+                    f"clients in {args.workers} worker processes of 1 thread each"
+                    if args.workers > 1
+                    else f"clients in this process, {args.threads} threads"
+                )
             ),
         },
         "issue_figures": ISSUE_FIGURES,

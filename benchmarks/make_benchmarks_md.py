@@ -79,6 +79,44 @@ def throughput_section() -> list[str]:
     ]
     for (precision, fmt), value in bare.items():
         lines.append(f"| {precision} | {fmt} | {value:,.0f} | {value / base:.2f} |")
+    best, best_bare = max(
+        (
+            (r, {(b["precision"], b["memory_format"]): b["samples_per_s"] for b in res["bare"]})
+            for res in (inproc, workers)
+            if res
+            for r in res["rounds"]
+        ),
+        key=lambda pair: pair[0]["round_throughput"],
+    )
+    flower_ratio = figures["Flower 1.42 simulation (Ray)"] / 3600
+    own_best = best["round_throughput"] / best_bare[("fp32", "contiguous")]
+    other_bare = (
+        f"{workers['bare'][0]['samples_per_s']:,.0f}" if workers and workers["bare"] else "n/a"
+    )
+    lines += [
+        "",
+        "**Goal not reached on this machine.** The fastest configuration, "
+        f"{best['precision']} {best['memory_format']}, runs at "
+        f"{best['round_throughput']:,.0f} samples/s: {best['round_throughput'] / goal:.2f} of "
+        "the 3x-Flower goal in absolute terms. Measured against each machine's own bare fp32 "
+        f"loop it is {own_best:.2f}x where Flower's figure is {flower_ratio:.2f}x, about "
+        f"{own_best / flower_ratio:.1f}x Flower. Why not 3x: bf16 with channels_last speeds "
+        f"the bare loop up {bare[('bf16', 'channels_last')] / base:.1f}x here (no AMX) against "
+        "2.6x (3,600 -> 9,300) on the issue's machine; and two one-thread worker processes "
+        "add little over one process with two threads here (the rows above), where the "
+        "issue's figures promised 18 % (2 x 5,700 one-thread against 9,300 two-thread "
+        "samples/s; the one-thread bare loop was not measured here). Both runs are single "
+        "repeats; "
+        f"the bare fp32 loop measured {base:,.0f} and {other_bare} samples/s in the two "
+        "invocations, so differences under about 15 % between rows of different invocations "
+        "are noise.",
+        "",
+        "Defaults chosen from these rows: `channels_last` for convolutional models (faster in "
+        "every pair); `--precision fp32` stays the default for exactness (bf16 is opt-in; its "
+        "accuracy is checked below); clients stay in one process by default (`--workers 2` was "
+        "faster by 3-22 % per row but within this noise, and costs a few seconds of start-up "
+        "and one copy of the dataset per worker).",
+    ]
     lines += [
         "",
         "Details, per-run commands and the evaluation share: "
@@ -117,6 +155,14 @@ def main() -> None:
             "precision_accuracy.md",
             "python benchmarks/precision_accuracy.py",
         ),  # fmt: skip
+        "## Round time per algorithm: caveat",
+        "",
+        "The table below is a single repeat, and a few short runs of another process shared "
+        "the machine during part of it. Rows far from what the counted extra work suggests "
+        "(FedProx 7.3x with no extra pass, FedFM-Lite 4.7x) are suspect and are to be "
+        "remeasured with `--repeat 2`; the extra-passes column is counted from the code and "
+        "does not depend on the run.",
+        "",
         *include(
             "Round time per algorithm, relative to FedAvg",
             "algorithm_round_time.md",

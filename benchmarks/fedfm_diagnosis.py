@@ -46,8 +46,8 @@ def replay_client(prep, arrays, anchors, client: int, lam: float, seed: int) -> 
     """Round-21 local training of one client with CE + lam * CG (SGD as in the runs)."""
     model = new_model(prep)
     set_arrays(model, arrays)
-    data = prep.fed.client(client)
-    x, y = data.x, data.y
+    data = prep.fed.client(client)  # x, y hold every client's rows; indices select this one's
+    x, y = data.x[data.indices], data.y[data.indices]
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-5)
     gen = torch.Generator().manual_seed(seed * 1000 + client)
     worst_grad, min_feature, loss = 0.0, float("inf"), torch.tensor(0.0)
@@ -117,10 +117,12 @@ def main() -> None:
     results = HERE / "results"
     (results / "fedfm_diagnosis.json").write_text(json.dumps(result, indent=1))
 
+    m = result["machine"]
     lines = [
         "# FedFM at its launching round (Fashion-MNIST, simple-cnn, Dir(0.1))",
         "",
-        f"Produced by `{result['command']}` on {result['machine']}.",
+        f"Produced by `{result['command']}` on {m['cpu']}, {m['cores']} cores, torch "
+        f"{m['torch']}; data: Fashion-MNIST (official files).",
         f"FedFM with its defaults trained to the end of round 20 (seed {args.seed}; feature "
         "matching is off until then), then round 21's local training of each sampled client "
         "replayed with CE + lambda * CG (tau 0.1), SGD lr 0.01, momentum 0.9, 5 epochs, "

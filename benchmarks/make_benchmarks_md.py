@@ -155,13 +155,14 @@ def main() -> None:
             "precision_accuracy.md",
             "python benchmarks/precision_accuracy.py",
         ),  # fmt: skip
-        "## Round time per algorithm: caveat",
+        "## Round time per algorithm: how to read it",
         "",
-        "The table below is a single repeat, and a few short runs of another process shared "
-        "the machine during part of it. Rows far from what the counted extra work suggests "
-        "(FedProx 7.3x with no extra pass, FedFM-Lite 4.7x) are suspect and are to be "
-        "remeasured with `--repeat 2`; the extra-passes column is counted from the code and "
-        "does not depend on the run.",
+        "A single repeat with one thread per run, so FedAvg's own three runs in it (start, "
+        "middle, end) spread as shown in its range; ratios within that spread of 1 do not "
+        "tell algorithms apart. The extra-passes column is counted from the code and does not "
+        "depend on the run. (An earlier repeat taken while other processes shared the machine "
+        "gave FedProx 7.3x; this one, on a machine running one other single-thread job, gives "
+        "1.2x.)",
         "",
         *include(
             "Round time per algorithm, relative to FedAvg",

@@ -203,6 +203,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results" / "runs"))
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--only", nargs="+", metavar="LABEL", help="run only these rows")
+    ap.add_argument(
+        "--runs", nargs="+", metavar="LABEL-sSEED",
+        help="run exactly these runs, in this order (e.g. fedprox-s1 moon-s2)",
+    )  # fmt: skip
     args = ap.parse_args()
     out = Path(args.out) / args.preset
     if not args.report_only:
@@ -212,6 +216,12 @@ def main() -> None:
             for label, a in PRESETS[args.preset].items()
             if not args.only or label in args.only
         ]
+        if args.runs:
+            by_name = {f"{label}-s{seed}": (label, a, seed) for label, a, seed in jobs}
+            unknown = [r for r in args.runs if r not in by_name]
+            if unknown:
+                ap.error(f"not runs of this preset and these seeds: {' '.join(unknown)}")
+            jobs = [by_name[r] for r in args.runs]
         with ThreadPoolExecutor(args.jobs) as pool:
             futures = [
                 pool.submit(run_one, label, a, seed, args.rounds, out, args.threads)

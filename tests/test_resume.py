@@ -48,10 +48,16 @@ def test_resume_continues_exactly_where_it_stopped(tmp_path, algorithm):
     assert main(["run", "--resume", str(unfinished), "-q"]) == 0
     resumed = tmp_path / "b" / "r"
     assert metrics(resumed) == metrics(full)
+    summary = json.loads((resumed / "summary.json").read_text())
     assert (
-        json.loads((resumed / "summary.json").read_text())["final_accuracy"]
+        summary["final_accuracy"]
         == json.loads((full / "summary.json").read_text())["final_accuracy"]
     )
+    # Each process that worked on the run says where it ran and from which round.
+    processes = [json.loads(x) for x in (resumed / "processes.jsonl").read_text().splitlines()]
+    assert [p["from_round"] for p in processes] == [1, 4]
+    assert all(p["cpu"] and p["torch"] == torch.__version__ for p in processes)
+    assert summary["processes"] == processes
 
 
 def test_metrics_after_the_last_checkpoint_are_rerun(tmp_path):

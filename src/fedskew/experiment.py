@@ -23,6 +23,7 @@ from fedskew.data.partition import PARTITIONS, make_partition
 from fedskew.data.sources import DATASETS, Dataset, load_dataset
 from fedskew.engine.inprocess import InProcessEngine
 from fedskew.errors import FedskewError, UsageError
+from fedskew.machine import describe
 from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
 from fedskew.models import MODELS, build_model
 from fedskew.protocol import ClientLogic, LocalTrainConfig, NoReplies, ServerSetup
@@ -258,6 +259,10 @@ def _run(
             start_round = done
         history = folder.read_metrics(up_to_round=start_round)
 
+    folder.append_process(
+        {"from_round": start_round + 1, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+         **describe()}
+    )  # fmt: skip
     started = time.perf_counter()
     last_eval: dict[str, Any] = next(
         ({k: r[k] for k in EVAL_KEYS} for r in reversed(history) if "accuracy" in r), {}
@@ -325,6 +330,7 @@ def _run(
 
     summary = make_summary(cfg, prep, per_round, num_clients, history, last_eval)
     summary["wall_seconds_this_process"] = round(time.perf_counter() - started, 3)
+    summary["processes"] = folder.read_processes()
     final = folder.finish(summary)
     return final, summary
 

@@ -100,6 +100,24 @@ class RunFolder:
         with open(self.path / "metrics.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")
 
+    def append_process(self, record: dict[str, Any]) -> None:
+        """One line per process that worked on this run (a resumed run has several), so a
+        result says which machine computed which rounds."""
+        with open(self.path / "processes.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+    def read_processes(self) -> list[dict[str, Any]]:
+        path = self.path / "processes.jsonl"
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+        return rows
+
     def finish(self, summary: dict[str, Any]) -> Path:
         _write_json(self.path / "summary.json", summary)
         final = self.root / self.name

@@ -105,6 +105,25 @@ def load_run(folder: Path) -> tuple[dict, list[float]]:
     return summary, [m["accuracy"] for m in metrics if "accuracy" in m]
 
 
+def ran_on(summary: dict, rounds: int) -> str:
+    """Which machine computed which rounds of a run (a resumed run may span machines)."""
+    unrecorded = "not recorded (before runs recorded their machine: the report's machine)"
+    spans: list[list] = []  # [first round, last round, machine]
+    for p in summary.get("processes", []):
+        machine = f"{p['cpu']}, {p['cores']} cores, torch {p['torch']}"
+        if spans:
+            spans[-1][1] = p["from_round"] - 1
+        elif p["from_round"] > 1:
+            spans.append([1, p["from_round"] - 1, unrecorded])
+        if spans and spans[-1][2] == machine:
+            continue  # same machine resumed: one span
+        spans.append([p["from_round"], rounds, machine])
+    if not spans:
+        return unrecorded
+    spans[-1][1] = rounds
+    return "; ".join(f"r{a}-{b}: {m}" for a, b, m in spans if b >= a)
+
+
 def report(preset: str, out: Path, seeds: list[int], rounds: int, results: Path) -> None:
     import matplotlib
 
@@ -152,7 +171,8 @@ def report(preset: str, out: Path, seeds: list[int], rounds: int, results: Path)
         for s, (sm, c) in done.items():
             per_seed.append(
                 f"| {label} | {s} | {100 * sm['final_accuracy']:.2f} | "
-                f"{100 * np.mean(c[-LAST:]):.2f} | {100 * sm['best_accuracy']:.2f} |"
+                f"{100 * np.mean(c[-LAST:]):.2f} | {100 * sm['best_accuracy']:.2f} | "
+                f"{ran_on(sm, len(c))} |"
             )
         n = min(len(c) for _, c in done.values())
         arr = np.array([c[:n] for _, c in done.values()]) * 100
@@ -173,7 +193,9 @@ def report(preset: str, out: Path, seeds: list[int], rounds: int, results: Path)
         f"Produced by `python benchmarks/compare.py --preset {preset} --rounds {rounds} "
         f"--seeds {' '.join(map(str, seeds))}`; the seeds column says how many of those "
         "runs have finished and count in the row.\n\n"
-        f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; torch {m['torch']}\n"
+        f"- Report made on: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; torch "
+        f"{m['torch']}. Each run says below which machine computed which of its rounds "
+        "(one thread per run; a killed run resumes from its checkpoint, on any machine)\n"
         f"- Data: Fashion-MNIST (Debian's dataset-fashion-mnist copy of the official files)\n"
         f"- Setting: `fedskew run {' '.join(SETTING)} -r {rounds}`, seeds {seeds}; "
         "each algorithm with its defaults unless its label says otherwise\n\n"
@@ -185,8 +207,8 @@ def report(preset: str, out: Path, seeds: list[int], rounds: int, results: Path)
         f"| algorithm | seeds | final accuracy (%) | mean of last {LAST} rounds (%) "
         f"| best accuracy (%) | last-{LAST} vs FedAvg, paired (points) | MiB per round |\n"
         "|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
-        f"Every finished run:\n\n| algorithm | seed | final (%) | last {LAST} (%) | best (%) |\n"
-        "|---|---|---|---|---|\n" + "\n".join(per_seed) + "\n\n"
+        f"Every finished run:\n\n| algorithm | seed | final (%) | last {LAST} (%) | best (%) "
+        "| rounds computed on |\n|---|---|---|---|---|---|\n" + "\n".join(per_seed) + "\n\n"
         f"![accuracy curves](compare_{preset}.png)\n\n"
         "Curves: mean over each algorithm's finished seeds; the shaded band is the min-max "
         "range.\n"

@@ -1,0 +1,227 @@
+"""Repeated, interleaved measurements of the two levers issue 6 left open.
+
+1. Clients in one process with all threads against clients in one-thread worker processes
+   (``--workers N``), on the issue-6 experiment (FedAvg, fmnist, fedavg-cnn, 20 clients,
+   Dirichlet 0.1, 8 per round, E=5, batch 64, evaluation every round), per precision with
+   channels_last. Each repeat runs every variant once, in an order that alternates between
+   repeats; the paired ratio workers / in-process is taken inside each repeat.
+2. ``torch.compile`` (inductor) of fedavg-cnn in the bare loop against the eager model, per
+   precision with channels_last; compile time reported apart from the steady throughput.
+
+Only ratios inside one run mean anything; the machine must be otherwise idle.
+
+    python benchmarks/throughput_repeats.py [--threads 2] [--workers 2] [--repeat 3]
+        [--rounds 3] [--bare-steps 300] [--out benchmarks/results/throughput_repeats.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe  # noqa: E402
+from precision_throughput import (  # noqa: E402
+    BATCH,
+    LR,
+    MOMENTUM,
+    experiment_config,
+    forward_context,
+    rounds_throughput,
+)
+
+from fedskew.data.sources import load_dataset  # noqa: E402
+from fedskew.models import build_model  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PRECISIONS = ("fp32", "bf16")
+
+
+def bare_loop(
+    x: torch.Tensor, y: torch.Tensor, precision: str, compiled: bool, steps: int, warmup: int = 10
+) -> tuple[float, float]:
+    """(samples/s over the timed steps, seconds of the warm-up steps, which include the
+    compilation when ``compiled``)."""
+    torch.manual_seed(0)
+    model = build_model("fedavg-cnn", tuple(x.shape[1:]), 10).to(memory_format=torch.channels_last)
+    x = x.contiguous(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    forward = torch.compile(model) if compiled else model
+    model.train()
+    n = len(y) // BATCH
+
+    def step(i: int) -> None:
+        xb, yb = x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
+        with forward_context(precision):
+            loss = F.cross_entropy(forward(xb), yb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    t0 = time.perf_counter()
+    for i in range(warmup):
+        step(i % n)
+    warm = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for s in range(steps):
+        step(s % n)
+    return steps * BATCH / (time.perf_counter() - t0), warm
+
+
+def summary(values: list[float]) -> str:
+    return f"{statistics.median(values):,.0f} [{min(values):,.0f}-{max(values):,.0f}]"
+
+
+def ratio_summary(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    m, s = result["machine"], result["setting"]
+    layout_rows, bare_rows = [], []
+    for precision in PRECISIONS:
+        inproc = [r for r in result["rounds"] if r["precision"] == precision and not r["workers"]]
+        pool = [r for r in result["rounds"] if r["precision"] == precision and r["workers"]]
+        if inproc and pool:
+            paired = [
+                b["round_throughput"] / a["round_throughput"]
+                for a in inproc
+                for b in pool
+                if a["repeat"] == b["repeat"]
+            ]
+            layout_rows.append(
+                f"| {precision} | {summary([r['round_throughput'] for r in inproc])} | "
+                f"{summary([r['round_throughput'] for r in pool])} | {ratio_summary(paired)} | "
+                f"{len(paired)} |"
+            )
+        eager = [r for r in result["bare"] if r["precision"] == precision and not r["compiled"]]
+        comp = [r for r in result["bare"] if r["precision"] == precision and r["compiled"]]
+        if eager and comp:
+            paired = [
+                b["samples_per_s"] / a["samples_per_s"]
+                for a in eager
+                for b in comp
+                if a["repeat"] == b["repeat"]
+            ]
+            bare_rows.append(
+                f"| {precision} | {summary([r['samples_per_s'] for r in eager])} | "
+                f"{summary([r['samples_per_s'] for r in comp])} | {ratio_summary(paired)} | "
+                f"{statistics.median(r['warmup_seconds'] for r in comp):.1f} s | {len(paired)} |"
+            )
+    every = "\n".join(
+        f"| {r['repeat']} | {r['precision']} | {'workers' if r['workers'] else 'in-process'} | "
+        f"{r['round_throughput']:,.0f} | {r['training_throughput']:,.0f} | "
+        f"{100 * r['eval_share']:.1f} % |"
+        for r in result["rounds"]
+    )
+    return (
+        "# Repeated throughput measurements: worker processes and torch.compile\n\n"
+        f"Produced by `{result['command']}`.\n\n"
+        f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; torch {m['torch']}; "
+        f"Python {m['python']}\n"
+        f"- Data: Fashion-MNIST ({result['data_source']})\n"
+        f"- Rounds: {s['rounds_setting']}; in-process = one process with {s['threads']} threads, "
+        f"workers = `--workers {s['workers']}` (one thread each). Round throughput = training "
+        "samples per second of round wall time, evaluation included, first round left out.\n"
+        f"- Bare loop: fedavg-cnn, channels_last, SGD lr {LR}, momentum {MOMENTUM}, batch "
+        f"{BATCH}, {s['bare_steps']} timed steps after 10 warm-up steps, {s['threads']} threads.\n"
+        f"- {s['repeat']} repeats; in each, every variant once, the order reversed in every "
+        "other repeat. Cells: median [min-max] over repeats; ratios are paired inside a "
+        "repeat.\n\n"
+        "## Clients in worker processes against one process\n\n"
+        "| precision | in-process (samples/s) | workers (samples/s) | workers / in-process "
+        "| repeats |\n|---|---|---|---|---|\n" + "\n".join(layout_rows) + "\n\n"
+        "## torch.compile in the bare loop\n\n"
+        "| precision | eager (samples/s) | compiled (samples/s) | compiled / eager "
+        "| warm-up incl. compile | repeats |\n|---|---|---|---|---|---|\n"
+        + "\n".join(bare_rows)
+        + "\n\n## Every round measurement\n\n"
+        "| repeat | precision | layout | round throughput | training alone | evaluation share |\n"
+        "|---|---|---|---|---|---|\n" + every + "\n"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per fedskew run (0: none)")
+    ap.add_argument("--local-epochs", type=int, default=5)
+    ap.add_argument("--bare-steps", type=int, default=300, help="timed steps (0: no bare loop)")
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--out", default=str(RESULTS / "throughput_repeats.md"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    command = "python benchmarks/throughput_repeats.py " + " ".join(
+        shlex.quote(a) for a in sys.argv[1:]
+    )
+    data = load_dataset("fmnist", args.data_dir)
+    args.weight_decay = 0.0
+    bare: list[dict[str, Any]] = []
+    rounds: list[dict[str, Any]] = []
+    for rep in range(1, args.repeat + 1):
+        flip = rep % 2 == 0
+        if args.bare_steps:
+            variants = [(p, c) for p in PRECISIONS for c in (False, True)]
+            for precision, compiled in variants[::-1] if flip else variants:
+                torch._dynamo.reset()  # each compiled variant pays its own compilation
+                speed, warm = bare_loop(
+                    data.x_train, data.y_train, precision, compiled, args.bare_steps
+                )
+                bare.append({"repeat": rep, "precision": precision, "compiled": compiled,
+                             "samples_per_s": round(speed, 1),
+                             "warmup_seconds": round(warm, 2)})  # fmt: skip
+                print(f"bare   {rep} {precision} compiled={compiled} {speed:,.0f}", flush=True)
+        if args.rounds:
+            variants = [(p, w) for p in PRECISIONS for w in (0, args.workers)]
+            for precision, workers in variants[::-1] if flip else variants:
+                cfg = experiment_config(
+                    argparse.Namespace(**{**vars(args), "workers": workers}),
+                    precision,
+                    "channels_last",
+                )
+                figures = rounds_throughput(cfg)
+                rounds.append({"repeat": rep, "precision": precision, "workers": workers,
+                               **figures})  # fmt: skip
+                print(
+                    f"rounds {rep} {precision} workers={workers} "
+                    f"{figures['round_throughput']:,.0f}",
+                    flush=True,
+                )
+    result = {
+        "machine": describe(),
+        "data_source": data.source,
+        "command": command,
+        "setting": {
+            "threads": args.threads,
+            "workers": args.workers,
+            "repeat": args.repeat,
+            "bare_steps": args.bare_steps,
+            "rounds_setting": (
+                "FedAvg, fmnist, fedavg-cnn, channels_last, 20 clients, dirichlet beta 0.1, "
+                f"8 per round, E={args.local_epochs}, batch {BATCH}, lr {LR}, momentum "
+                f"{MOMENTUM}, eval every round, seed 0, {args.rounds} rounds"
+            ),
+        },
+        "bare": bare,
+        "rounds": rounds,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(markdown(result))
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"written: {out} and {out.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()

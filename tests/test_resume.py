@@ -83,6 +83,26 @@ def test_resume_refuses_finished_runs_and_extra_options(tmp_path, capsys):
     assert "drop: rounds" in capsys.readouterr().err
 
 
+def test_resume_may_change_where_and_how_it_executes(tmp_path, capsys):
+    # An in-process run continued in two worker processes, with the data folder named: the
+    # same rounds as the uninterrupted run, and the change recorded.
+    common = dict(algorithm="scaffold", num_clients=6, clients_per_round=4, rounds=3,
+                  local_epochs=1, quiet=True, seed=2)  # fmt: skip
+    full, _ = run(ExperimentConfig(out_dir=str(tmp_path / "a"), name="r", **common))
+    with pytest.raises(Killed):
+        run(ExperimentConfig(out_dir=str(tmp_path / "b"), name="r", **common), kill_after(1))
+    unfinished = tmp_path / "b" / "r.incomplete"
+    data_dir = str(tmp_path / "elsewhere")
+    args = ["run", "--resume", str(unfinished), "-q", "--workers", "2", "--data-dir", data_dir]
+    assert main(args) == 0
+    resumed = tmp_path / "b" / "r"
+    assert metrics(resumed) == metrics(full)
+    processes = [json.loads(x) for x in (resumed / "processes.jsonl").read_text().splitlines()]
+    assert [(p["from_round"], p["workers"]) for p in processes] == [(1, 0), (2, 2)]
+    # The saved configuration is the experiment's; execution options are not written back.
+    assert json.loads((resumed / "config.json").read_text())["workers"] == 0
+
+
 def test_checkpoint_round_trip_without_pickle(tmp_path):
     class Server:
         checkpoint_fields = ("c", "store", "count")

@@ -253,21 +253,28 @@ def flower_simulation():
     return run_simulation
 
 
+# How and where a run executes, not what it computes: a resumed run may change them (a run
+# started here can be continued on another machine, with its own data folder and cores).
+RESUME_MAY_CHANGE = ("quiet", "workers", "data_dir")
+
+
 def resume_config(args: argparse.Namespace):
-    """The configuration saved in an unfinished run folder; only --quiet may be added."""
+    """The configuration saved in an unfinished run folder, with only the execution options
+    of RESUME_MAY_CHANGE taken from the command line."""
     from fedskew.config import build_config, normalise_keys
     from fedskew.runfolder import RunFolder
 
-    given = {k: v for k, v in cli_values(args).items() if v is not None and k != "quiet"}
+    values = {k: v for k, v in cli_values(args).items() if v is not None}
+    given = sorted(k for k in values if k not in RESUME_MAY_CHANGE)
     if given or args.config:
-        names = ", ".join(sorted(given)) or "config"
+        names = ", ".join(given) or "config"
         raise UsageError(f"--resume takes its configuration from the run folder; drop: {names}")
     folder = RunFolder.reopen(Path(args.resume))
     saved = folder.read_config()
     saved.pop("resolved", None)
-    cfg = build_config(normalise_keys(saved, str(folder.path / "config.json")), {})
-    if args.quiet:
-        cfg.quiet = True
+    saved = normalise_keys(saved, str(folder.path / "config.json"))
+    changed = {k: values[k] for k in RESUME_MAY_CHANGE if k in values}
+    cfg = build_config({**saved, **changed}, {})
     return cfg, folder.path
 
 

@@ -261,7 +261,7 @@ def _run(
 
     folder.append_process(
         {"from_round": start_round + 1, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-         **describe()}
+         "workers": cfg.workers, **describe()}
     )  # fmt: skip
     started = time.perf_counter()
     last_eval: dict[str, Any] = next(

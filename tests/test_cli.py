@@ -34,6 +34,7 @@ def test_default_run_writes_a_complete_run_folder(tmp_path):
         "config.json",
         "metrics.jsonl",
         "partition.npz",
+        "processes.jsonl",
         "summary.json",
     ]
     config = json.loads((folder / "config.json").read_text())

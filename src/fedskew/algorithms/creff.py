@@ -44,6 +44,7 @@ from fedskew.algorithms.local import (
     get_arrays,
     set_arrays,
     train_client,
+    trained_reply,
     weighted_average,
 )
 from fedskew.errors import UsageError
@@ -306,11 +307,7 @@ class CReFFClient(ClientLogic):
         arrays[GRAD_WEIGHT] = grad_w
         if grad_b is not None:
             arrays[GRAD_BIAS] = grad_b
-        return Message(
-            "trained",
-            arrays=arrays,
-            scalars={"num_samples": float(len(ctx.data)), "loss": result.mean_loss},
-        )
+        return trained_reply(ctx, result.mean_loss, arrays)
 
 
 class CReFF(Algorithm):

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from fedskew.algorithms.local import (
     apply_server_lr,
-    get_arrays,
     set_arrays,
     train_client,
+    trained_reply,
     weighted_average,
 )
 from fedskew.errors import UsageError
@@ -55,11 +55,7 @@ class FedAvgClient(ClientLogic):
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
         set_arrays(ctx.model, msg.arrays)
         result = train_client(ctx)
-        return Message(
-            "trained",
-            arrays=get_arrays(ctx.model),
-            scalars={"num_samples": float(len(ctx.data)), "loss": result.mean_loss},
-        )
+        return trained_reply(ctx, result.mean_loss)
 
 
 class FedAvg(Algorithm):

@@ -98,6 +98,7 @@ from fedskew.algorithms.local import (
     get_arrays,
     set_arrays,
     train_client,
+    trained_reply,
     weighted_average,
 )
 from fedskew.errors import UsageError
@@ -544,14 +545,7 @@ class FedCMEClient(ClientLogic):
             arrays[PRESENT] = present
         if uses_vectors(self.params, ctx.train.epochs):
             arrays[EVAL_VECTOR] = client_eval_vector(ctx, self.params.eval_fraction)
-        return Message(
-            "trained",
-            arrays=arrays,
-            scalars={
-                "num_samples": float(len(ctx.data)),
-                "loss": loss_sum / steps if steps else 0.0,
-            },
-        )
+        return trained_reply(ctx, loss_sum / steps if steps else 0.0, arrays)
 
 
 class FedCME(Algorithm):

@@ -29,7 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedskew.algorithms.local import get_arrays, set_arrays, train_client, weighted_average
+from fedskew.algorithms.local import (
+    get_arrays,
+    set_arrays,
+    train_client,
+    trained_reply,
+    weighted_average,
+)
 from fedskew.errors import UsageError
 from fedskew.models.resnet import BasicBlock
 from fedskew.protocol import (
@@ -159,11 +165,7 @@ class FedNHClient(ClientLogic):
         arrays = {k: v for k, v in get_arrays(ctx.model).items() if k != PROTOTYPES}
         arrays["proto_classes"] = classes
         arrays["proto_sums"] = scaled
-        return Message(
-            "trained",
-            arrays=arrays,
-            scalars={"num_samples": float(len(ctx.data)), "loss": result.mean_loss},
-        )
+        return trained_reply(ctx, result.mean_loss, arrays)
 
 
 class FedNH(Algorithm):

@@ -32,7 +32,13 @@ from dataclasses import dataclass
 
 import torch
 
-from fedskew.algorithms.local import get_arrays, set_arrays, train_client, weighted_average
+from fedskew.algorithms.local import (
+    get_arrays,
+    set_arrays,
+    train_client,
+    trained_reply,
+    weighted_average,
+)
 from fedskew.protocol import (
     Algorithm,
     Channel,
@@ -120,11 +126,7 @@ class FedNovaClient(ClientLogic):
             else v
             for k, v in local.items()
         }
-        return Message(
-            "trained",
-            arrays=arrays,
-            scalars={"num_samples": float(len(ctx.data)), "loss": result.mean_loss, "a": a},
-        )
+        return trained_reply(ctx, result.mean_loss, arrays, {"a": a})
 
 
 class FedNova(Algorithm):

@@ -38,6 +38,7 @@ from fedskew.algorithms.local import (
     get_arrays,
     set_arrays,
     train_client,
+    trained_reply,
     weighted_average,
 )
 from fedskew.errors import UsageError
@@ -158,11 +159,7 @@ class FedProtoClient(ClientLogic):
         arrays[PROTOS] = means[held]
         arrays[PROTO_CLASSES] = held
         arrays[PROTO_COUNTS] = counts[held]
-        return Message(
-            "trained",
-            arrays=arrays,
-            scalars={"num_samples": float(len(ctx.data)), "loss": result.mean_loss},
-        )
+        return trained_reply(ctx, result.mean_loss, arrays)
 
 
 class FedProto(Algorithm):

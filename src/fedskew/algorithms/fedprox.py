@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
-from fedskew.algorithms.local import Forward, get_arrays, set_arrays, train_client
+from fedskew.algorithms.local import Forward, set_arrays, train_client, trained_reply
 from fedskew.errors import UsageError
 from fedskew.protocol import Algorithm, ClientContext, ClientLogic, Message
 
@@ -60,11 +60,7 @@ class FedProxClient(ClientLogic):
         anchor = [p.detach().clone() for p in ctx.model.parameters()]
         mu = self.params.mu
         result = train_client(ctx, loss_fn=lambda m, x, y: proximal_loss(m, x, y, anchor, mu))
-        return Message(
-            "trained",
-            arrays=get_arrays(ctx.model),
-            scalars={"num_samples": float(len(ctx.data)), "loss": result.mean_loss},
-        )
+        return trained_reply(ctx, result.mean_loss)
 
 
 class FedProx(Algorithm):

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 
 from fedskew.algorithms.local import (
     Forward,
-    get_arrays,
     set_arrays,
     train_client,
+    trained_reply,
     weighted_average,
 )
 from fedskew.errors import UsageError
@@ -185,12 +185,12 @@ class FedRODClient(ClientLogic):
         ctx.state.arrays[PHEAD_WEIGHT] = p_weight.detach().clone()
         ctx.state.arrays[PHEAD_BIAS] = p_bias.detach().clone()
 
-        scalars = {"num_samples": float(len(ctx.data)), "loss": result.mean_loss}
+        scalars: dict[str, float] = {}
         if msg.scalars.get("evaluate") and ctx.test_x is not None and ctx.test_y is not None:
             scalars["personal_accuracy"] = personal_accuracy(
                 ctx.model, p_weight.detach(), p_bias.detach(), ctx.test_x, ctx.test_y, counts
             )
-        return Message("trained", arrays=get_arrays(ctx.model), scalars=scalars)
+        return trained_reply(ctx, result.mean_loss, scalars=scalars)
 
 
 class FedROD(Algorithm):

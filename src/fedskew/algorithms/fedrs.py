@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
-from fedskew.algorithms.local import Forward, get_arrays, set_arrays, train_client
+from fedskew.algorithms.local import Forward, set_arrays, train_client, trained_reply
 from fedskew.errors import UsageError
 from fedskew.protocol import Algorithm, ClientContext, ClientLogic, Message
 
@@ -51,11 +51,7 @@ class FedRSClient(ClientLogic):
             return Forward(F.cross_entropy(logits * factors, y), features, logits)
 
         result = train_client(ctx, loss_fn=loss_fn)
-        return Message(
-            "trained",
-            arrays=get_arrays(ctx.model),
-            scalars={"num_samples": float(len(ctx.data)), "loss": result.mean_loss},
-        )
+        return trained_reply(ctx, result.mean_loss)
 
 
 class FedRS(Algorithm):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fedskew.precision import autocast
-from fedskew.protocol import ClientContext, ClientData, LocalTrainConfig
+from fedskew.protocol import ClientContext, ClientData, LocalTrainConfig, Message
 
 
 @dataclass
@@ -158,6 +158,21 @@ def train_client(
         before_step=before_step,
         optimizer=optimizer,
         extra_terms=ctx.loss_terms,
+    )
+
+
+def trained_reply(
+    ctx: ClientContext,
+    loss: float,
+    arrays: dict[str, torch.Tensor] | None = None,
+    scalars: Mapping[str, float] | None = None,
+) -> Message:
+    """The reply to a "train" message: ``arrays`` (the whole trained model by default),
+    the client's sample count and mean training loss, then any further ``scalars``."""
+    return Message(
+        "trained",
+        arrays=get_arrays(ctx.model) if arrays is None else arrays,
+        scalars={"num_samples": float(len(ctx.data)), "loss": loss, **(scalars or {})},
     )
 
 

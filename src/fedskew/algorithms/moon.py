@@ -37,7 +37,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
-from fedskew.algorithms.local import Forward, frozen_copy, get_arrays, set_arrays, train_client
+from fedskew.algorithms.local import (
+    Forward,
+    frozen_copy,
+    get_arrays,
+    set_arrays,
+    train_client,
+    trained_reply,
+)
 from fedskew.errors import UsageError
 from fedskew.protocol import Algorithm, ClientContext, ClientLogic, Message
 
@@ -118,11 +125,7 @@ class MoonClient(ClientLogic):
         arrays = get_arrays(ctx.model)
         for k, v in arrays.items():
             ctx.state.arrays[PREV + k] = v.clone()
-        return Message(
-            "trained",
-            arrays=arrays,
-            scalars={"num_samples": float(len(ctx.data)), "loss": result.mean_loss},
-        )
+        return trained_reply(ctx, result.mean_loss, arrays)
 
 
 class Moon(Algorithm):

@@ -31,10 +31,11 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from fedskew.config import ExperimentConfig, build_config, normalise_keys
+from fedskew.engine.client_runtime import ClientRuntime
 from fedskew.engine.flower_codec import clear_state, decode, encode, load_state, store_state
 from fedskew.engine.flower_engine import MESSAGE_TYPE, FlowerEngine
 from fedskew.errors import FedskewError, UsageError
-from fedskew.protocol import ClientContext, Message
+from fedskew.protocol import Message
 
 log = logging.getLogger("fedskew")
 SETUP = "fedskew.setup"
@@ -185,21 +186,13 @@ def _server_main(grid: Grid, context: Context) -> None:
 # ---------------------------------------------------------------------------- client
 
 
-class _NodeRuntime:
+_RUNTIMES: dict[str, ClientRuntime] = {}  # config JSON -> runtime; one process, many nodes
+
+
+def _runtime(config_json: str, data_dir: str | None) -> ClientRuntime:
     """What a node builds once per experiment: data, partition, scratch model, logic."""
+    from fedskew.experiment import prepare
 
-    def __init__(self, cfg: ExperimentConfig) -> None:
-        from fedskew.experiment import new_model, prepare
-
-        self.prep = prepare(cfg)
-        self.model = new_model(self.prep)
-        self.logic = self.prep.algorithm.Client(self.prep.params)
-
-
-_RUNTIMES: dict[str, _NodeRuntime] = {}  # config JSON -> runtime; one process, many nodes
-
-
-def _runtime(config_json: str, data_dir: str | None) -> _NodeRuntime:
     key = f"{config_json}\n{data_dir}"
     runtime = _RUNTIMES.get(key)
     if runtime is None:
@@ -209,7 +202,7 @@ def _runtime(config_json: str, data_dir: str | None) -> _NodeRuntime:
         raw["engine"] = "inprocess"  # the node runs the client side itself
         cfg = build_config(normalise_keys(raw, "setup message"), {})
         _RUNTIMES.clear()  # a node serves one experiment at a time
-        runtime = _RUNTIMES[key] = _NodeRuntime(cfg)
+        runtime = _RUNTIMES[key] = ClientRuntime.from_prepared(prepare(cfg))
     return runtime
 
 
@@ -242,20 +235,8 @@ def _client_main(message: FlowerMessage, context: Context) -> FlowerMessage:
     cid = int(envelope["client_id"])
     if cid != pid:
         raise FedskewError(f"message for client {cid} reached the node of partition {pid}")
-    prep = runtime.prep
     state = load_state(context.state)
-    ctx = ClientContext(
-        client_id=cid,
-        round=int(envelope["round"]),
-        seed=prep.cfg.seed,
-        data=prep.fed.client(cid),
-        model=runtime.model,
-        state=state,
-        train=prep.train,
-        test_x=prep.dataset.x_test,
-        test_y=prep.dataset.y_test,
-    )
-    reply = runtime.logic.handle(msg, ctx)
+    reply = runtime.handle(cid, int(envelope["round"]), msg, state)
     store_state(state, context.state)
     return FlowerMessage(encode(reply, {}), reply_to=message)
 

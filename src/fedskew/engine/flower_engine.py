@@ -17,8 +17,8 @@ import torch
 from flwr.app import Message as FlowerMessage
 from flwr.serverapp import Grid
 
+from fedskew.engine.client_runtime import TrafficCounter
 from fedskew.engine.flower_codec import RejectedReply, check_reply, decode, encode
-from fedskew.engine.inprocess import TrafficCounter
 from fedskew.protocol import ClientState, Message
 
 log = logging.getLogger("fedskew")

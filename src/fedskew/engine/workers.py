@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from fedskew.config import ExperimentConfig
-from fedskew.engine.inprocess import TrafficCounter
+from fedskew.engine.client_runtime import ClientRuntime, ClientStateKeeper
 from fedskew.errors import FedskewError
-from fedskew.protocol import ClientContext, ClientState, Message
+from fedskew.protocol import ClientState, Message
 
 _LENGTH = struct.Struct("<Q")
 POLL_SECONDS = 1.0  # how often a waiting parent checks that its busy workers are alive
@@ -204,33 +204,14 @@ def describe(exc: BaseException) -> str:
 # ---------------------------------------------------------------------------- worker
 
 
-class _WorkerRuntime:
+def _build_runtime(config_json: str) -> ClientRuntime:
     """What a worker builds once per run: data, partition, scratch model, client logic."""
+    from fedskew.config import build_config, normalise_keys
+    from fedskew.experiment import prepare
 
-    def __init__(self, config_json: str) -> None:
-        from fedskew.config import build_config, normalise_keys
-        from fedskew.experiment import new_model, prepare
-
-        raw = json.loads(config_json)
-        cfg = build_config(normalise_keys(raw, "worker configuration"), {})
-        self.prep = prepare(cfg)
-        self.model = new_model(self.prep)
-        self.logic = self.prep.algorithm.Client(self.prep.params)
-
-    def handle(self, cid: int, rnd: int, msg: Message, state: ClientState) -> Message:
-        prep = self.prep
-        ctx = ClientContext(
-            client_id=cid,
-            round=rnd,
-            seed=prep.cfg.seed,
-            data=prep.fed.client(cid),
-            model=self.model,
-            state=state,
-            train=prep.train,
-            test_x=prep.dataset.x_test,
-            test_y=prep.dataset.y_test,
-        )
-        return self.logic.handle(msg, ctx)
+    raw = json.loads(config_json)
+    cfg = build_config(normalise_keys(raw, "worker configuration"), {})
+    return ClientRuntime.from_prepared(prepare(cfg))
 
 
 def _leave() -> None:
@@ -247,7 +228,7 @@ def worker_main(conn: Connection, config_json: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     try:
-        runtime = _WorkerRuntime(config_json)
+        runtime = _build_runtime(config_json)
     except BaseException as exc:
         conn.send_bytes(encode_frame({"error": f"start-up failed: {describe(exc)}"}))
         return
@@ -281,7 +262,7 @@ def worker_main(conn: Connection, config_json: str) -> None:
 # ---------------------------------------------------------------------------- parent
 
 
-class WorkerPoolEngine:
+class WorkerPoolEngine(ClientStateKeeper):
     """Carries an algorithm's messages to client handlers in N worker processes.
 
     Same interface as :class:`~fedskew.engine.inprocess.InProcessEngine` for the run loop
@@ -306,10 +287,8 @@ class WorkerPoolEngine:
         count = cfg.workers if workers is None else workers
         if count < 1:
             raise FedskewError(f"the worker engine needs at least one worker, got {count}")
+        super().__init__()
         self.client_sizes = client_sizes
-        self.client_states: dict[int, ClientState] = {}
-        self.traffic = TrafficCounter()
-        self.round = 0
         self.processes: list[Any] = []
         self.conns: list[Connection] = []
         self._busy: dict[int, int] = {}  # worker index -> client it is working on
@@ -374,16 +353,6 @@ class WorkerPoolEngine:
         process = self.processes[index]
         process.join(timeout=1.0)
         return FedskewError(f"worker {index} died during {during} (exit code {process.exitcode})")
-
-    def begin_round(self, rnd: int) -> None:
-        self.round = rnd
-        self.traffic.reset()
-
-    def state_of(self, client_id: int) -> ClientState:
-        state = self.client_states.get(client_id)
-        if state is None:
-            state = self.client_states[client_id] = ClientState()
-        return state
 
     def exchange(self, messages: Mapping[int, Message]) -> dict[int, Message]:
         if self._closed:

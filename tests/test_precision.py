@@ -323,3 +323,51 @@ def test_bf16_survives_resume_and_resumes_exactly(tmp_path) -> None:
     # Resumed under bf16, not the fp32 default: an fp32 run gives other numbers.
     fp32, _ = run(ExperimentConfig(out_dir=str(tmp_path / "c"), **{**common, "precision": "fp32"}))
     assert rows(fp32) != rows(full)
+
+
+def _loss_term_cases() -> list[tuple[str, object, tuple]]:
+    from fedskew.algorithms.feature_matching import cg_loss, l2_loss
+    from fedskew.algorithms.fedacd import flat_kl
+    from fedskew.algorithms.fedcme import alignment_loss
+    from fedskew.algorithms.feddecorr import decorrelation_loss
+    from fedskew.algorithms.feddyn import dynamic_terms
+    from fedskew.algorithms.fedntd import not_true_distillation
+    from fedskew.algorithms.fedproto import prototype_regulariser
+    from fedskew.algorithms.moon import model_contrastive_loss
+
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).bfloat16()  # what a bf16 forward hands over
+
+    y = torch.randint(0, 10, (64,), generator=g)
+    z, logits = rnd(64, 32), 4 * rnd(64, 10)
+    anchors, known = torch.randn(10, 32, generator=g), torch.ones(10, dtype=torch.bool)
+    params = [(torch.randn(300, generator=g), torch.randn(300, generator=g),
+               torch.randn(300, generator=g))]  # fmt: skip
+    return [
+        ("fedntd", not_true_distillation, (logits, 4 * rnd(64, 10), y, 1.0)),
+        ("fedacd", lambda a, b: flat_kl(a, b).mean(), (logits, y)),
+        ("fedfm cg", cg_loss, (z, y, anchors, 0.1)),
+        ("fedfm l2", l2_loss, (z, y, anchors)),
+        ("feddecorr", decorrelation_loss, (z,)),
+        ("moon", model_contrastive_loss, (z, rnd(64, 32), rnd(64, 32), 0.5)),
+        ("fedcme", alignment_loss, (z, y, anchors, known)),
+        ("fedproto", prototype_regulariser, (z, y, anchors, known, "mse")),
+        ("feddyn", lambda v: torch.stack(dynamic_terms(v)), (params,)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_loss_terms_are_computed_in_fp32_under_bf16_autocast(case: int) -> None:
+    # The reference: the same bf16 inputs, cast up by hand, with no autocast anywhere.
+    name, fn, args = _loss_term_cases()[case]
+
+    def up(a: object) -> object:
+        return a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a
+
+    reference = fn(*(up(a) for a in args))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = fn(*args)
+    assert under_autocast.dtype == torch.float32, name
+    torch.testing.assert_close(under_autocast, reference, rtol=1e-6, atol=1e-6, msg=name)

@@ -1,22 +1,29 @@
 """The precision policy: in which number format forward passes run.
 
 ``fp32`` runs everything in float32 (the default: bit-for-bit the historical results).
-``bf16`` runs forward passes and losses under ``torch.autocast`` with bfloat16, which on CPUs
+``bf16`` runs forward passes under ``torch.autocast`` with bfloat16, which on CPUs
 with AVX-512 BF16 or AMX speeds up convolutions and matrix products (see benchmarks/). Only the
 computation changes: parameters (the master weights), gradients, optimizer state, messages
 and aggregation stay float32, and a run is still deterministic for a given precision.
+The algorithms' own loss terms (distillation, contrastive and alignment terms, regularisers)
+are computed in float32 from the bf16 forward's outputs (:func:`in_fp32`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any, TypeVar
 
 import torch
 
 from fedskew.errors import UsageError
 
 PRECISIONS = ("fp32", "bf16")
+_LOW = (torch.bfloat16, torch.float16)
+F_ = TypeVar("F_", bound=Callable[..., Any])
 
 
 def check_precision(value: object) -> str:
@@ -39,3 +46,26 @@ def autocast(precision: str, device_type: str) -> AbstractContextManager[object]
     if precision == "bf16":
         return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
     raise UsageError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+
+
+def in_fp32(fn: F_) -> F_:
+    """Compute a loss term in float32 even when it is called under bf16 autocast.
+
+    CPU autocast casts only a few losses (cross_entropy, kl_div, mse_loss) up: softmax and
+    log_softmax of bf16 logits stay bf16, and matrix products, even of float32 parameters,
+    run in bf16. Log-probabilities, cosine logits, a feature Gram matrix or a dot product over
+    all of a model's parameters would keep 8 bits of mantissa. Only the model's forward pass
+    is the policy's to speed up; its loss terms get bf16 inputs cast up and autocast off. In
+    fp32 runs this is the identity."""
+
+    def up(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dtype in _LOW:
+            return value.float()
+        return value
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type="cpu", enabled=False):
+            return fn(*(up(a) for a in args), **{k: up(v) for k, v in kwargs.items()})
+
+    return wrapper  # type: ignore[return-value]

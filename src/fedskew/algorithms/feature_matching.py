@@ -73,6 +73,7 @@ import torch.nn.functional as F
 
 from fedskew.algorithms.local import LossTerm, class_feature_means, set_arrays
 from fedskew.errors import UsageError
+from fedskew.precision import in_fp32
 from fedskew.protocol import (
     Algorithm,
     Channel,
@@ -219,6 +220,7 @@ def aggregate_anchors(
 # --- the loss term --------------------------------------------------------------------------
 
 
+@in_fp32
 def cg_loss(
     features: torch.Tensor, y: torch.Tensor, anchors: torch.Tensor, tau: float
 ) -> torch.Tensor:
@@ -232,6 +234,7 @@ def cg_loss(
     return per_sample.sum() / y.numel()
 
 
+@in_fp32
 def l2_loss(features: torch.Tensor, y: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
     """MSE between h/|h| and a_y/|a_y| (mean over batch x dimension), undefined anchors out."""
     valid = defined_rows(anchors)

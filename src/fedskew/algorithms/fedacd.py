@@ -58,6 +58,7 @@ from fedskew.algorithms.local import (
     weighted_average,
 )
 from fedskew.errors import UsageError
+from fedskew.precision import in_fp32
 from fedskew.protocol import (
     Algorithm,
     Channel,
@@ -161,6 +162,7 @@ def flat_target(probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return q.scatter_(1, y.unsqueeze(1), p_y)
 
 
+@in_fp32
 def flat_kl(logits: torch.Tensor, y: torch.Tensor, direction: str = "qp") -> torch.Tensor:
     """Per-sample flattening loss, the target q treated as a constant."""
     log_p = F.log_softmax(logits, dim=1)

@@ -102,6 +102,7 @@ from fedskew.algorithms.local import (
     weighted_average,
 )
 from fedskew.errors import UsageError
+from fedskew.precision import in_fp32
 from fedskew.protocol import (
     Algorithm,
     Channel,
@@ -251,6 +252,7 @@ def aggregate_features(
     return out.to(global_features.dtype), new_known
 
 
+@in_fp32
 def alignment_loss(
     features: torch.Tensor, y: torch.Tensor, global_features: torch.Tensor, known: torch.Tensor
 ) -> torch.Tensor:

@@ -27,6 +27,7 @@ from torch import nn
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
 from fedskew.algorithms.local import Forward, set_arrays, train_client, trained_reply
 from fedskew.errors import UsageError
+from fedskew.precision import in_fp32
 from fedskew.protocol import Algorithm, ClientContext, ClientLogic, Message
 
 EPS = 1e-8
@@ -43,6 +44,7 @@ class FedDecorrParams(FedAvgParams):
             raise UsageError(f"feddecorr: beta must be >= 0, got {self.beta}")
 
 
+@in_fp32
 def decorrelation_loss(z: torch.Tensor) -> torch.Tensor:
     """(1/N) * mean of the squared off-diagonal entries of z^T z^ (z^ standardised)."""
     n, d = z.shape

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from fedskew.algorithms.fednova import trained_keys
 from fedskew.algorithms.local import Forward, get_arrays, set_arrays, train_client, weighted_average
 from fedskew.errors import UsageError
+from fedskew.precision import in_fp32
 from fedskew.protocol import (
     Algorithm,
     Channel,
@@ -69,13 +70,22 @@ def dynamic_loss(
     ``variables`` the triples (parameter theta', its g_k, its server value theta)."""
     features = model.body(x)
     logits = model.head(features)
+    loss = F.cross_entropy(logits, y)
+    if variables:
+        linear, quad = dynamic_terms(variables)
+        loss = loss - linear + 0.5 * alpha * quad
+    return Forward(loss, features, logits)
+
+
+@in_fp32
+def dynamic_terms(
+    variables: Sequence[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``<g_k, theta'>`` and ``||theta' - theta||^2`` over the (theta', g_k, theta) triples."""
     # one or two fused kernels per tensor: this runs at every local step
     linear = [p.reshape(-1) @ grad.reshape(-1) for p, grad, _ in variables]
     quad = [F.mse_loss(p, server, reduction="sum") for p, _, server in variables]
-    loss = F.cross_entropy(logits, y)
-    if variables:
-        loss = loss - torch.stack(linear).sum() + 0.5 * alpha * torch.stack(quad).sum()
-    return Forward(loss, features, logits)
+    return torch.stack(linear).sum(), torch.stack(quad).sum()
 
 
 class FedDynServer(ServerLogic):

@@ -22,6 +22,7 @@ from torch import nn
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
 from fedskew.algorithms.local import Forward, frozen_copy, set_arrays, train_client, trained_reply
 from fedskew.errors import UsageError
+from fedskew.precision import in_fp32
 from fedskew.protocol import Algorithm, ClientContext, ClientLogic, Message
 
 
@@ -46,6 +47,7 @@ def not_true_logits(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return logits[keep].view(len(y), logits.shape[1] - 1)
 
 
+@in_fp32
 def not_true_distillation(
     logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor, tau: float
 ) -> torch.Tensor:

@@ -42,6 +42,7 @@ from fedskew.algorithms.local import (
     weighted_average,
 )
 from fedskew.errors import UsageError
+from fedskew.precision import in_fp32
 from fedskew.protocol import (
     Algorithm,
     Channel,
@@ -72,6 +73,7 @@ class FedProtoParams:
             )
 
 
+@in_fp32
 def prototype_regulariser(
     features: torch.Tensor,
     y: torch.Tensor,

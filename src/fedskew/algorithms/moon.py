@@ -46,6 +46,7 @@ from fedskew.algorithms.local import (
     trained_reply,
 )
 from fedskew.errors import UsageError
+from fedskew.precision import in_fp32
 from fedskew.protocol import Algorithm, ClientContext, ClientLogic, Message
 
 PREV = "moon.prev."  # client-state prefix of the previous local model
@@ -69,6 +70,7 @@ class MoonParams(FedAvgParams):
             raise UsageError(f"moon: out_dim must be >= 1, got {self.out_dim}")
 
 
+@in_fp32
 def model_contrastive_loss(
     z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor, tau: float
 ) -> torch.Tensor:

@@ -40,9 +40,10 @@ def run_one(precision: str, seed: int, rounds: int, out: Path, threads: int) -> 
     if unfinished.is_dir():
         cmd = [sys.executable, "-m", "fedskew", "run", "--resume", str(unfinished), "-q"]
     else:
+        # --workers 0: the runs share the machine --jobs at a time, one thread each.
         cmd = [sys.executable, "-m", "fedskew", "run", *SETTING, "--precision", precision,
                "--seed", str(seed), "-r", str(rounds), "-o", str(out), "--name", name,
-               "-q"]  # fmt: skip
+               "--workers", "0", "-q"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:

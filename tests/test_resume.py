@@ -100,7 +100,7 @@ def test_resume_may_change_where_and_how_it_executes(tmp_path, capsys):
     processes = [json.loads(x) for x in (resumed / "processes.jsonl").read_text().splitlines()]
     assert [(p["from_round"], p["workers"]) for p in processes] == [(1, 0), (2, 2)]
     # The saved configuration is the experiment's; execution options are not written back.
-    assert json.loads((resumed / "config.json").read_text())["workers"] == 0
+    assert json.loads((resumed / "config.json").read_text())["workers"] == "auto"
 
 
 def test_checkpoint_round_trip_without_pickle(tmp_path):

@@ -6,6 +6,7 @@ engines as it can and runs on the digits default with 6 clients, 4 per round.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -240,3 +241,31 @@ def test_resume_of_an_interrupted_worker_run_matches_an_uninterrupted_run(tmp_pa
     assert json.loads((unfinished / "config.json").read_text())["workers"] == 2
     assert main(["run", "--resume", str(unfinished), "-q"]) == 0
     assert rows(tmp_path / "b" / "r") == rows(full)
+
+
+def test_auto_workers_follow_the_measured_rule(monkeypatch):
+    from fedskew.config import effective_workers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    bf16 = ExperimentConfig(precision="bf16", num_clients=10, clients_per_round=3)
+    assert bf16.workers == "auto"
+    assert effective_workers(bf16) == 3  # one per core, no more than clients per round
+    assert effective_workers(dataclasses.replace(bf16, clients_per_round=8)) == 4
+    assert effective_workers(dataclasses.replace(bf16, clients_per_round=1)) == 0
+    assert effective_workers(dataclasses.replace(bf16, precision="fp32")) == 0
+    assert effective_workers(dataclasses.replace(bf16, engine="flower-sim")) == 0
+    assert effective_workers(dataclasses.replace(bf16, workers=0)) == 0
+    assert effective_workers(dataclasses.replace(bf16, precision="fp32", workers=2)) == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0})
+    assert effective_workers(bf16) == 0  # one core: nothing to run in parallel
+
+
+def test_a_default_bf16_run_uses_workers_and_records_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    common = dict(rounds=2, local_epochs=1, quiet=True, precision="bf16", num_clients=6,
+                  clients_per_round=3)  # fmt: skip
+    auto, _ = run(ExperimentConfig(out_dir=str(tmp_path / "a"), name="r", **common))
+    inproc, _ = run(ExperimentConfig(out_dir=str(tmp_path / "b"), name="r", workers=0, **common))
+    used = [json.loads(x)["workers"] for x in (auto / "processes.jsonl").read_text().splitlines()]
+    assert used == [2]
+    assert rows(auto) == rows(inproc)

@@ -137,9 +137,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--workers",
-        type=int,
-        metavar="N",
-        help="run clients in N worker processes, one torch thread each (default 0: in-process)",
+        metavar="N|auto",
+        help="run clients in N worker processes, one torch thread each; 0: in-process "
+        "(default auto: one per core with --precision bf16, in-process with fp32, as measured "
+        "in BENCHMARKS.md; results are the same either way)",
     )
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an unfinished run folder")
     p.add_argument("-o", "--out-dir", help="where run folders go (default ./runs)")

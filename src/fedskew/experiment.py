@@ -17,7 +17,7 @@ from fedskew import __version__
 from fedskew.algorithms import get_algorithm
 from fedskew.algorithms.local import set_arrays
 from fedskew.checkpoint import load_checkpoint, load_server_state, save_checkpoint, server_state
-from fedskew.config import ExperimentConfig
+from fedskew.config import ExperimentConfig, effective_workers
 from fedskew.data.federated import FederatedData, sample_clients
 from fedskew.data.partition import PARTITIONS, make_partition
 from fedskew.data.sources import DATASETS, Dataset, load_dataset
@@ -178,18 +178,19 @@ def run(
     skipped and recorded.
     """
     cfg.validate()
-    if engine_factory is not None or cfg.workers <= 1:
-        return _run(cfg, on_round, resume, on_start, engine_factory)
+    workers = effective_workers(cfg) if engine_factory is None else 0
+    if workers <= 1:
+        return _run(cfg, on_round, resume, on_start, engine_factory, workers)
     from fedskew.engine.workers import WorkerPoolEngine
 
     started: list[WorkerPoolEngine] = []
 
     def start_workers(prep: Prepared, client_logic: ClientLogic, model: Any) -> Any:
-        started.append(WorkerPoolEngine(prep.cfg, client_sizes=prep.fed.sizes()))
+        started.append(WorkerPoolEngine(prep.cfg, client_sizes=prep.fed.sizes(), workers=workers))
         return started[-1]
 
     try:
-        return _run(cfg, on_round, resume, on_start, start_workers)
+        return _run(cfg, on_round, resume, on_start, start_workers, workers)
     finally:
         for engine in started:
             engine.close()
@@ -201,6 +202,7 @@ def _run(
     resume: Path | None,
     on_start: Callable[[int], None] | None,
     engine_factory: EngineFactory | None,
+    workers: int = 0,
 ) -> tuple[Path, dict[str, Any]]:
     cfg.validate()
     check_names(cfg)
@@ -261,7 +263,7 @@ def _run(
 
     folder.append_process(
         {"from_round": start_round + 1, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-         "workers": cfg.workers, **describe()}
+         "workers": workers, **describe()}
     )  # fmt: skip
     started = time.perf_counter()
     last_eval: dict[str, Any] = next(

@@ -67,31 +67,36 @@ def bare_loop(
     steps: int,
     weight_decay: float,
     warmup: int = 10,
-) -> float:
-    """Samples per second of plain SGD steps of fedavg-cnn on pre-made tensors."""
+    compiled: bool = False,
+) -> tuple[float, float]:
+    """(samples per second of plain SGD steps of fedavg-cnn on pre-made tensors, seconds of
+    the warm-up steps, which include the compilation when ``compiled``)."""
     torch.manual_seed(0)
     model = build_model("fedavg-cnn", tuple(x.shape[1:]), 10)
     if memory_format == "channels_last":
         model = model.to(memory_format=torch.channels_last)
         x = x.contiguous(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=weight_decay)
+    forward = torch.compile(model) if compiled else model
     model.train()
     n = len(y) // BATCH
 
     def step(i: int) -> None:
         xb, yb = x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
         with forward_context(precision):
-            loss = F.cross_entropy(model(xb), yb)
+            loss = F.cross_entropy(forward(xb), yb)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
 
+    t0 = time.perf_counter()
     for i in range(warmup):
         step(i % n)
+    warm = time.perf_counter() - t0
     t0 = time.perf_counter()
     for s in range(steps):
         step(s % n)
-    return steps * BATCH / (time.perf_counter() - t0)
+    return steps * BATCH / (time.perf_counter() - t0), warm
 
 
 def experiment_config(args: argparse.Namespace, precision: str, memory_format: str) -> Any:
@@ -228,7 +233,7 @@ def main() -> None:
         # Alternate the order between repeats so that drift does not favour one variant.
         order = variants if rep % 2 == 0 else variants[::-1]
         for precision, fmt in order:
-            speed = bare_loop(
+            speed, _ = bare_loop(
                 data.x_train, data.y_train, precision, fmt, args.bare_steps, args.weight_decay
             )
             bare.append(

@@ -21,12 +21,10 @@ import json
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
@@ -34,47 +32,15 @@ from precision_throughput import (  # noqa: E402
     BATCH,
     LR,
     MOMENTUM,
+    bare_loop,
     experiment_config,
-    forward_context,
     rounds_throughput,
 )
 
 from fedskew.data.sources import load_dataset  # noqa: E402
-from fedskew.models import build_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PRECISIONS = ("fp32", "bf16")
-
-
-def bare_loop(
-    x: torch.Tensor, y: torch.Tensor, precision: str, compiled: bool, steps: int, warmup: int = 10
-) -> tuple[float, float]:
-    """(samples/s over the timed steps, seconds of the warm-up steps, which include the
-    compilation when ``compiled``)."""
-    torch.manual_seed(0)
-    model = build_model("fedavg-cnn", tuple(x.shape[1:]), 10).to(memory_format=torch.channels_last)
-    x = x.contiguous(memory_format=torch.channels_last)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    forward = torch.compile(model) if compiled else model
-    model.train()
-    n = len(y) // BATCH
-
-    def step(i: int) -> None:
-        xb, yb = x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
-        with forward_context(precision):
-            loss = F.cross_entropy(forward(xb), yb)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-    t0 = time.perf_counter()
-    for i in range(warmup):
-        step(i % n)
-    warm = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for s in range(steps):
-        step(s % n)
-    return steps * BATCH / (time.perf_counter() - t0), warm
 
 
 def summary(values: list[float]) -> str:
@@ -85,38 +51,35 @@ def ratio_summary(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
 
 
+def paired_rows(
+    rows: list[dict[str, Any]], switch: str, figure: str, extra: dict[str, str] | None = None
+) -> list[str]:
+    """Per precision: the figure without and with ``switch`` (median [range] over repeats),
+    their ratio paired inside each repeat, an ``extra`` cell if given, the number of pairs."""
+    lines = []
+    for precision in PRECISIONS:
+        mine = [r for r in rows if r["precision"] == precision]
+        off = {r["repeat"]: r[figure] for r in mine if not r[switch]}
+        on = {r["repeat"]: r[figure] for r in mine if r[switch]}
+        paired = [on[k] / off[k] for k in off if k in on]
+        if paired:
+            cell = f" {extra[precision]} |" if extra else ""
+            lines.append(
+                f"| {precision} | {summary(list(off.values()))} | {summary(list(on.values()))} "
+                f"| {ratio_summary(paired)} |{cell} {len(paired)} |"
+            )
+    return lines
+
+
 def markdown(result: dict[str, Any]) -> str:
     m, s = result["machine"], result["setting"]
-    layout_rows, bare_rows = [], []
-    for precision in PRECISIONS:
-        inproc = [r for r in result["rounds"] if r["precision"] == precision and not r["workers"]]
-        pool = [r for r in result["rounds"] if r["precision"] == precision and r["workers"]]
-        if inproc and pool:
-            paired = [
-                b["round_throughput"] / a["round_throughput"]
-                for a in inproc
-                for b in pool
-                if a["repeat"] == b["repeat"]
-            ]
-            layout_rows.append(
-                f"| {precision} | {summary([r['round_throughput'] for r in inproc])} | "
-                f"{summary([r['round_throughput'] for r in pool])} | {ratio_summary(paired)} | "
-                f"{len(paired)} |"
-            )
-        eager = [r for r in result["bare"] if r["precision"] == precision and not r["compiled"]]
-        comp = [r for r in result["bare"] if r["precision"] == precision and r["compiled"]]
-        if eager and comp:
-            paired = [
-                b["samples_per_s"] / a["samples_per_s"]
-                for a in eager
-                for b in comp
-                if a["repeat"] == b["repeat"]
-            ]
-            bare_rows.append(
-                f"| {precision} | {summary([r['samples_per_s'] for r in eager])} | "
-                f"{summary([r['samples_per_s'] for r in comp])} | {ratio_summary(paired)} | "
-                f"{statistics.median(r['warmup_seconds'] for r in comp):.1f} s | {len(paired)} |"
-            )
+    layout_rows = paired_rows(result["rounds"], "workers", "round_throughput")
+    warmups: dict[str, list[float]] = {}
+    for r in result["bare"]:
+        if r["compiled"]:
+            warmups.setdefault(r["precision"], []).append(r["warmup_seconds"])
+    compile_seconds = {p: f"{statistics.median(w):.1f} s" for p, w in warmups.items()}
+    bare_rows = paired_rows(result["bare"], "compiled", "samples_per_s", compile_seconds)
     every = "\n".join(
         f"| {r['repeat']} | {r['precision']} | {'workers' if r['workers'] else 'in-process'} | "
         f"{r['round_throughput']:,.0f} | {r['training_throughput']:,.0f} | "
@@ -176,8 +139,9 @@ def main() -> None:
             for precision, compiled in variants[::-1] if flip else variants:
                 torch._dynamo.reset()  # each compiled variant pays its own compilation
                 speed, warm = bare_loop(
-                    data.x_train, data.y_train, precision, compiled, args.bare_steps
-                )
+                    data.x_train, data.y_train, precision, "channels_last", args.bare_steps,
+                    weight_decay=0.0, compiled=compiled,
+                )  # fmt: skip
                 bare.append({"repeat": rep, "precision": precision, "compiled": compiled,
                              "samples_per_s": round(speed, 1),
                              "warmup_seconds": round(warm, 2)})  # fmt: skip

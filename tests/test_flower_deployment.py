@@ -34,6 +34,7 @@ pytest.importorskip("flwr")
 
 from fedskew.checkpoint import load_checkpoint  # noqa: E402
 from fedskew.cli import main as fedskew_main  # noqa: E402
+from fedskew.runfolder import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 APP_DIR = REPO / "flower"
@@ -294,15 +295,7 @@ def federation(tmp_path: Path) -> Iterator[Federation]:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a line being written
-    return rows
+    return read_jsonl(path)
 
 
 def finished_run(out_dir: Path, name: str, fed: Federation) -> Path:

@@ -76,18 +76,13 @@ class RunFolder:
         """Metrics of rounds 1..up_to_round; later lines (from after the last checkpoint)
         are dropped from the file, since those rounds will be run again."""
         path = self.path / "metrics.jsonl"
-        if not path.exists():
-            return []
         rows = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                break  # a line cut by a kill mid-write
+        for row in read_jsonl(path):
             if row.get("round", 0) > up_to_round:
                 break
             rows.append(row)
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        if path.exists():
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
         return rows
 
     def write_config(self, config: dict[str, Any]) -> None:
@@ -107,16 +102,7 @@ class RunFolder:
             fh.write(json.dumps(record) + "\n")
 
     def read_processes(self) -> list[dict[str, Any]]:
-        path = self.path / "processes.jsonl"
-        if not path.exists():
-            return []
-        rows = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-        return rows
+        return read_jsonl(self.path / "processes.jsonl")
 
     def finish(self, summary: dict[str, Any]) -> Path:
         _write_json(self.path / "summary.json", summary)
@@ -124,6 +110,20 @@ class RunFolder:
         os.replace(self.path, final)
         self.path = final
         return final
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file up to the first line that does not parse (one cut by a
+    kill mid-write, or being written now); none if the file does not exist."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:

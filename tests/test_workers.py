@@ -269,3 +269,29 @@ def test_a_default_bf16_run_uses_workers_and_records_them(tmp_path, monkeypatch)
     used = [json.loads(x)["workers"] for x in (auto / "processes.jsonl").read_text().splitlines()]
     assert used == [2]
     assert rows(auto) == rows(inproc)
+
+
+def test_auto_workers_stay_inside_the_memory(tmp_path, monkeypatch):
+    from fedskew.engine import workers as pool
+
+    gib = 2**30
+    monkeypatch.setattr(pool, "available_memory_bytes", lambda: 8 * gib)
+    # half of 8 GiB for copies of a 1 GiB dataset plus each worker's own overhead
+    assert pool.affordable_workers(gib) == 4 * gib // (gib + pool.WORKER_OVERHEAD_BYTES)
+    monkeypatch.setattr(pool, "available_memory_bytes", lambda: None)
+    assert pool.affordable_workers(gib) > 1000  # unknown memory: no cap
+
+    # Too little memory for two copies: a bf16 run with auto workers stays in one process
+    # (an explicit count is the user's call and is kept).
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    monkeypatch.setattr(pool, "available_memory_bytes", lambda: pool.WORKER_OVERHEAD_BYTES)
+    common = dict(rounds=1, local_epochs=1, quiet=True, precision="bf16", num_clients=6,
+                  clients_per_round=3)  # fmt: skip
+    auto, _ = run(ExperimentConfig(out_dir=str(tmp_path / "a"), name="r", **common))
+    fixed, _ = run(ExperimentConfig(out_dir=str(tmp_path / "b"), name="r", workers=2, **common))
+    used = [
+        [json.loads(x)["workers"] for x in (f / "processes.jsonl").read_text().splitlines()]
+        for f in (auto, fixed)
+    ]
+    assert used == [[0], [2]]
+    assert rows(auto) == rows(fixed)

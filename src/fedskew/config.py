@@ -224,7 +224,10 @@ def effective_workers(cfg: ExperimentConfig) -> int:
     0.97x in fp32 (3 paired repeats each): in bf16 the convolutions are fast enough that the
     per-step Python work of one process no longer hides behind them. So ``auto`` uses one
     worker per core (up to the clients per round) for bf16, and the in-process engine for
-    fp32 and for other engines. The choice changes speed only: metrics are identical."""
+    fp32 and for other engines. Each worker holds its own copy of the dataset, so the run
+    then lowers the count to what half of the available memory holds
+    (engine.workers.affordable_workers). The choice changes speed only: metrics are
+    identical."""
     if cfg.workers != "auto":
         return int(cfg.workers)
     if cfg.engine != "inprocess" or cfg.precision != "bf16":

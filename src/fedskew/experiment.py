@@ -180,20 +180,37 @@ def run(
     cfg.validate()
     workers = effective_workers(cfg) if engine_factory is None else 0
     if workers <= 1:
-        return _run(cfg, on_round, resume, on_start, engine_factory, workers)
-    from fedskew.engine.workers import WorkerPoolEngine
+        return _run(cfg, on_round, resume, on_start, engine_factory)
+    from fedskew.engine.workers import WorkerPoolEngine, affordable_workers
 
     started: list[WorkerPoolEngine] = []
 
     def start_workers(prep: Prepared, client_logic: ClientLogic, model: Any) -> Any:
-        started.append(WorkerPoolEngine(prep.cfg, client_sizes=prep.fed.sizes(), workers=workers))
+        count = workers
+        if cfg.workers == "auto":  # each worker holds the dataset: stay inside the memory
+            data = (prep.dataset.x_train, prep.dataset.x_test)
+            count = min(count, affordable_workers(sum(t.nbytes for t in data)))
+        if count <= 1:
+            return in_process_engine(prep, client_logic, model)
+        started.append(WorkerPoolEngine(prep.cfg, client_sizes=prep.fed.sizes(), workers=count))
         return started[-1]
 
     try:
-        return _run(cfg, on_round, resume, on_start, start_workers, workers)
+        return _run(cfg, on_round, resume, on_start, start_workers)
     finally:
         for engine in started:
             engine.close()
+
+
+def in_process_engine(prep: Prepared, client_logic: ClientLogic, model: Any) -> InProcessEngine:
+    return InProcessEngine(
+        client_logic,
+        prep.fed,
+        model,
+        prep.train,
+        prep.cfg.seed,
+        test=(prep.dataset.x_test, prep.dataset.y_test),
+    )
 
 
 def _run(
@@ -202,7 +219,6 @@ def _run(
     resume: Path | None,
     on_start: Callable[[int], None] | None,
     engine_factory: EngineFactory | None,
-    workers: int = 0,
 ) -> tuple[Path, dict[str, Any]]:
     cfg.validate()
     check_names(cfg)
@@ -228,17 +244,8 @@ def _run(
     )
     server = prep.algorithm.Server(prep.params, setup)
     client_logic = prep.algorithm.Client(prep.params)
-    if engine_factory is None:
-        engine = InProcessEngine(
-            client_logic,
-            prep.fed,
-            model,
-            prep.train,
-            cfg.seed,
-            test=(prep.dataset.x_test, prep.dataset.y_test),
-        )
-    else:
-        engine = engine_factory(prep, client_logic, model)
+    factory = in_process_engine if engine_factory is None else engine_factory
+    engine = factory(prep, client_logic, model)
     may_lose = bool(getattr(engine, "may_lose_replies", False))
     client_counts = prep.fed.class_counts()
 
@@ -263,7 +270,7 @@ def _run(
 
     folder.append_process(
         {"from_round": start_round + 1, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-         "workers": workers, **describe()}
+         "workers": getattr(engine, "worker_count", 0), **describe()}
     )  # fmt: skip
     started = time.perf_counter()
     last_eval: dict[str, Any] = next(

@@ -261,6 +261,30 @@ def worker_main(conn: Connection, config_json: str) -> None:
 
 # ---------------------------------------------------------------------------- parent
 
+# What a worker holds besides the dataset: torch, the scratch model, batches (a FedAvg
+# worker on Fashion-MNIST peaks near 500 MiB with ~220 MiB of data; benchmarks/scale.py).
+WORKER_OVERHEAD_BYTES = 350 * 2**20
+
+
+def available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def affordable_workers(dataset_bytes: int) -> int:
+    """How many workers, each with its own copy of the dataset, fit in half of the memory
+    available now (unbounded where that cannot be read)."""
+    available = available_memory_bytes()
+    if available is None:
+        return sys.maxsize
+    return int(0.5 * available) // (dataset_bytes + WORKER_OVERHEAD_BYTES)
+
 
 class WorkerPoolEngine(ClientStateKeeper):
     """Carries an algorithm's messages to client handlers in N worker processes.
@@ -288,6 +312,7 @@ class WorkerPoolEngine(ClientStateKeeper):
         if count < 1:
             raise FedskewError(f"the worker engine needs at least one worker, got {count}")
         super().__init__()
+        self.worker_count = count
         self.client_sizes = client_sizes
         self.processes: list[Any] = []
         self.conns: list[Connection] = []

@@ -8,7 +8,7 @@ written by the script named next to it. Run the scripts first, then this:
         --workers 2 --out benchmarks/results/precision_throughput_workers.md
     python benchmarks/precision_accuracy.py --rounds 15
     python benchmarks/scale.py --threads 2
-    python benchmarks/algorithm_round_time.py -r 4 -e 2 --repeat 1 --threads 2
+    python benchmarks/algorithm_round_time.py -r 3 -e 2 --repeat 2 --threads 1
     python benchmarks/flower_round_time.py --threads 1
     python benchmarks/throughput_repeats.py --threads 2 --workers 2 --repeat 3 --rounds 3
     python benchmarks/make_benchmarks_md.py
@@ -167,6 +167,25 @@ def repeats_section(result: dict | None, goal: int, flower: int) -> list[str]:
     return lines
 
 
+def round_time_reading() -> list[str]:
+    """How far the per-algorithm ratios can be trusted, from the run's own FedAvg spread."""
+    result = load("algorithm_round_time.json")
+    if result is None:
+        return []
+    repeats = max(r["repeat"] for r in result["runs"])
+    fedavg = next(r for r in result["summary"] if r["algorithm"] == "fedavg")
+    return [
+        "## Round time per algorithm: how to read it",
+        "",
+        f"{repeats} repeat(s) with one thread per run on an otherwise idle machine; FedAvg runs "
+        f"first, in the middle and last of every repeat, and its own ratios spread "
+        f"{fedavg['ratio_min']:.2f}-{fedavg['ratio_max']:.2f}: ratios within that spread of 1 "
+        "do not tell algorithms apart. The extra-passes column is counted from the code and "
+        "does not depend on the run.",
+        "",
+    ]
+
+
 def include(title: str, name: str, script: str) -> list[str]:
     path = RESULTS / name
     if not path.exists():
@@ -195,15 +214,7 @@ def main() -> None:
             "precision_accuracy.md",
             "python benchmarks/precision_accuracy.py",
         ),  # fmt: skip
-        "## Round time per algorithm: how to read it",
-        "",
-        "A single repeat with one thread per run, so FedAvg's own three runs in it (start, "
-        "middle, end) spread as shown in its range; ratios within that spread of 1 do not "
-        "tell algorithms apart. The extra-passes column is counted from the code and does not "
-        "depend on the run. (An earlier repeat taken while other processes shared the machine "
-        "gave FedProx 7.3x; this one, on a machine running one other single-thread job, gives "
-        "1.2x.)",
-        "",
+        *round_time_reading(),
         *include(
             "Round time per algorithm, relative to FedAvg",
             "algorithm_round_time.md",

@@ -191,7 +191,7 @@ def run(
             data = (prep.dataset.x_train, prep.dataset.x_test)
             count = min(count, affordable_workers(sum(t.nbytes for t in data)))
         if count <= 1:
-            return in_process_engine(prep, client_logic, model)
+            return InProcessEngine.from_prepared(prep, client_logic, model)
         started.append(WorkerPoolEngine(prep.cfg, client_sizes=prep.fed.sizes(), workers=count))
         return started[-1]
 
@@ -200,17 +200,6 @@ def run(
     finally:
         for engine in started:
             engine.close()
-
-
-def in_process_engine(prep: Prepared, client_logic: ClientLogic, model: Any) -> InProcessEngine:
-    return InProcessEngine(
-        client_logic,
-        prep.fed,
-        model,
-        prep.train,
-        prep.cfg.seed,
-        test=(prep.dataset.x_test, prep.dataset.y_test),
-    )
 
 
 def _run(
@@ -244,7 +233,7 @@ def _run(
     )
     server = prep.algorithm.Server(prep.params, setup)
     client_logic = prep.algorithm.Client(prep.params)
-    factory = in_process_engine if engine_factory is None else engine_factory
+    factory = InProcessEngine.from_prepared if engine_factory is None else engine_factory
     engine = factory(prep, client_logic, model)
     may_lose = bool(getattr(engine, "may_lose_replies", False))
     client_counts = prep.fed.class_counts()

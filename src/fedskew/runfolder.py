@@ -92,14 +92,12 @@ class RunFolder:
         save_partition(self.path / "partition.npz", partition, meta)
 
     def append_metrics(self, record: dict[str, Any]) -> None:
-        with open(self.path / "metrics.jsonl", "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record) + "\n")
+        _append_jsonl(self.path / "metrics.jsonl", record)
 
     def append_process(self, record: dict[str, Any]) -> None:
         """One line per process that worked on this run (a resumed run has several), so a
         result says which machine computed which rounds."""
-        with open(self.path / "processes.jsonl", "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record) + "\n")
+        _append_jsonl(self.path / "processes.jsonl", record)
 
     def read_processes(self) -> list[dict[str, Any]]:
         return read_jsonl(self.path / "processes.jsonl")
@@ -124,6 +122,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             break
     return rows
+
+
+def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record) + "\n")
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:

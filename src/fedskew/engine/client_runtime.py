@@ -13,7 +13,7 @@ node keeps its client's state itself).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 import torch
 
@@ -35,7 +35,10 @@ class TrafficCounter:
 
 
 class ClientRuntime:
-    """Answers one message for one client: builds the client's context, calls the logic."""
+    """Answers one message for one client: builds the client's context, calls the logic.
+
+    An engine that also keeps client state lists this class before ClientStateKeeper, so
+    that this constructor's ``super().__init__()`` sets up the bookkeeping too."""
 
     def __init__(
         self,
@@ -52,16 +55,26 @@ class ClientRuntime:
         self.train = train
         self.seed = seed
         self.test = test
+        super().__init__()
 
     @classmethod
-    def from_prepared(cls, prep: Prepared) -> ClientRuntime:
-        """The runtime of a prepared experiment, with a scratch model of its own."""
-        # experiment imports the engines, so it cannot be imported at module level.
-        from fedskew.experiment import new_model
+    def from_prepared(
+        cls,
+        prep: Prepared,
+        client_logic: ClientLogic | None = None,
+        model: torch.nn.Module | None = None,
+    ) -> Self:
+        """The runtime of a prepared experiment; a new client logic and scratch model unless
+        the caller already has them."""
+        if model is None:
+            # experiment imports the engines, so it cannot be imported at module level.
+            from fedskew.experiment import new_model
 
-        model = new_model(prep)
+            model = new_model(prep)
+        if client_logic is None:
+            client_logic = prep.algorithm.Client(prep.params)
         return cls(
-            prep.algorithm.Client(prep.params),
+            client_logic,
             prep.fed,
             model,
             prep.train,
@@ -91,6 +104,7 @@ class ClientStateKeeper:
         self.client_states: dict[int, ClientState] = {}
         self.traffic = TrafficCounter()
         self.round = 0
+        super().__init__()
 
     def begin_round(self, rnd: int) -> None:
         self.round = rnd

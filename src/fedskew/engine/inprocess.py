@@ -8,30 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
-
-from fedskew.data.federated import FederatedData
 from fedskew.engine.client_runtime import ClientRuntime, ClientStateKeeper, TrafficCounter
-from fedskew.protocol import ClientLogic, LocalTrainConfig, Message
+from fedskew.protocol import Message
 
 # TrafficCounter was first defined here: code outside the package may import it from here.
 __all__ = ["InProcessEngine", "TrafficCounter"]
 
 
-class InProcessEngine(ClientStateKeeper, ClientRuntime):
-    """Carries an algorithm's messages to client handlers running in this process."""
+class InProcessEngine(ClientRuntime, ClientStateKeeper):
+    """Carries an algorithm's messages to client handlers running in this process.
 
-    def __init__(
-        self,
-        client_logic: ClientLogic,
-        data: FederatedData,
-        model: torch.nn.Module,
-        train: LocalTrainConfig,
-        seed: int,
-        test: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> None:
-        ClientStateKeeper.__init__(self)
-        ClientRuntime.__init__(self, client_logic, data, model, train, seed, test)
+    Built like a ClientRuntime (client logic, data, scratch model, training settings, seed,
+    test set); it also keeps every client's state and counts the traffic."""
 
     def exchange(self, messages: Mapping[int, Message]) -> dict[int, Message]:
         self.traffic.exchanges += 1

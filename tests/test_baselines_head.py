@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fedskew.algorithm_interface import LocalTrainConfig, ServerSetup
 from fedskew.algorithms import creff, fednh, fedproto, fedrod, get_algorithm
 from fedskew.algorithms.local import TrainResult, set_arrays
 from fedskew.cli import main
@@ -22,7 +23,7 @@ from fedskew.engine.inprocess import InProcessEngine
 from fedskew.errors import UsageError
 from fedskew.experiment import prepare, run
 from fedskew.models import build_model
-from fedskew.protocol import LocalTrainConfig, Message, ServerSetup
+from fedskew.protocol import Message
 
 C, IN, HID = 4, 6, 8  # classes, input size, feature size of the small test model
 

@@ -6,16 +6,17 @@ import numpy as np
 import pytest
 import torch
 
+from fedskew.algorithm_interface import LocalTrainConfig
 from fedskew.algorithms.fedavg import FedAvg
 from fedskew.algorithms.local import (
     apply_server_lr,
     local_train,
     weighted_average,
 )
-from fedskew.data.federated import sample_clients
+from fedskew.data.federated import ClientData, sample_clients
 from fedskew.errors import UsageError
 from fedskew.models import BodyHeadModel
-from fedskew.protocol import ClientData, LocalTrainConfig, Message
+from fedskew.protocol import Message
 from fedskew.rng import derive_seed, numpy_rng, torch_rng
 
 
@@ -88,7 +89,7 @@ class _RecordingChannel:
 
 
 def test_fedavg_server_weights_by_sample_count():
-    from fedskew.protocol import ServerSetup
+    from fedskew.algorithm_interface import ServerSetup
 
     init = {"w": torch.zeros(2)}
     setup = ServerSetup(

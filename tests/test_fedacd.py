@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from fedskew.algorithm_interface import ClientContext, LocalTrainConfig, ServerSetup
 from fedskew.algorithms.fedacd import (
     ConfusionAccumulator,
     FedACD,
@@ -29,16 +30,10 @@ from fedskew.algorithms.fedacd import (
 from fedskew.algorithms.fedavg import FedAvgClient
 from fedskew.algorithms.local import get_arrays
 from fedskew.cli import main
+from fedskew.data.federated import ClientData
 from fedskew.errors import UsageError
 from fedskew.models import BodyHeadModel, build_model
-from fedskew.protocol import (
-    ClientContext,
-    ClientData,
-    ClientState,
-    LocalTrainConfig,
-    Message,
-    ServerSetup,
-)
+from fedskew.protocol import ClientState, Message
 from fedskew.rng import torch_rng
 
 # --- helpers written for the tests, independent of the implementation ---------------------

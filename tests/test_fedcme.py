@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from fedskew.algorithm_interface import ClientContext, LocalTrainConfig, ServerSetup
 from fedskew.algorithms import fedcme, get_algorithm
 from fedskew.algorithms.fedcme import (
     EVAL_VECTOR,
@@ -35,7 +36,7 @@ from fedskew.errors import UsageError
 from fedskew.experiment import new_model, prepare, run
 from fedskew.models import build_model
 from fedskew.models.base import BodyHeadModel
-from fedskew.protocol import ClientContext, ClientState, LocalTrainConfig, Message, ServerSetup
+from fedskew.protocol import ClientState, Message
 from fedskew.rng import torch_rng
 
 # --- helpers ----------------------------------------------------------------------------------

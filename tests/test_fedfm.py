@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedskew.algorithm_interface import ClientContext, ClientLogic, ServerSetup
 from fedskew.algorithms import get_algorithm
 from fedskew.algorithms.feature_matching import (
     ANCHORS,
@@ -36,7 +37,7 @@ from fedskew.data.federated import sample_clients
 from fedskew.engine.inprocess import InProcessEngine
 from fedskew.errors import UsageError
 from fedskew.experiment import new_model, prepare
-from fedskew.protocol import ClientContext, ClientLogic, ClientState, Message, ServerSetup
+from fedskew.protocol import ClientState, Message
 
 FAST = ["--rounds", "3", "--local-epochs", "1", "--quiet"]
 C = 10  # digits classes

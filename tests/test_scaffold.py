@@ -13,20 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fedskew.algorithm_interface import ClientContext, LocalTrainConfig, ServerSetup
 from fedskew.algorithms.scaffold import Scaffold
 from fedskew.cli import main
+from fedskew.data.federated import ClientData
 from fedskew.errors import UsageError
 from fedskew.models import build_model
 from fedskew.models.base import BodyHeadModel
-from fedskew.protocol import (
-    SCALAR_BYTES,
-    ClientContext,
-    ClientData,
-    ClientState,
-    LocalTrainConfig,
-    Message,
-    ServerSetup,
-)
+from fedskew.protocol import SCALAR_BYTES, ClientState, Message
 
 D, C = 3, 2  # input features, classes of the tiny linear model
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedskew.algorithm_interface import ServerLogic
 from fedskew.errors import FedskewError
 from fedskew.protocol import ClientState
 
@@ -71,12 +72,12 @@ def _unpack(node: Any, arrays: Any) -> Any:
     return node
 
 
-def server_state(server: Any) -> dict[str, Any]:
-    fields = ("global_arrays", *getattr(server, "checkpoint_fields", ()))
+def server_state(server: ServerLogic) -> dict[str, Any]:
+    fields = ("global_arrays", *server.checkpoint_fields)
     return {name: getattr(server, name) for name in fields}
 
 
-def load_server_state(server: Any, state: dict[str, Any]) -> None:
+def load_server_state(server: ServerLogic, state: dict[str, Any]) -> None:
     for name, value in state.items():
         setattr(server, name, value)
 

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,3 +239,74 @@ def effective_workers(cfg: ExperimentConfig) -> int:
         cores = os.cpu_count() or 1
     count = min(cores, cfg.per_round())
     return count if count >= 2 else 0
+
+
+# ---------------------------------------------------------------------------- value parsing
+
+
+def parse_scalar(text: str) -> Any:
+    """A command-line value: int, float, true/false, or the text itself."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    if text.lower() in {"true", "false"}:
+        return text.lower() == "true"
+    return text
+
+
+def parse_pairs(text: str, key: str) -> dict[str, Any]:
+    """``"lam=10 start_round=0"`` (spaces or commas) -> {name: value}."""
+    pairs: dict[str, Any] = {}
+    for item in text.replace(",", " ").split():
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise UsageError(f"{key}: expected key=value pairs, got {item!r}")
+        pairs[name.replace("-", "_")] = parse_scalar(value)
+    return pairs
+
+
+def params_from_values(
+    params_type: type, values: Mapping[str, object], where: str, owner: str
+) -> Any:
+    """A hyper-parameter dataclass from user values: names checked, strings coerced to the
+    fields' types, then the dataclass's own ``validate`` (if any)."""
+    fields = {f.name: f for f in dataclasses.fields(params_type)}
+    kwargs: dict[str, object] = {}
+    for key, raw in values.items():
+        name = key.replace("-", "_")
+        if name not in fields:
+            valid = ", ".join(fields) or "none"
+            raise UsageError(f"{where} has no parameter '{key}' (valid: {valid})")
+        kwargs[name] = coerce(raw, fields[name], owner)
+    params = params_type(**kwargs)
+    check = getattr(params, "validate", None)
+    if check is not None:
+        check()
+    return params
+
+
+def coerce(raw: object, f: dataclasses.Field, owner: str) -> object:
+    """Convert a CLI/config value to the type of a dataclass field."""
+    default = f.default if f.default is not dataclasses.MISSING else None
+    kind = type(default) if default is not None else str
+    if isinstance(raw, kind) and not (kind is int and isinstance(raw, bool)):
+        return raw
+    text = str(raw).strip()
+    try:
+        if kind is bool:
+            if text.lower() in {"1", "true", "yes", "on"}:
+                return True
+            if text.lower() in {"0", "false", "no", "off"}:
+                return False
+            raise ValueError(text)
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+    except ValueError:
+        raise UsageError(
+            f"{owner}: parameter '{f.name}' expects {kind.__name__}, got '{text}'"
+        ) from None
+    return text

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from fedskew import __version__
+from fedskew.algorithm_interface import ClientLogic, LocalTrainConfig, ServerSetup
 from fedskew.algorithms import get_algorithm
 from fedskew.algorithms.local import set_arrays
 from fedskew.checkpoint import load_checkpoint, load_server_state, save_checkpoint, server_state
@@ -26,7 +27,7 @@ from fedskew.errors import FedskewError, UsageError
 from fedskew.machine import describe
 from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
 from fedskew.models import MODELS, build_model
-from fedskew.protocol import ClientLogic, LocalTrainConfig, NoReplies, ServerSetup
+from fedskew.protocol import NoReplies
 from fedskew.rng import derive_seed
 from fedskew.runfolder import RunFolder, check_writable
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+from fedskew.algorithm_interface import Algorithm
 from fedskew.errors import UsageError
-from fedskew.protocol import Algorithm
 
 _HELPERS = {"local", "feature_matching"}  # modules that hold no algorithm of their own
 

@@ -39,6 +39,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fedskew.algorithm_interface import (
+    Algorithm,
+    ClientContext,
+    ClientLogic,
+    ServerLogic,
+    ServerSetup,
+)
 from fedskew.algorithms.local import (
     batch_bounds,
     get_arrays,
@@ -47,18 +54,9 @@ from fedskew.algorithms.local import (
     trained_reply,
     weighted_average,
 )
+from fedskew.data.federated import ClientData
 from fedskew.errors import UsageError
-from fedskew.protocol import (
-    Algorithm,
-    Channel,
-    ClientContext,
-    ClientData,
-    ClientLogic,
-    Message,
-    ServerLogic,
-    ServerSetup,
-    arrived,
-)
+from fedskew.protocol import Channel, Message, arrived
 from fedskew.rng import torch_rng
 
 DIS_METRICS = ("ours", "mse", "cos")

@@ -71,17 +71,11 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from fedskew.algorithm_interface import Algorithm, ClientContext, ServerSetup
 from fedskew.algorithms.local import LossTerm, class_feature_means, set_arrays
 from fedskew.errors import UsageError
 from fedskew.precision import in_fp32
-from fedskew.protocol import (
-    Algorithm,
-    Channel,
-    ClientContext,
-    Message,
-    ServerSetup,
-    arrived,
-)
+from fedskew.protocol import Channel, Message, arrived
 
 ANCHOR_KIND = "fm_anchors"  # step 1, server -> client: the global model
 LOCAL_ANCHOR_KIND = "fm_local_anchors"  # step 1, client -> server
@@ -366,7 +360,7 @@ def with_feature_matching(cls: type[Algorithm]) -> type[Algorithm]:
 
     class FMServer(cls.Server):  # type: ignore[name-defined, misc]
         # Resuming a run needs the anchors: uniform aggregation fills in previous ones.
-        checkpoint_fields = (*getattr(cls.Server, "checkpoint_fields", ()), "fm_anchors")
+        checkpoint_fields = (*cls.Server.checkpoint_fields, "fm_anchors")
 
         def __init__(self, params: Any, setup: ServerSetup) -> None:
             super().__init__(params, setup)

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic, ServerLogic
 from fedskew.algorithms.local import (
     Forward,
     get_arrays,
@@ -57,18 +58,10 @@ from fedskew.algorithms.local import (
     train_client,
     weighted_average,
 )
+from fedskew.data.federated import ClientData
 from fedskew.errors import UsageError
 from fedskew.precision import in_fp32
-from fedskew.protocol import (
-    Algorithm,
-    Channel,
-    ClientContext,
-    ClientData,
-    ClientLogic,
-    Message,
-    ServerLogic,
-    arrived,
-)
+from fedskew.protocol import Channel, Message, arrived
 
 EPS = 1e-8  # added to denominators of P and of Delta
 WEIGHTINGS = ("inverse", "softmax", "uniform")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic, ServerLogic
 from fedskew.algorithms.local import (
     apply_server_lr,
     set_arrays,
@@ -19,15 +20,7 @@ from fedskew.algorithms.local import (
     weighted_average,
 )
 from fedskew.errors import UsageError
-from fedskew.protocol import (
-    Algorithm,
-    Channel,
-    ClientContext,
-    ClientLogic,
-    Message,
-    ServerLogic,
-    arrived,
-)
+from fedskew.protocol import Channel, Message, arrived
 
 
 @dataclass

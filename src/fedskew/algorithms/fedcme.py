@@ -91,6 +91,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedskew.algorithm_interface import (
+    Algorithm,
+    ClientContext,
+    ClientLogic,
+    ServerLogic,
+    ServerSetup,
+)
 from fedskew.algorithms.local import (
     Forward,
     LossFn,
@@ -101,20 +108,10 @@ from fedskew.algorithms.local import (
     trained_reply,
     weighted_average,
 )
+from fedskew.data.federated import ClientData
 from fedskew.errors import UsageError
 from fedskew.precision import in_fp32
-from fedskew.protocol import (
-    Algorithm,
-    Channel,
-    ClientContext,
-    ClientData,
-    ClientLogic,
-    Message,
-    NoReplies,
-    ServerLogic,
-    ServerSetup,
-    arrived,
-)
+from fedskew.protocol import Channel, Message, NoReplies, arrived
 from fedskew.rng import SERVER, numpy_rng
 
 EPS = 1e-12

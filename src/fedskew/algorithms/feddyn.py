@@ -32,20 +32,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fedskew.algorithm_interface import (
+    Algorithm,
+    ClientContext,
+    ClientLogic,
+    ServerLogic,
+    ServerSetup,
+)
 from fedskew.algorithms.fednova import trained_keys
 from fedskew.algorithms.local import Forward, get_arrays, set_arrays, train_client, weighted_average
 from fedskew.errors import UsageError
 from fedskew.precision import in_fp32
-from fedskew.protocol import (
-    Algorithm,
-    Channel,
-    ClientContext,
-    ClientLogic,
-    Message,
-    ServerLogic,
-    ServerSetup,
-    arrived,
-)
+from fedskew.protocol import Channel, Message, arrived
 
 STATE_PREFIX = "feddyn.grad/"  # the client's g_k in its state
 

@@ -33,6 +33,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fedskew.algorithm_interface import (
+    Algorithm,
+    ClientContext,
+    ClientLogic,
+    ServerLogic,
+    ServerSetup,
+)
 from fedskew.algorithms.feature_matching import (
     ANCHORS,
     COUNTS,
@@ -46,16 +53,7 @@ from fedskew.algorithms.feature_matching import (
 )
 from fedskew.algorithms.local import get_arrays, set_arrays, train_client, weighted_average
 from fedskew.errors import UsageError
-from fedskew.protocol import (
-    Algorithm,
-    Channel,
-    ClientContext,
-    ClientLogic,
-    Message,
-    ServerLogic,
-    ServerSetup,
-    arrived,
-)
+from fedskew.protocol import Channel, Message, arrived
 
 _KEPT = "fmlite.model/"  # client state prefix: the local model between model rounds
 

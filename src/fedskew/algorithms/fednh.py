@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic, ServerLogic
 from fedskew.algorithms.local import (
     get_arrays,
     set_arrays,
@@ -36,18 +37,10 @@ from fedskew.algorithms.local import (
     trained_reply,
     weighted_average,
 )
+from fedskew.data.federated import ClientData
 from fedskew.errors import UsageError
 from fedskew.models.resnet import BasicBlock
-from fedskew.protocol import (
-    Algorithm,
-    Channel,
-    ClientContext,
-    ClientData,
-    ClientLogic,
-    Message,
-    ServerLogic,
-    arrived,
-)
+from fedskew.protocol import Channel, Message, arrived
 
 PROTOTYPES = "head.prototypes"
 SCALE = "head.scale"

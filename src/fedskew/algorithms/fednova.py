@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic, ServerLogic
 from fedskew.algorithms.local import (
     get_arrays,
     set_arrays,
@@ -39,15 +40,7 @@ from fedskew.algorithms.local import (
     trained_reply,
     weighted_average,
 )
-from fedskew.protocol import (
-    Algorithm,
-    Channel,
-    ClientContext,
-    ClientLogic,
-    Message,
-    ServerLogic,
-    arrived,
-)
+from fedskew.protocol import Channel, Message, arrived
 
 # BatchNorm keeps these as buffers; the forward pass moves them, not the optimiser.
 _RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")

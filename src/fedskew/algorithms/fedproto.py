@@ -32,6 +32,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fedskew.algorithm_interface import (
+    Algorithm,
+    ClientContext,
+    ClientLogic,
+    ServerLogic,
+    ServerSetup,
+)
 from fedskew.algorithms.local import (
     Forward,
     class_feature_means,
@@ -43,16 +50,7 @@ from fedskew.algorithms.local import (
 )
 from fedskew.errors import UsageError
 from fedskew.precision import in_fp32
-from fedskew.protocol import (
-    Algorithm,
-    Channel,
-    ClientContext,
-    ClientLogic,
-    Message,
-    ServerLogic,
-    ServerSetup,
-    arrived,
-)
+from fedskew.protocol import Channel, Message, arrived
 
 DISTANCES = ("mse", "sq")
 PROTOS, PROTO_CLASSES, PROTO_COUNTS = "proto.values", "proto.classes", "proto.counts"

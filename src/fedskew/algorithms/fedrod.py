@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic, ServerLogic
 from fedskew.algorithms.local import (
     Forward,
     set_arrays,
@@ -40,15 +41,7 @@ from fedskew.algorithms.local import (
 )
 from fedskew.errors import UsageError
 from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
-from fedskew.protocol import (
-    Algorithm,
-    Channel,
-    ClientContext,
-    ClientLogic,
-    Message,
-    ServerLogic,
-    arrived,
-)
+from fedskew.protocol import Channel, Message, arrived
 
 PHEAD_INITS = ("zeros", "generic")
 PHEAD_WEIGHT = "personal_head.weight"

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fedskew.algorithm_interface import ClientContext, LocalTrainConfig
+from fedskew.data.federated import ClientData
 from fedskew.precision import autocast
-from fedskew.protocol import ClientContext, ClientData, LocalTrainConfig, Message
+from fedskew.protocol import Message
 
 
 @dataclass

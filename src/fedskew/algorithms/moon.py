@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
 from fedskew.algorithms.local import (
     Forward,
@@ -47,7 +48,7 @@ from fedskew.algorithms.local import (
 )
 from fedskew.errors import UsageError
 from fedskew.precision import in_fp32
-from fedskew.protocol import Algorithm, ClientContext, ClientLogic, Message
+from fedskew.protocol import Message
 
 PREV = "moon.prev."  # client-state prefix of the previous local model
 LOG2 = math.log(2.0)

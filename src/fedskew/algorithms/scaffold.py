@@ -59,6 +59,13 @@ from dataclasses import dataclass
 
 import torch
 
+from fedskew.algorithm_interface import (
+    Algorithm,
+    ClientContext,
+    ClientLogic,
+    ServerLogic,
+    ServerSetup,
+)
 from fedskew.algorithms.fednova import momentum_normaliser, trained_keys
 from fedskew.algorithms.local import (
     apply_server_lr,
@@ -68,16 +75,7 @@ from fedskew.algorithms.local import (
     weighted_average,
 )
 from fedskew.errors import UsageError
-from fedskew.protocol import (
-    Algorithm,
-    Channel,
-    ClientContext,
-    ClientLogic,
-    Message,
-    ServerLogic,
-    ServerSetup,
-    arrived,
-)
+from fedskew.protocol import Channel, Message, arrived
 
 C_PREFIX = "c/"  # the server's control variate in the "train" message
 DC_PREFIX = "dc/"  # the client's delta c_k in its reply

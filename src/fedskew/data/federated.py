@@ -2,10 +2,42 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from fedskew.protocol import ClientData
+
+@dataclass
+class ClientData:
+    """One client's training data: indices into tensors held once for all clients."""
+
+    x: torch.Tensor  # all training inputs, already normalised
+    y: torch.Tensor  # all training labels (int64)
+    indices: torch.Tensor  # this client's rows (int64)
+    num_classes: int
+
+    def __post_init__(self) -> None:
+        self._labels: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.indices.numel())
+
+    @property
+    def labels(self) -> torch.Tensor:
+        if self._labels is None:
+            self._labels = self.y.index_select(0, self.indices)
+        return self._labels
+
+    def class_counts(self) -> torch.Tensor:
+        return torch.bincount(self.labels, minlength=self.num_classes)
+
+    def batch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and labels of the given positions (0..len-1) of this client's data."""
+        idx = self.indices.index_select(0, rows)
+        # Advanced indexing keeps the inputs' memory format (channels_last); index_select
+        # would silently return the default layout.
+        return self.x[idx], self.y.index_select(0, idx)
 
 
 class FederatedData:

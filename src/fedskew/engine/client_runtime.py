@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Self
 
 import torch
 
+from fedskew.algorithm_interface import ClientContext, ClientLogic, LocalTrainConfig
 from fedskew.data.federated import FederatedData
-from fedskew.protocol import ClientContext, ClientLogic, ClientState, LocalTrainConfig, Message
+from fedskew.protocol import ClientState, Message
 
 if TYPE_CHECKING:
     from fedskew.experiment import Prepared

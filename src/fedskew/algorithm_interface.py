@@ -21,6 +21,12 @@ from fedskew.protocol import Channel, ClientState, Message
 from fedskew.rng import torch_rng
 
 
+def check_one_of(owner: str, name: str, value: object, choices: tuple[str, ...]) -> None:
+    """A string hyper-parameter must be one of ``choices`` (one-line UsageError otherwise)."""
+    if value not in choices:
+        raise UsageError(f"{owner}: {name} must be one of {', '.join(choices)}, got '{value}'")
+
+
 @dataclass
 class LocalTrainConfig:
     """The local optimisation settings every algorithm shares."""
@@ -109,6 +115,11 @@ class ServerLogic:
     def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
         """Run one round with the given clients; return metrics to log."""
         raise NotImplementedError
+
+    @staticmethod
+    def mean_train_loss(replies: Mapping[int, Message], clients: list[int]) -> float:
+        """The ``train_loss`` metric: the mean of the replies' ``loss`` over ``clients``."""
+        return sum(replies[c].scalars["loss"] for c in clients) / len(clients)
 
     def eval_arrays(self) -> dict[str, torch.Tensor]:
         """The model the evaluation should score (the global model unless overridden)."""

@@ -1,5 +1,5 @@
 """The benchmarks' machine description is the package's (fedskew.machine)."""
 
-from fedskew.machine import describe
+from fedskew.machine import machine_facts
 
-__all__ = ["describe"]
+__all__ = ["machine_facts"]

@@ -16,12 +16,13 @@ import torch.nn.functional as F
 from fedskew.algorithm_interface import LocalTrainConfig, ServerSetup
 from fedskew.algorithms import creff, fednh, fedproto, fedrod, get_algorithm
 from fedskew.algorithms.local import TrainResult, set_arrays
+from fedskew.building import prepare
 from fedskew.cli import main
 from fedskew.config import ExperimentConfig
 from fedskew.data.federated import FederatedData
 from fedskew.engine.inprocess import InProcessEngine
 from fedskew.errors import UsageError
-from fedskew.experiment import prepare, run
+from fedskew.experiment import run
 from fedskew.models import build_model
 from fedskew.protocol import Message
 

@@ -24,11 +24,6 @@ from flwr.serverapp import Grid  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from fedskew.config import ExperimentConfig, build_config  # noqa: E402
-from fedskew.engine.flower_app import (  # noqa: E402
-    client_app,
-    config_from_run_config,
-    serve,
-)
 from fedskew.engine.flower_codec import (  # noqa: E402
     ARRAYS,
     RejectedReply,
@@ -39,6 +34,11 @@ from fedskew.engine.flower_codec import (  # noqa: E402
 )
 from fedskew.errors import UsageError  # noqa: E402
 from fedskew.experiment import run  # noqa: E402
+from fedskew.flower_app import (  # noqa: E402
+    client_app,
+    config_from_run_config,
+    serve,
+)
 from fedskew.protocol import Message  # noqa: E402
 
 
@@ -345,7 +345,7 @@ def test_ray_simulation_equals_inprocess(tmp_path):
 def test_deployed_run_resumes_through_the_run_config(tmp_path):
     """A deployed run killed after round 2 continues with `--run-config resume=DIR` and
     ends with the same curve as an uninterrupted in-process run."""
-    from fedskew.engine.flower_app import _server_main
+    from fedskew.flower_app import _server_main
 
     class Killed(Exception):
         pass

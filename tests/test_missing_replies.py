@@ -13,9 +13,9 @@ import torch
 from fedskew.algorithm_interface import ServerSetup
 from fedskew.algorithms import ALGORITHMS, get_algorithm
 from fedskew.algorithms.feature_matching import ANCHORS, COUNTS
+from fedskew.building import Prepared, new_model, prepare
 from fedskew.config import ExperimentConfig
 from fedskew.engine.inprocess import InProcessEngine
-from fedskew.experiment import Prepared, new_model, prepare
 from fedskew.protocol import Message, NoReplies
 
 # Method settings that keep one round short and make every exchange happen in it.

@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedskew.building import new_model, prepare
 from fedskew.cli import main
 from fedskew.config import ExperimentConfig
 from fedskew.engine.inprocess import InProcessEngine
 from fedskew.engine.workers import WorkerPoolEngine, decode_frame, encode_frame
 from fedskew.errors import FedskewError, UsageError
-from fedskew.experiment import new_model, prepare, run
+from fedskew.experiment import run
 from fedskew.protocol import ClientState, Message
 
 SMALL = ["-n", "6", "--clients-per-round", "4", "-e", "1", "-q"]

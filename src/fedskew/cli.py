@@ -21,18 +21,9 @@ def _key_value(text: str) -> tuple[str, str]:
 def _pairs(items: list[tuple[str, str]] | None) -> dict[str, Any] | None:
     if not items:
         return None
-    return {k: _parse_scalar(v) for k, v in items}
+    from fedskew.config import parse_scalar
 
-
-def _parse_scalar(text: str) -> Any:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    if text.lower() in {"true", "false"}:
-        return text.lower() == "true"
-    return text
+    return {k: parse_scalar(v) for k, v in items}
 
 
 def add_experiment_options(p: argparse.ArgumentParser) -> None:
@@ -246,7 +237,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def flower_simulation():
     """The Flower simulation entry point, or a one-line error when Flower is missing."""
     try:
-        from fedskew.engine.flower_app import run_simulation
+        from fedskew.flower_app import run_simulation
     except ImportError as exc:
         raise UsageError(
             f"--engine flower-sim needs Flower: pip install 'fedskew[flower]' ({exc})"
@@ -343,12 +334,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_partition(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from fedskew.building import build_partition, check_names, load_experiment_data
     from fedskew.data.partition import partition_stats, save_partition
-    from fedskew.experiment import build_partition, load_experiment_data
 
     cfg = load_config(args)
-    from fedskew.experiment import check_names
-
     check_names(cfg)
     if args.plot:
         _check_output_file(Path(args.plot))

@@ -8,7 +8,8 @@ import platform
 import torch
 
 
-def describe() -> dict[str, str | int]:
+def machine_facts() -> dict[str, str | int]:
+    """CPU, cores, memory, OS and torch of this machine: what a run folder records."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:

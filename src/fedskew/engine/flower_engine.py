@@ -17,7 +17,7 @@ import torch
 from flwr.app import Message as FlowerMessage
 from flwr.serverapp import Grid
 
-from fedskew.engine.client_runtime import TrafficCounter
+from fedskew.engine.base import ExchangeFaults, TrafficCounter
 from fedskew.engine.flower_codec import RejectedReply, check_reply, decode, encode
 from fedskew.protocol import ClientState, Message
 
@@ -26,9 +26,11 @@ MESSAGE_TYPE = "train"  # one ClientApp handler routes every fedskew kind
 
 
 class FlowerEngine:
-    """Carries an algorithm's messages to the ClientApps of a Flower federation."""
+    """Carries an algorithm's messages to the ClientApps of a Flower federation (an
+    :class:`~fedskew.engine.base.Engine`)."""
 
     may_lose_replies = True
+    worker_count = 0  # the clients run on the federation's nodes
 
     def __init__(
         self,
@@ -48,16 +50,22 @@ class FlowerEngine:
 
     @property
     def client_states(self) -> dict[int, ClientState]:
-        # Client state lives in each node's context.state, not on the server.
+        # Client state lives in each node's context.state, not on the server: a checkpoint
+        # of a Flower run holds none.
         return {}
 
-    @client_states.setter
-    def client_states(self, states: dict[int, ClientState]) -> None:
+    def restore_client_states(self, states: Mapping[int, ClientState]) -> None:
         if any(s.arrays or s.scalars for s in states.values()):
             log.warning(
                 "resuming on Flower: the checkpoint's client states are not sent to the nodes; "
                 "clients start this process with the state their node still holds"
             )
+
+    def faults(self) -> ExchangeFaults:
+        return ExchangeFaults(frozenset(self.missing), frozenset(self.rejected))
+
+    def close(self) -> None:
+        pass  # the federation outlives the run; nothing was started here
 
     def begin_round(self, rnd: int) -> None:
         self.round = rnd

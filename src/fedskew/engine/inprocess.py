@@ -8,18 +8,33 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fedskew.engine.client_runtime import ClientRuntime, ClientStateKeeper, TrafficCounter
+import torch
+
+from fedskew.algorithm_interface import ClientLogic, LocalTrainConfig
+from fedskew.data.federated import FederatedData
+from fedskew.engine.base import ServerSideClientStates
+from fedskew.engine.client_runtime import ClientRuntime
 from fedskew.protocol import Message
 
-# TrafficCounter was first defined here: code outside the package may import it from here.
-__all__ = ["InProcessEngine", "TrafficCounter"]
 
-
-class InProcessEngine(ClientRuntime, ClientStateKeeper):
+class InProcessEngine(ClientRuntime, ServerSideClientStates):
     """Carries an algorithm's messages to client handlers running in this process.
 
-    Built like a ClientRuntime (client logic, data, scratch model, training settings, seed,
-    test set); it also keeps every client's state and counts the traffic."""
+    It is a :class:`ClientRuntime` (built the same way: client logic, data, scratch model,
+    training settings, seed, test set) that also keeps every client's state and counts the
+    traffic."""
+
+    def __init__(
+        self,
+        client_logic: ClientLogic,
+        data: FederatedData,
+        model: torch.nn.Module,
+        train: LocalTrainConfig,
+        seed: int,
+        test: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        ClientRuntime.__init__(self, client_logic, data, model, train, seed, test)
+        ServerSideClientStates.__init__(self)
 
     def exchange(self, messages: Mapping[int, Message]) -> dict[int, Message]:
         self.traffic.exchanges += 1

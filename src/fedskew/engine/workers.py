@@ -38,8 +38,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedskew.config import ExperimentConfig
-from fedskew.engine.client_runtime import ClientRuntime, ClientStateKeeper
+from fedskew.building import prepare
+from fedskew.config import ExperimentConfig, build_config, normalise_keys
+from fedskew.engine.base import ServerSideClientStates
+from fedskew.engine.client_runtime import ClientRuntime
 from fedskew.errors import FedskewError
 from fedskew.protocol import ClientState, Message
 
@@ -195,7 +197,7 @@ def decode_frame(data: bytes) -> tuple[dict[str, Any], Message | None, ClientSta
     return header["meta"], message, state
 
 
-def describe(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     """One line: the exception's type and the first line of its text."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
@@ -206,9 +208,6 @@ def describe(exc: BaseException) -> str:
 
 def _build_runtime(config_json: str) -> ClientRuntime:
     """What a worker builds once per run: data, partition, scratch model, client logic."""
-    from fedskew.config import build_config, normalise_keys
-    from fedskew.experiment import prepare
-
     raw = json.loads(config_json)
     cfg = build_config(normalise_keys(raw, "worker configuration"), {})
     return ClientRuntime.from_prepared(prepare(cfg))
@@ -230,7 +229,7 @@ def worker_main(conn: Connection, config_json: str) -> None:
     try:
         runtime = _build_runtime(config_json)
     except BaseException as exc:
-        conn.send_bytes(encode_frame({"error": f"start-up failed: {describe(exc)}"}))
+        conn.send_bytes(encode_frame({"error": f"start-up failed: {one_line(exc)}"}))
         return
     conn.send_bytes(encode_frame({"ready": True}))
     while True:
@@ -252,7 +251,7 @@ def worker_main(conn: Connection, config_json: str) -> None:
                 # A bug, not a user error: its traceback goes to the terminal, the parent
                 # stops the run with the one line.
                 traceback.print_exc()
-            out = encode_frame({"error": describe(exc)})
+            out = encode_frame({"error": one_line(exc)})
         try:
             conn.send_bytes(out)
         except (EOFError, OSError):
@@ -286,12 +285,11 @@ def affordable_workers(dataset_bytes: int) -> int:
     return int(0.5 * available) // (dataset_bytes + WORKER_OVERHEAD_BYTES)
 
 
-class WorkerPoolEngine(ClientStateKeeper):
+class WorkerPoolEngine(ServerSideClientStates):
     """Carries an algorithm's messages to client handlers in N worker processes.
 
-    Same interface as :class:`~fedskew.engine.inprocess.InProcessEngine` for the run loop
-    (``begin_round``, ``exchange``, ``traffic``, ``client_states``), plus ``close``, which
-    ends the workers and must be called (the run loop does it in a ``finally``).
+    An :class:`~fedskew.engine.base.Engine`; its ``close`` ends the workers and must be
+    called (the run loop does it in a ``finally``).
 
     With ``client_sizes`` (training samples per client), an exchange hands out the largest
     clients first, so that a big client does not start last while the other workers idle;
@@ -417,7 +415,7 @@ class WorkerPoolEngine(ClientStateKeeper):
                 if reply is None or state is None or int(meta.get("client", -1)) != cid:
                     raise FedskewError(f"worker {index} answered client {cid} out of turn")
                 del self._busy[index]
-                self.client_states[cid] = state
+                self._states[cid] = state
                 self.traffic.bytes_up += reply.nbytes()
                 replies[cid] = reply
                 idle.append(index)

@@ -1,7 +1,8 @@
 """fedskew as a Flower app: a ServerApp that drives any algorithm, a ClientApp that runs it.
 
-The same algorithm file runs here as in the in-process engine. The ServerApp runs the
-experiment loop of :func:`fedskew.experiment.run` with a :class:`FlowerEngine`; the
+An app on top of the run loop, like the command line: the same algorithm file runs here as
+in the in-process engine. The ServerApp runs the run loop :func:`fedskew.experiment.run`
+with a :class:`~fedskew.engine.flower_engine.FlowerEngine`; the
 ClientApp routes each message to the algorithm's client handler, keeping the client's
 state in the node's ``context.state``.
 
@@ -30,12 +31,23 @@ from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from fedskew.config import ExperimentConfig, build_config, normalise_keys
+from fedskew.algorithm_interface import ClientLogic
+from fedskew.building import Prepared, prepare
+from fedskew.config import (
+    TABLES,
+    ExperimentConfig,
+    build_config,
+    normalise_keys,
+    parse_pairs,
+    read_config_file,
+)
 from fedskew.engine.client_runtime import ClientRuntime
 from fedskew.engine.flower_codec import clear_state, decode, encode, load_state, store_state
 from fedskew.engine.flower_engine import MESSAGE_TYPE, FlowerEngine
 from fedskew.errors import FedskewError, UsageError
+from fedskew.experiment import run
 from fedskew.protocol import Message
+from fedskew.runfolder import RunFolder
 
 log = logging.getLogger("fedskew")
 SETUP = "fedskew.setup"
@@ -54,9 +66,6 @@ def config_from_run_config(run_config: dict[str, Any]) -> ExperimentConfig:
     and ``model-options`` are strings of ``key=value`` pairs ("lam=10 start_round=0");
     empty strings mean "not set".
     """
-    from fedskew.cli import _parse_scalar
-    from fedskew.config import TABLES, read_config_file
-
     values: dict[str, Any] = {}
     file_values: dict[str, Any] = {}
     for raw_key, value in run_config.items():
@@ -66,7 +75,7 @@ def config_from_run_config(run_config: dict[str, Any]) -> ExperimentConfig:
         if key == "config_file":
             file_values = read_config_file(str(value))
         elif key in TABLES:
-            values[key] = parse_pairs(str(value), raw_key, _parse_scalar)
+            values[key] = parse_pairs(str(value), f"run config '{raw_key}'")
         else:
             values[key] = value
     values = normalise_keys(values, "Flower run config")
@@ -75,20 +84,8 @@ def config_from_run_config(run_config: dict[str, Any]) -> ExperimentConfig:
     return cfg
 
 
-def parse_pairs(text: str, key: str, parse: Callable[[str], Any]) -> dict[str, Any]:
-    pairs: dict[str, Any] = {}
-    for item in text.replace(",", " ").split():
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise UsageError(f"run config '{key}': expected key=value pairs, got {item!r}")
-        pairs[name.replace("-", "_")] = parse(value)
-    return pairs
-
-
 def resumed_config(folder: Path) -> tuple[ExperimentConfig, Path]:
     """The configuration saved in an unfinished run folder, to continue it on Flower."""
-    from fedskew.runfolder import RunFolder
-
     run_folder = RunFolder.reopen(folder)
     saved = run_folder.read_config()
     saved.pop("resolved", None)
@@ -149,13 +146,13 @@ def serve(
 ) -> tuple[Path, dict[str, Any]]:
     """Run the experiment through ``grid``: the body of the ServerApp. It waits up to
     ``node_wait`` seconds for one node per client, then starts with those connected."""
-    from fedskew.experiment import run
-
     cfg.validate()
     node_of = handshake(grid, wait_for_nodes(grid, cfg.num_clients, node_wait), cfg)
     timeout = cfg.reply_timeout or None
 
-    def engine_factory(prep: Any, client_logic: Any, model: torch.nn.Module) -> FlowerEngine:
+    def engine_factory(
+        prep: Prepared, client_logic: ClientLogic, model: torch.nn.Module
+    ) -> FlowerEngine:
         return FlowerEngine(grid, node_of, model.state_dict(), timeout=timeout)
 
     return run(cfg, on_round=on_round, resume=resume, on_start=on_start,
@@ -191,8 +188,6 @@ _RUNTIMES: dict[str, ClientRuntime] = {}  # config JSON -> runtime; one process,
 
 def _runtime(config_json: str, data_dir: str | None) -> ClientRuntime:
     """What a node builds once per experiment: data, partition, scratch model, logic."""
-    from fedskew.experiment import prepare
-
     key = f"{config_json}\n{data_dir}"
     runtime = _RUNTIMES.get(key)
     if runtime is None:

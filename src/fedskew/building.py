@@ -1,0 +1,168 @@
+"""Building an experiment from its configuration: data, partition, model, algorithm.
+
+This layer knows no engine and no run folder. The run loop, every engine's client side
+(worker processes, Flower nodes) and the benchmarks build the same experiment from the same
+configuration here, so that every process holds the same data, partition and model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedskew import __version__
+from fedskew.algorithm_interface import Algorithm, LocalTrainConfig
+from fedskew.algorithms import get_algorithm
+from fedskew.config import ExperimentConfig
+from fedskew.data.federated import FederatedData
+from fedskew.data.partition import PARTITIONS, make_partition
+from fedskew.data.sources import DATASETS, Dataset, load_dataset
+from fedskew.errors import UsageError
+from fedskew.models import MODELS, build_model
+from fedskew.rng import derive_seed
+
+
+@dataclass
+class Prepared:
+    """Everything built before the first round."""
+
+    cfg: ExperimentConfig
+    dataset: Dataset
+    model_name: str
+    partition: list[np.ndarray]
+    fed: FederatedData
+    algorithm: type[Algorithm]
+    params: Any
+    train: LocalTrainConfig
+    channels_last: bool = False
+
+
+def resolve_model_name(cfg: ExperimentConfig) -> str:
+    if cfg.model == "auto":
+        return DATASETS[cfg.dataset].default_model
+    if cfg.model not in MODELS:
+        raise UsageError(f"unknown model '{cfg.model}'; choose from: {', '.join(sorted(MODELS))}")
+    return cfg.model
+
+
+def check_names(cfg: ExperimentConfig) -> None:
+    """Fail on unknown names before any data is loaded."""
+    get_algorithm(cfg.algorithm)
+    if cfg.dataset not in DATASETS:
+        raise UsageError(
+            f"unknown dataset '{cfg.dataset}'; choose from: {', '.join(sorted(DATASETS))}"
+        )
+    if cfg.partition not in PARTITIONS:
+        raise UsageError(
+            f"unknown partition '{cfg.partition}'; choose from: {', '.join(sorted(PARTITIONS))}"
+        )
+    resolve_model_name(cfg)
+
+
+def build_partition(cfg: ExperimentConfig, dataset: Dataset) -> list[np.ndarray]:
+    if cfg.partition == "natural":
+        if dataset.natural_partition is None:
+            raise UsageError("partition 'natural' needs a dataset with its own clients (synthetic)")
+        return dataset.natural_partition
+    labels = dataset.y_train.numpy()
+    return make_partition(
+        labels,
+        cfg.num_clients,
+        cfg.partition,
+        seed=cfg.seed,
+        num_classes=dataset.num_classes,
+        **cfg.partition_params,
+    )
+
+
+def load_experiment_data(cfg: ExperimentConfig) -> Dataset:
+    return load_dataset(
+        cfg.dataset,
+        cfg.data_dir,
+        download=cfg.download,
+        num_clients=cfg.num_clients,
+        seed=cfg.seed,
+        synthetic_alpha=cfg.synthetic_alpha,
+        synthetic_beta=cfg.synthetic_beta,
+    )
+
+
+def prepare(cfg: ExperimentConfig) -> Prepared:
+    check_names(cfg)
+    algorithm = get_algorithm(cfg.algorithm, feature_matching=cfg.feature_matching)
+    params = algorithm.make_params(cfg.params)
+    dataset = load_experiment_data(cfg)
+    partition = build_partition(cfg, dataset)
+    empty = [k for k, p in enumerate(partition) if len(p) == 0]
+    if empty:
+        raise UsageError(
+            f"partition '{cfg.partition}' left {len(empty)} client(s) without data "
+            f"(first: client {empty[0]}); use fewer clients or another partition"
+        )
+    train = LocalTrainConfig(
+        epochs=cfg.local_epochs,
+        batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+        augment=cfg.augment,
+        grad_clip=cfg.grad_clip,
+        precision=cfg.precision,
+    )
+    model_name = resolve_model_name(cfg)
+    channels_last = use_channels_last(cfg, dataset, model_name)
+    if channels_last:
+        dataset.x_train = dataset.x_train.contiguous(memory_format=torch.channels_last)
+        dataset.x_test = dataset.x_test.contiguous(memory_format=torch.channels_last)
+    fed = FederatedData(dataset.x_train, dataset.y_train, partition, dataset.num_classes)
+    return Prepared(
+        cfg, dataset, model_name, partition, fed, algorithm, params, train, channels_last
+    )
+
+
+def new_model(prep: Prepared) -> torch.nn.Module:
+    """The initial model, seeded from the experiment seed without touching global RNG state."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(prep.cfg.seed, -1, -1, "model-init"))
+        model = build_model(
+            prep.model_name,
+            prep.dataset.input_shape,
+            prep.dataset.num_classes,
+            **prep.cfg.model_options,
+        )
+        model = prep.algorithm.adapt_model(prep.params, model)
+    if prep.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def use_channels_last(cfg: ExperimentConfig, dataset: Dataset, model_name: str) -> bool:
+    """channels_last is faster for convolutions on CPU (measured in benchmarks/), and the
+    same for everything else, so 'auto' turns it on for models with convolutions."""
+    if cfg.memory_format != "auto":
+        return cfg.memory_format == "channels_last" and len(dataset.input_shape) == 3
+    if len(dataset.input_shape) != 3:
+        return False
+    probe = build_model(model_name, dataset.input_shape, dataset.num_classes, **cfg.model_options)
+    return any(isinstance(m, torch.nn.Conv2d) for m in probe.modules())
+
+
+def resolved_facts(prep: Prepared, per_round: int) -> dict[str, Any]:
+    return {
+        "model": prep.model_name,
+        "clients_per_round": per_round,
+        "num_clients": len(prep.partition),
+        "algorithm": prep.algorithm.name,
+        "algorithm_params": vars(prep.params),
+        "dataset_source": prep.dataset.source,
+        "num_classes": prep.dataset.num_classes,
+        "train_samples": int(len(prep.dataset.y_train)),
+        "test_samples": int(len(prep.dataset.y_test)),
+        "fedskew_version": __version__,
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "channels_last": prep.channels_last,
+    }

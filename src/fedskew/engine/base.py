@@ -1,0 +1,116 @@
+"""The one interface every engine implements for the run loop.
+
+An engine carries an algorithm's messages to its clients and their replies back (it is
+the ``Channel`` the server logic talks to), counts the bytes of what it carried, and knows
+what went wrong in the round: replies that never came back, and replies it refused. The
+run loop (``fedskew.experiment``) uses engines only through :class:`Engine`.
+
+:class:`ServerSideClientStates` is the bookkeeping shared by the engines that keep every
+client's state in this process (in-process and worker pool); a Flower node keeps its own
+client's state instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from fedskew.protocol import ClientState, Message
+
+
+@dataclass
+class TrafficCounter:
+    """Payload bytes carried in the current round, both ways, and how many exchanges."""
+
+    bytes_down: int = 0
+    bytes_up: int = 0
+    exchanges: int = 0
+
+    def reset(self) -> None:
+        self.bytes_down = self.bytes_up = self.exchanges = 0
+
+
+@dataclass(frozen=True)
+class ExchangeFaults:
+    """Clients addressed in this round whose reply did not arrive (``missing``: a dead node,
+    a timeout, a failed ClientApp, or a refused reply) and, among them, the replies the
+    engine refused after checking them (``rejected``)."""
+
+    missing: frozenset[int] = field(default_factory=frozenset)
+    rejected: frozenset[int] = field(default_factory=frozenset)
+
+
+class Engine(Protocol):
+    """What the run loop needs of an engine."""
+
+    # True when exchange() may return fewer replies than it was sent messages (a real
+    # deployment); the run loop then records the faults and can skip a round.
+    may_lose_replies: bool
+    # Client worker processes this engine runs (0: none, clients run in this process or
+    # elsewhere); recorded in the run folder.
+    worker_count: int
+    traffic: TrafficCounter
+
+    def begin_round(self, rnd: int) -> None:
+        """Start round ``rnd`` (0-based): traffic and faults count from zero."""
+        ...
+
+    def exchange(self, messages: Mapping[int, Message]) -> dict[int, Message]:
+        """Deliver one message per client and return the replies that came back."""
+        ...
+
+    @property
+    def client_states(self) -> Mapping[int, ClientState]:
+        """Every client's state this engine holds, for the checkpoint (empty when clients
+        keep their state themselves)."""
+        ...
+
+    def restore_client_states(self, states: Mapping[int, ClientState]) -> None:
+        """Put back the client states of a checkpoint, before the first round of a resume."""
+        ...
+
+    def faults(self) -> ExchangeFaults:
+        """The faults of the exchanges since :meth:`begin_round`."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine started (processes); called once, also on errors."""
+        ...
+
+
+class ServerSideClientStates:
+    """The part of an engine that keeps every client's state in this process: the round,
+    the traffic, the states created on first use. Such an engine never loses a reply (a
+    failing client ends the run), so it reports no faults."""
+
+    may_lose_replies = False
+    worker_count = 0
+
+    def __init__(self) -> None:
+        self._states: dict[int, ClientState] = {}
+        self.traffic = TrafficCounter()
+        self.round = 0
+
+    @property
+    def client_states(self) -> dict[int, ClientState]:
+        return self._states
+
+    def restore_client_states(self, states: Mapping[int, ClientState]) -> None:
+        self._states = dict(states)
+
+    def begin_round(self, rnd: int) -> None:
+        self.round = rnd
+        self.traffic.reset()
+
+    def state_of(self, client_id: int) -> ClientState:
+        state = self._states.get(client_id)
+        if state is None:
+            state = self._states[client_id] = ClientState()
+        return state
+
+    def faults(self) -> ExchangeFaults:
+        return ExchangeFaults()
+
+    def close(self) -> None:
+        pass

@@ -14,11 +14,13 @@ import torch
 
 from fedskew.algorithm_interface import ClientContext, ClientLogic, ServerSetup
 from fedskew.algorithms import get_algorithm
-from fedskew.algorithms.feature_matching import (
+from fedskew.algorithms.feature_matching import AnchorChannel, with_feature_matching
+from fedskew.algorithms.fedavg import FedAvg, FedAvgParams
+from fedskew.algorithms.fedfm import (
     ANCHORS,
     COUNTS,
     REUSED,
-    AnchorChannel,
+    FedFM,
     FMSettings,
     aggregate_anchors,
     cg_loss,
@@ -26,17 +28,14 @@ from fedskew.algorithms.feature_matching import (
     matching_term,
     uniform_anchors,
     weighted_anchors,
-    with_feature_matching,
 )
-from fedskew.algorithms.fedavg import FedAvg, FedAvgParams
-from fedskew.algorithms.fedfm import FedFM
 from fedskew.algorithms.fedfm_lite import FedFMLite
+from fedskew.building import new_model, prepare
 from fedskew.cli import main
 from fedskew.config import ExperimentConfig
 from fedskew.data.federated import sample_clients
 from fedskew.engine.inprocess import InProcessEngine
 from fedskew.errors import UsageError
-from fedskew.experiment import new_model, prepare
 from fedskew.protocol import ClientState, Message
 
 FAST = ["--rounds", "3", "--local-epochs", "1", "--quiet"]
@@ -194,8 +193,14 @@ def _class_means(arrays, prep, clients) -> torch.Tensor:
     return torch.stack([feats[labels == c].mean(dim=0) for c in range(C)])
 
 
-def test_anchors_are_class_means_under_the_global_model_not_the_trained_one():
-    prep, server, engine = _setup(algorithm="fedfm", params={"start_round": 0})
+@pytest.mark.parametrize("plugin", [False, True], ids=["fedfm", "fedavg+fm"])
+def test_anchors_are_class_means_under_the_global_model_not_the_trained_one(plugin):
+    if plugin:
+        prep, server, engine = _setup(
+            algorithm="fedavg", feature_matching=True, params={"start_round": 0}
+        )
+    else:
+        prep, server, engine = _setup(algorithm="fedfm", params={"start_round": 0})
     initial = {k: v.clone() for k, v in server.global_arrays.items()}
     clients = sample_clients(0, 0, len(prep.partition), 8)
     engine.begin_round(0)
@@ -208,11 +213,16 @@ def test_anchors_are_class_means_under_the_global_model_not_the_trained_one():
     assert torch.allclose(server.fm_anchors[held], under_global[held], atol=1e-5)
     under_trained = _class_means(server.global_arrays, prep, clients)
     assert not torch.allclose(server.fm_anchors[held], under_trained[held], atol=1e-3)
-    # The model kept for the inner round was used and deleted; the anchors stay for the round.
     for cid in clients:
         state = engine.client_states[cid]
-        assert not [k for k in state.arrays if k.startswith("fm.kept/")]
-        assert torch.equal(state.arrays["fm.anchors"], server.fm_anchors)
+        if plugin:
+            # The model kept for the inner round was used and deleted; the anchors stay
+            # (an inner round may train in a later exchange) until the next anchor exchange.
+            assert not [k for k in state.arrays if k.startswith("fm.kept/")]
+            assert torch.equal(state.arrays["fm.anchors"], server.fm_anchors)
+        else:
+            # FedFM keeps the model of step 1 only until step 2 has loaded it.
+            assert not state.arrays and not state.scalars
 
 
 # --- the launching round: no FM term before it ------------------------------------------------
@@ -425,6 +435,19 @@ def test_channel_drops_only_what_the_anchor_exchange_delivered_and_client_restor
     assert torch.equal(seen["arrays"]["body.w"], torch.full((2, 2), 5.0))  # restored from state
     assert seen["terms"] == 1 and ctx.loss_terms == []  # installed for the handler only
     assert "fm.kept/body.w" not in state.arrays and state.scalars["fm.anchors_round"] == 3.0
+
+
+def test_channel_counts_a_diverged_model_as_delivered():
+    # FedFM never sends the model twice, so neither may the plug-in when the model is NaN
+    # (NaN is not equal to itself by value; the inner message holds a different tensor).
+    nan = torch.tensor([1.0, float("nan")])
+    delivered = {"w": nan.clone()}
+    rec = _Recorder()
+    AnchorChannel(rec, delivered, [0], None).exchange({0: Message("train", arrays={"w": nan})})
+    assert rec.sent[0].arrays == {} and rec.sent[0].strings[REUSED] == "*"
+    other = {"w": torch.tensor([2.0, float("nan")])}
+    AnchorChannel(rec, delivered, [0], None).exchange({0: Message("train", arrays=other)})
+    assert set(rec.sent[0].arrays) == {"w"} and rec.sent[0].strings[REUSED] == ""
 
 
 # --- the CLI, every switch ---------------------------------------------------------------------

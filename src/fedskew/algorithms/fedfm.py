@@ -1,24 +1,404 @@
 """FedFM (Ye et al., IEEE TSP 2023): FedAvg plus anchor-based feature matching.
 
-Every round the sampled clients first compute local anchors (class means of body features)
-with the new global model; the server aggregates them into global anchors and broadcasts them
-with the usual FedAvg round, in which the local loss is CE + lam * l_FM. From the launching
-round ``start_round`` on, l_FM is contrastive guiding (``fm_loss=cg``, default) or the l2
-distance to the class anchor (``fm_loss=l2``); anchors are aggregated count-weighted
-(``anchor_agg=weighted``, default) or uniformly (``anchor_agg=uniform``). FedFM is exactly
-``with_feature_matching(FedAvg)``: the mechanism, its defaults and the choices marked
-[PROPOSAL] are documented in ``fedskew.algorithms.feature_matching``.
+Every round has the paper's two steps (Fig. 3), one exchange each:
 
-Parameters: ``lam`` 50, ``cg_tau`` 0.1, ``start_round`` 20, ``fm_loss`` cg, ``anchor_agg``
-weighted, and FedAvg's ``server_lr`` 1.0.
+1. Anchor updating (message kind ``fm_anchors``): every sampled client receives the global
+   model and replies with its local anchors under it: the class means of the body features
+   over all of its samples, in eval mode, each sample counted once, plus the per-class counts
+   under weighted aggregation. The server aggregates them into the global anchors.
+2. Model updating (message kind ``train``): every client trains E local epochs from the global
+   model of step 1 with CE + lam * l_FM against the global anchors (from the launching round
+   ``start_round`` on; before it, plain CE), and the server FedAvg-averages the trained models.
+
+Step 2 does not send the model again: the client kept the one of step 1 in its client state.
+The message carries the global anchors (from the launching round on) and the one-byte string
+``fm.reused`` = "*", "train from the model of this round's anchor exchange". Per client and
+round FedFM therefore costs, on top of FedAvg: C x d anchor floats and one byte down; C x d
+anchors and C counts (int64) up (anchors only under uniform aggregation).
+
+Losses (on L2-normalised features h and anchors a, the anchors are constants):
+- ``fm_loss=cg`` (contrastive guiding, default): cross-entropy of the similarities
+  <h, a_n> / cg_tau over the C anchors with the true class; mean over the batch.
+- ``fm_loss=l2``: mean squared error between h and a_y, mean over batch x dimension.
+
+Anchor aggregation:
+- ``anchor_agg=weighted`` (default): a_c = sum_k n_kc a_kc / sum_k n_kc.
+- ``anchor_agg=uniform``: a_c = mean over the sampled clients of a_kc, where a client that has
+  no sample of c contributes the previous global anchor of c. Clients then upload no class
+  counts (that is the variant's point); a class the client lacks is an all-zero row.
+
+Parameters: ``lam`` (lambda, 50), ``cg_tau`` (the CG temperature alpha, 0.1; not ``tau``,
+which MOON already uses), ``start_round`` (T_s, 20), ``fm_loss`` (cg|l2), ``anchor_agg``
+(weighted|uniform), and FedAvg's ``server_lr`` (1.0). The defaults are the official code's,
+which the paper's sweeps found best.
+
+Choices the paper leaves open, marked [PROPOSAL]:
+- An anchor is *undefined* while it is all zero (a class no sampled client has held yet; the
+  global anchors start at zero as in the official code). An undefined anchor is left out of the
+  CG softmax, and samples of that class add nothing to either loss (the batch mean still divides
+  by the full batch size). No mask travels: the client reads it off the zero rows.
+- Under weighted aggregation a class that no client of this round holds keeps its previous
+  global anchor (zero if it never had one); under partial participation the alternative,
+  dropping it, would remove it from the softmax of every client that round.
+- Under uniform aggregation a client's all-zero row (a class it lacks, or a feature mean that is
+  exactly zero and so has no direction) is the signal to fill in the previous global anchor.
+- Before the launching round (rounds are 0-based; FM is on when ``round >= start_round``) the
+  anchors are still computed and aggregated every round, but not broadcast: the round then
+  trains and aggregates exactly as FedAvg does.
+- A client whose anchor reply does not arrive is left out of the anchor aggregation and of the
+  model updating step (which addresses only the clients that replied in step 1): the server
+  cannot tell a rejected reply from a dead node.
+
+Client state: the model of step 1 is kept (as a copy) only until step 2 has loaded it; nothing
+is left after the round.
+
+The pieces here (parameters, anchors, losses, the two exchanges' client halves) are what
+``fedskew.algorithms.feature_matching`` reuses to add feature matching to other algorithms, and
+what FedFM-Lite (``fedskew.algorithms.fedfm_lite``) is built from.
 """
 
 from __future__ import annotations
 
-from fedskew.algorithms.feature_matching import with_feature_matching
-from fedskew.algorithms.fedavg import FedAvg
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fedskew.algorithm_interface import (
+    Algorithm,
+    ClientContext,
+    ClientLogic,
+    ServerLogic,
+    ServerSetup,
+    check_one_of,
+)
+from fedskew.algorithms.fedavg import FedAvgParams
+from fedskew.algorithms.local import (
+    LossTerm,
+    apply_server_lr,
+    class_feature_means,
+    set_arrays,
+    train_client,
+    trained_reply,
+    weighted_average,
+)
+from fedskew.errors import UsageError
+from fedskew.precision import in_fp32
+from fedskew.protocol import Channel, ClientState, Message, arrived
+
+ANCHOR_KIND = "fm_anchors"  # step 1, server -> client: the global model
+LOCAL_ANCHOR_KIND = "fm_local_anchors"  # step 1, client -> server
+ANCHORS = "fm.anchors"  # message array: (C, d) anchors, global (down) or local (up)
+COUNTS = "fm.counts"  # message array: (C,) int64 class counts (up, weighted aggregation)
+REUSED = "fm.reused"  # message string: "*" (or names): arrays step 1 delivered, not sent again
+
+FM_LOSSES = ("cg", "l2")
+ANCHOR_AGGS = ("weighted", "uniform")
+
+_KEPT = "fm.kept/"  # client state prefix: the arrays of step 1 until step 2 loads them
 
 
-class FedFM(with_feature_matching(FedAvg)):  # type: ignore[misc]
+# --- parameters -----------------------------------------------------------------------------
+
+
+@dataclass
+class FeatureMatchingParams:
+    """The feature-matching parameters (FedFM-Lite and the plug-in take them too)."""
+
+    lam: float = 50.0
+    cg_tau: float = 0.1
+    start_round: int = 20
+    fm_loss: str = "cg"
+    anchor_agg: str = "weighted"
+
+    def validate(self) -> None:
+        settings_of(self).validate()
+
+
+@dataclass
+class FedFMParams(FeatureMatchingParams, FedAvgParams):
+    """FedAvg's ``server_lr`` first, then the feature-matching parameters."""
+
+    def validate(self) -> None:
+        FedAvgParams.validate(self)
+        FeatureMatchingParams.validate(self)
+
+
+@dataclass(frozen=True)
+class FMSettings:
+    lam: float
+    tau: float
+    start_round: int
+    loss: str
+    agg: str
+
+    def validate(self, names: Mapping[str, str] | None = None) -> None:
+        """``names`` maps a parameter to the name the user sees (the plug-in renames)."""
+        n = dict(names or {})
+
+        def name(key: str) -> str:
+            return n.get(key, key)
+
+        if self.lam < 0:
+            raise UsageError(f"feature matching: {name('lam')} must be >= 0, got {self.lam}")
+        if self.tau <= 0:
+            raise UsageError(f"feature matching: {name('cg_tau')} must be > 0, got {self.tau}")
+        if self.start_round < 0:
+            raise UsageError(
+                f"feature matching: {name('start_round')} must be >= 0, got {self.start_round}"
+            )
+        check_one_of("feature matching", name("fm_loss"), self.loss, FM_LOSSES)
+        check_one_of("feature matching", name("anchor_agg"), self.agg, ANCHOR_AGGS)
+
+
+def settings_of(params: Any) -> FMSettings:
+    """The FM settings of a params object, through its (possibly renamed) fields: a params
+    class the plug-in built maps each name to the field's in ``fm_field_names``."""
+    names: Mapping[str, str] = getattr(type(params), "fm_field_names", {})
+
+    def get(key: str) -> Any:
+        return getattr(params, names.get(key, key))
+
+    return FMSettings(
+        lam=float(get("lam")),
+        tau=float(get("cg_tau")),
+        start_round=int(get("start_round")),
+        loss=str(get("fm_loss")),
+        agg=str(get("anchor_agg")),
+    )
+
+
+# --- anchors --------------------------------------------------------------------------------
+
+
+def defined_rows(anchors: torch.Tensor) -> torch.Tensor:
+    """(C,) bool: the anchors that have a direction (not all zero)."""
+    return anchors.abs().sum(dim=1) > 0
+
+
+def local_anchor_arrays(
+    model: torch.nn.Module, ctx: ClientContext, agg: str
+) -> dict[str, torch.Tensor]:
+    """A client's upload: its class means under ``model`` and, when weighting, its counts."""
+    means, counts = class_feature_means(model, ctx.data, ctx.data.num_classes)
+    if agg == "weighted":
+        return {ANCHORS: means, COUNTS: counts}
+    return {ANCHORS: means}
+
+
+def weighted_anchors(
+    anchors: torch.Tensor, counts: torch.Tensor, previous: torch.Tensor | None
+) -> torch.Tensor:
+    """(K, C, d) local anchors and (K, C) counts -> (C, d): count-weighted class means.
+
+    A class no client holds keeps ``previous`` (zero when there is none) [PROPOSAL].
+    """
+    a = anchors.to(torch.float64)
+    n = counts.to(torch.float64)
+    total = n.sum(dim=0)  # (C,)
+    out = (n.unsqueeze(2) * a).sum(dim=0) / total.clamp(min=1).unsqueeze(1)
+    fill = torch.zeros_like(out) if previous is None else previous.to(torch.float64)
+    out = torch.where((total > 0).unsqueeze(1), out, fill)
+    return out.to(anchors.dtype)
+
+
+def uniform_anchors(anchors: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+    """(K, C, d) local anchors -> (C, d): plain mean over clients, where a client's all-zero
+    row (a class it lacks) counts as the previous global anchor."""
+    a = anchors.to(torch.float64)
+    fill = torch.zeros_like(a[0]) if previous is None else previous.to(torch.float64)
+    present = (a.abs().sum(dim=2) > 0).unsqueeze(2)  # (K, C, 1)
+    filled = torch.where(present, a, fill.unsqueeze(0))
+    return filled.mean(dim=0).to(anchors.dtype)
+
+
+def aggregate_anchors(
+    replies: Sequence[Message], previous: torch.Tensor | None, agg: str
+) -> torch.Tensor:
+    anchors = torch.stack([r.arrays[ANCHORS] for r in replies])
+    if agg == "weighted":
+        return weighted_anchors(anchors, torch.stack([r.arrays[COUNTS] for r in replies]), previous)
+    return uniform_anchors(anchors, previous)
+
+
+def anchor_metrics(active: bool, anchors: torch.Tensor) -> dict[str, float]:
+    """The round's FM metrics: whether the term was on, how many anchors are defined."""
+    return {"fm_active": float(active), "fm_anchor_classes": float(defined_rows(anchors).sum())}
+
+
+# --- the matching loss ----------------------------------------------------------------------
+
+
+@in_fp32
+def cg_loss(
+    features: torch.Tensor, y: torch.Tensor, anchors: torch.Tensor, tau: float
+) -> torch.Tensor:
+    """Contrastive guiding: CE over <h/|h|, a_n/|a_n|> / tau, undefined anchors left out."""
+    valid = defined_rows(anchors)
+    sims = F.normalize(features, dim=1) @ F.normalize(anchors, dim=1).t() / tau
+    logp = sims.masked_fill(~valid, float("-inf")).log_softmax(dim=1)
+    picked = logp.gather(1, y.unsqueeze(1)).squeeze(1)
+    # torch.where, not a product: the -inf of an undefined target must not reach the sum.
+    per_sample = torch.where(valid[y], -picked, torch.zeros_like(picked))
+    return per_sample.sum() / y.numel()
+
+
+@in_fp32
+def l2_loss(features: torch.Tensor, y: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """MSE between h/|h| and a_y/|a_y| (mean over batch x dimension), undefined anchors out."""
+    valid = defined_rows(anchors)
+    diff = F.normalize(features, dim=1) - F.normalize(anchors, dim=1)[y]
+    per_sample = diff.pow(2).mean(dim=1) * valid[y].to(diff.dtype)
+    return per_sample.sum() / y.numel()
+
+
+def matching_term(anchors: torch.Tensor, settings: FMSettings) -> LossTerm | None:
+    """The ``(features, logits, y) -> lam * l_FM`` loss term, or None when it would be void."""
+    if settings.lam == 0 or not bool(defined_rows(anchors).any()):
+        return None
+    target = anchors.detach()
+    lam, tau = settings.lam, settings.tau
+
+    if settings.loss == "cg":
+
+        def term(features: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return lam * cg_loss(features, y, target.to(features.dtype), tau)
+
+    else:
+
+        def term(features: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return lam * l2_loss(features, y, target.to(features.dtype))
+
+    return term
+
+
+@contextmanager
+def loss_term_installed(ctx: ClientContext, term: LossTerm | None) -> Iterator[None]:
+    """``term`` in ``ctx.loss_terms`` for the duration of the block (nothing if None).
+
+    ``train_client`` adds it to the loss the algorithm's ``loss_fn`` returns as ``LossOutput``.
+    """
+    if term is None:
+        yield
+        return
+    ctx.loss_terms.append(term)
+    try:
+        yield
+    finally:
+        ctx.loss_terms.remove(term)
+
+
+def received_anchor_term(msg: Message, params: Any) -> LossTerm | None:
+    """The matching term for the global anchors ``msg`` carries (None without anchors)."""
+    if ANCHORS not in msg.arrays:
+        return None  # before the launching round
+    return matching_term(msg.arrays[ANCHORS], settings_of(params))
+
+
+# --- the anchor exchange (step 1) -----------------------------------------------------------
+
+
+def anchor_exchange(
+    channel: Channel,
+    clients: list[int],
+    model: dict[str, torch.Tensor],
+    previous: torch.Tensor | None,
+    agg: str,
+) -> tuple[list[int], torch.Tensor]:
+    """Server side of step 1: send ``model``, aggregate the local anchors that come back.
+
+    Returns the clients whose reply arrived (in sampled order) and the new global anchors.
+    """
+    replies = channel.exchange({c: Message(ANCHOR_KIND, arrays=model) for c in clients})
+    clients = arrived(clients, replies)
+    return clients, aggregate_anchors([replies[c] for c in clients], previous, agg)
+
+
+def reply_local_anchors(msg: Message, ctx: ClientContext, agg: str) -> Message:
+    """Client side of step 1: load the received model's own entries, keep everything that
+    was received for step 2, and reply with the local anchors under the received model."""
+    model_keys = ctx.model.state_dict().keys()
+    set_arrays(ctx.model, {k: v for k, v in msg.arrays.items() if k in model_keys})
+    keep_received(ctx.state, msg.arrays)
+    return Message(LOCAL_ANCHOR_KIND, arrays=local_anchor_arrays(ctx.model, ctx, agg))
+
+
+def keep_received(state: ClientState, arrays: Mapping[str, torch.Tensor]) -> None:
+    """Keep copies of step 1's arrays (replacing any left over from an earlier round)."""
+    take_received(state)
+    for key, value in arrays.items():
+        state.arrays[_KEPT + key] = value.detach().clone()
+
+
+def take_received(state: ClientState) -> dict[str, torch.Tensor]:
+    """Step 1's arrays, removed from the client state."""
+    kept = [k for k in state.arrays if k.startswith(_KEPT)]
+    return {k[len(_KEPT) :]: state.arrays.pop(k) for k in kept}
+
+
+# --- FedFM ----------------------------------------------------------------------------------
+
+
+class FedFMServer(ServerLogic):
+    # Resuming a run needs the anchors: uniform aggregation fills in previous ones.
+    checkpoint_fields = ("fm_anchors",)
+
+    def __init__(self, params: FedFMParams, setup: ServerSetup) -> None:
+        super().__init__(params, setup)
+        self.fm_anchors: torch.Tensor | None = None  # global anchors, None before any
+
+    def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
+        p = self.params
+        # 1. Anchor updating: local anchors under the global model, aggregated.
+        clients, self.fm_anchors = anchor_exchange(
+            channel, clients, self.global_arrays, self.fm_anchors, p.anchor_agg
+        )
+        # 2. Model updating: CE + lam * l_FM from the launching round on, FedAvg aggregation.
+        active = rnd >= p.start_round
+        msg = Message(
+            "train",
+            arrays={ANCHORS: self.fm_anchors} if active else {},
+            strings={REUSED: "*"},  # the model: the one of step 1
+        )
+        replies = channel.exchange({c: msg for c in clients})
+        clients = arrived(clients, replies)
+        states = [replies[c].arrays for c in clients]
+        weights = [replies[c].scalars["num_samples"] for c in clients]
+        self.global_arrays = apply_server_lr(
+            self.global_arrays, weighted_average(states, weights), p.server_lr
+        )
+        return {
+            "train_loss": self.mean_train_loss(replies, clients),
+            **anchor_metrics(active, self.fm_anchors),
+        }
+
+
+class FedFMClient(ClientLogic):
+    def on_fm_anchors(self, msg: Message, ctx: ClientContext) -> Message:
+        """Step 1: the local anchors under the global model, which is kept for step 2."""
+        return reply_local_anchors(msg, ctx, self.params.anchor_agg)
+
+    def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        """Step 2: E epochs of CE + lam * l_FM from the model of step 1; FedAvg's reply."""
+        model = take_received(ctx.state)
+        if msg.strings.get(REUSED) != "*" or not model:
+            raise RuntimeError(
+                f"fedfm: client {ctx.client_id} was sent no model and keeps none from this "
+                "round's anchor exchange"
+            )
+        set_arrays(ctx.model, model)
+        with loss_term_installed(ctx, received_anchor_term(msg, self.params)):
+            result = train_client(ctx)
+        return trained_reply(ctx, result.mean_loss)
+
+
+class FedFM(Algorithm):
     name = "fedfm"
     description = "FedFM: FedAvg + anchor feature matching (contrastive guiding or l2)"
+    Params = FedFMParams
+    Server = FedFMServer
+    Client = FedFMClient
+    feature_matching = True  # --feature-matching leaves it as it is

@@ -7,7 +7,7 @@ then computes its local anchors with its *trained local model* and uploads them 
 counts under weighted aggregation). In a model round it also uploads its model, which the
 server FedAvg-averages; otherwise it keeps the model in its client state for the next round.
 The loss, the anchor aggregation and their parameters are FedFM's (``lam``, ``cg_tau``,
-``start_round``, ``fm_loss``, ``anchor_agg``; see ``fedskew.algorithms.feature_matching``).
+``start_round``, ``fm_loss``, ``anchor_agg``; see ``fedskew.algorithms.fedfm``).
 
 Parameter ``a`` (default 5, the setting of the paper's headline claims; the paper sweeps
 {1, 2, 5, 10}): models are uploaded and averaged in rounds ``t`` (0-based) with
@@ -40,15 +40,16 @@ from fedskew.algorithm_interface import (
     ServerLogic,
     ServerSetup,
 )
-from fedskew.algorithms.feature_matching import (
+from fedskew.algorithms.fedfm import (
     ANCHORS,
     COUNTS,
     FeatureMatchingParams,
     aggregate_anchors,
+    anchor_metrics,
     defined_rows,
     local_anchor_arrays,
     loss_term_installed,
-    matching_term,
+    received_anchor_term,
     settings_of,
 )
 from fedskew.algorithms.local import get_arrays, set_arrays, train_client, weighted_average
@@ -116,9 +117,8 @@ class FedFMLiteServer(ServerLogic):
             self.global_arrays = weighted_average(states, weights)
             self.model_version += 1
         return {
-            "train_loss": sum(replies[c].scalars["loss"] for c in clients) / len(clients),
-            "fm_active": float(active),
-            "fm_anchor_classes": float(defined_rows(self.fm_anchors).sum()),
+            "train_loss": self.mean_train_loss(replies, clients),
+            **anchor_metrics(active, self.fm_anchors),
             "model_round": float(sync),
             "models_sent": float(models_sent),
         }
@@ -138,8 +138,7 @@ class FedFMLiteClient(ClientLogic):
         set_arrays(ctx.model, model)
         for key in [k for k in state.arrays if k.startswith(_KEPT)]:
             del state.arrays[key]
-        term = matching_term(msg.arrays[ANCHORS], s) if ANCHORS in msg.arrays else None
-        with loss_term_installed(ctx, term):
+        with loss_term_installed(ctx, received_anchor_term(msg, self.params)):
             result = train_client(ctx)
         arrays = local_anchor_arrays(ctx.model, ctx, s.agg)
         scalars = {"loss": result.mean_loss}

@@ -419,6 +419,14 @@ def test_defaults_and_bad_values(name, defaults):
         get_algorithm(name).make_params({key: -1})
 
 
+@pytest.mark.parametrize(
+    "name", ["fedavg", "fedprox", "moon", "fedrs", "fedlc", "fedntd", "feddecorr"]
+)
+def test_server_lr_is_checked_once_and_the_error_names_the_algorithm(name):
+    with pytest.raises(UsageError, match=f"^{name}: server_lr must be > 0, got 0.0$"):
+        get_algorithm(name).make_params({"server_lr": "0"})
+
+
 # --- end to end ---------------------------------------------------------------------------
 
 FAST = ["--rounds", "3", "--local-epochs", "1", "-q"]

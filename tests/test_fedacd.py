@@ -25,7 +25,7 @@ from fedskew.algorithms.fedacd import (
     flat_target,
     log_margins,
     soft_confusion,
-    template,
+    template_matrix_q,
 )
 from fedskew.algorithms.fedavg import FedAvgClient
 from fedskew.algorithms.local import get_arrays
@@ -287,8 +287,8 @@ def test_mixup_draws_are_beta_and_addressed():
 # --- the score and the weights ------------------------------------------------------------
 
 
-def test_template_and_divergence_by_hand():
-    q = template(10, 1 - 1e-5)
+def test_template_matrix_q_and_divergence_by_hand():
+    q = template_matrix_q(10, 1 - 1e-5)
     assert close(q[3, 3].item(), 1 - 1e-5) and close(q[3, 4].item(), 1e-5 / 9)
     assert torch.allclose(q.sum(1), torch.ones(10, dtype=torch.float64))
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from fedskew import experiment
 from fedskew.algorithm_interface import ClientContext, LocalTrainConfig
 from fedskew.algorithms.fedavg import FedAvg
-from fedskew.algorithms.local import Forward, get_arrays, local_train, make_optimizer
+from fedskew.algorithms.local import LossOutput, get_arrays, local_train, make_optimizer
 from fedskew.cli import main
 from fedskew.config import ExperimentConfig
 from fedskew.data.federated import ClientData
@@ -96,11 +96,11 @@ def test_autocast_covers_forward_and_loss_terms_but_not_backward(precision: str)
     model = fresh_model()
     seen: dict[str, list] = {"loss_fn": [], "term": [], "hook": []}
 
-    def loss_fn(m: torch.nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> Forward:
+    def loss_fn(m: torch.nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> LossOutput:
         features = m.body(xb)
         logits = m.head(features)
         seen["loss_fn"].append((torch.is_autocast_enabled("cpu"), logits.dtype))
-        return Forward(F.cross_entropy(logits, yb), features, logits)
+        return LossOutput(F.cross_entropy(logits, yb), features, logits)
 
     def term(features: torch.Tensor, logits: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         seen["term"].append((torch.is_autocast_enabled("cpu"), features.dtype))

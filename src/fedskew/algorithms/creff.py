@@ -45,6 +45,7 @@ from fedskew.algorithm_interface import (
     ClientLogic,
     ServerLogic,
     ServerSetup,
+    check_one_of,
 )
 from fedskew.algorithms.local import (
     batch_bounds,
@@ -83,11 +84,7 @@ class CReFFParams:
         for name in ("lr_feature", "lr_net"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"creff: {name} must be > 0, got {getattr(self, name)}")
-        if self.dis_metric not in DIS_METRICS:
-            raise UsageError(
-                f"creff: dis_metric must be one of {', '.join(DIS_METRICS)}, "
-                f"got '{self.dis_metric}'"
-            )
+        check_one_of("creff", "dis_metric", self.dis_metric, DIS_METRICS)
 
 
 def class_gradients(
@@ -201,7 +198,7 @@ class CReFFServer(ServerLogic):
         distance = self.match(classes, real)
         self.classifier = self.retrain(rnd)
         return {
-            "train_loss": sum(replies[c].scalars["loss"] for c in clients) / len(clients),
+            "train_loss": self.mean_train_loss(replies, clients),
             "match_distance": distance,
         }
 

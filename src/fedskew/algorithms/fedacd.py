@@ -43,25 +43,20 @@ Ablation switches: ``lam=0`` drops L_flat, ``margin=false`` turns L_LA into plai
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic, ServerLogic
-from fedskew.algorithms.local import (
-    Forward,
-    get_arrays,
-    set_arrays,
-    train_client,
-    weighted_average,
-)
+from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic, check_one_of
+from fedskew.algorithms.fedavg import FedAvgServer
+from fedskew.algorithms.local import LossOutput, get_arrays, set_arrays, train_client
 from fedskew.data.federated import ClientData
 from fedskew.errors import UsageError
 from fedskew.precision import in_fp32
-from fedskew.protocol import Channel, Message, arrived
+from fedskew.protocol import Message
 
 EPS = 1e-8  # added to denominators of P and of Delta
 WEIGHTINGS = ("inverse", "softmax", "uniform")
@@ -76,7 +71,7 @@ class FedACDParams:
     delta: float = 1e-3  # Delta for missing classes, and the clip of log Delta
     mixup: bool = True
     mixup_alpha: float = 1.0
-    tau: float = 1 - 1e-5  # diagonal of the template Q
+    tau: float = 1 - 1e-5  # diagonal of the template matrix Q
     weighting: str = "inverse"
     flat_kl: str = "qp"
     score_rows: str = "mean"
@@ -90,15 +85,9 @@ class FedACDParams:
             raise UsageError(f"fedacd: mixup_alpha must be > 0, got {self.mixup_alpha}")
         if not 0 < self.tau < 1:
             raise UsageError(f"fedacd: tau must be in (0, 1), got {self.tau}")
-        for name, value, allowed in (
-            ("weighting", self.weighting, WEIGHTINGS),
-            ("flat_kl", self.flat_kl, FLAT_KLS),
-            ("score_rows", self.score_rows, SCORE_ROWS),
-        ):
-            if value not in allowed:
-                raise UsageError(
-                    f"fedacd: {name} must be one of {'|'.join(allowed)}, got '{value}'"
-                )
+        check_one_of("fedacd", "weighting", self.weighting, WEIGHTINGS)
+        check_one_of("fedacd", "flat_kl", self.flat_kl, FLAT_KLS)
+        check_one_of("fedacd", "score_rows", self.score_rows, SCORE_ROWS)
 
 
 # --- the soft confusion matrix ------------------------------------------------------------
@@ -195,7 +184,7 @@ class Mixup:
 
 
 class FedACDLoss:
-    """The local objective as a ``loss_fn(model, x, y) -> Forward`` for ``train_client``.
+    """The local objective as a ``loss_fn(model, x, y) -> LossOutput`` for ``train_client``.
 
     It also keeps P up to date: the batches of one epoch build the P whose margins the next
     epoch uses. An epoch ends after ``epoch_size`` samples, since the shared loop visits every
@@ -235,7 +224,7 @@ class FedACDLoss:
             loss = loss + self.params.lam * flat_kl(logits, y, self.params.flat_kl).mean()
         return loss
 
-    def __call__(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Forward:
+    def __call__(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
         mix, y_b = 1.0, y
         if self.mixer is not None:
             mix, perm = self.mixer.draw(x.shape[0])
@@ -254,14 +243,15 @@ class FedACDLoss:
                 self.log_delta = log_margins(confusion, weights > 0, self.params.delta)
                 self.acc = ConfusionAccumulator(self.num_classes)
                 self.seen = 0
-        return Forward(loss, features, logits)
+        return LossOutput(loss, features, logits)
 
 
 # --- the score and the aggregation weights ------------------------------------------------
 
 
-def template(num_classes: int, tau: float) -> torch.Tensor:
-    """Q: tau on the diagonal, (1 - tau) / (C - 1) elsewhere (a smoothed identity)."""
+def template_matrix_q(num_classes: int, tau: float) -> torch.Tensor:
+    """The paper's template matrix Q (Eq. 10): tau on the diagonal, (1 - tau) / (C - 1)
+    elsewhere, a smoothed identity (KL(P_i || I_i) would be infinite)."""
     q = torch.full((num_classes, num_classes), (1.0 - tau) / (num_classes - 1), dtype=torch.float64)
     return q.fill_diagonal_(tau)
 
@@ -273,7 +263,7 @@ def adaptability_divergence(
     if not bool(present.any()):
         raise ValueError("no class is present: the score is undefined")
     p = confusion.to(torch.float64)
-    q = template(p.shape[0], tau)
+    q = template_matrix_q(p.shape[0], tau)
     kl = (torch.special.xlogy(p, p) - p * q.log()).sum(dim=1)[present]
     return float(kl.mean() if rows == "mean" else kl.sum())
 
@@ -295,22 +285,27 @@ def aggregation_weights(divergences: Sequence[float], weighting: str) -> list[fl
 # --- server and client --------------------------------------------------------------------
 
 
-class FedACDServer(ServerLogic):
-    def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
-        msg = Message("train", arrays=self.global_arrays)
-        replies = channel.exchange({c: msg for c in clients})
-        clients = arrived(clients, replies)
-        states = [replies[c].arrays for c in clients]
-        metrics = {"train_loss": sum(replies[c].scalars["loss"] for c in clients) / len(clients)}
+class FedACDServer(FedAvgServer):
+    """FedAvg's round, with weights from the clients' scores instead of their sample counts."""
+
+    def weights(self, replies: Mapping[int, Message], clients: list[int]) -> list[float]:
         if self.params.weighting == "uniform":
-            weights = [1.0 / len(clients)] * len(clients)
-        else:
+            return [1.0 / len(clients)] * len(clients)
+        divergences = [replies[c].scalars["divergence"] for c in clients]
+        return aggregation_weights(divergences, self.params.weighting)
+
+    def metrics(
+        self, replies: Mapping[int, Message], clients: list[int], weights: list[float]
+    ) -> dict[str, float]:
+        metrics = super().metrics(replies, clients, weights)
+        if self.params.weighting != "uniform":
             divergences = [replies[c].scalars["divergence"] for c in clients]
-            weights = aggregation_weights(divergences, self.params.weighting)
             metrics["divergence"] = sum(divergences) / len(divergences)
             metrics["weight_max"] = max(weights)
-        self.global_arrays = weighted_average(states, weights)
         return metrics
+
+    def server_lr(self) -> float:
+        return 1.0  # no server step: the global model is the weighted average
 
 
 class FedACDClient(ClientLogic):

@@ -9,7 +9,9 @@ the average and the metrics are over the clients that replied.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic, ServerLogic
 from fedskew.algorithms.local import (
@@ -25,23 +27,45 @@ from fedskew.protocol import Channel, Message, arrived
 
 @dataclass
 class FedAvgParams:
+    """FedAvg's hyper-parameters; the baselines that keep FedAvg's server extend them."""
+
+    # The algorithm named in error messages (each subclass names its own).
+    algorithm: ClassVar[str] = "fedavg"
     server_lr: float = 1.0
 
     def validate(self) -> None:
+        """Subclasses check their own fields, then call ``super().validate()``."""
         if self.server_lr <= 0:
-            raise UsageError(f"fedavg: server_lr must be > 0, got {self.server_lr}")
+            raise UsageError(f"{self.algorithm}: server_lr must be > 0, got {self.server_lr}")
 
 
 class FedAvgServer(ServerLogic):
+    """One exchange, then the weighted average. A method that changes only the weights
+    (FedACD) overrides ``weights``, and ``metrics`` for what it adds to the log."""
+
     def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
         msg = Message("train", arrays=self.global_arrays)
         replies = channel.exchange({c: msg for c in clients})
         clients = arrived(clients, replies)
-        states = [replies[c].arrays for c in clients]
-        weights = [replies[c].scalars["num_samples"] for c in clients]
-        averaged = weighted_average(states, weights)
-        self.global_arrays = apply_server_lr(self.global_arrays, averaged, self.params.server_lr)
-        return {"train_loss": sum(replies[c].scalars["loss"] for c in clients) / len(clients)}
+        weights = self.weights(replies, clients)
+        metrics = self.metrics(replies, clients, weights)
+        averaged = weighted_average([replies[c].arrays for c in clients], weights)
+        self.global_arrays = apply_server_lr(self.global_arrays, averaged, self.server_lr())
+        return metrics
+
+    def weights(self, replies: Mapping[int, Message], clients: list[int]) -> list[float]:
+        """The aggregation weights of the replying ``clients``: their sample counts."""
+        return [replies[c].scalars["num_samples"] for c in clients]
+
+    def metrics(
+        self, replies: Mapping[int, Message], clients: list[int], weights: list[float]
+    ) -> dict[str, float]:
+        """The round's metrics, given the replies and the weights the average used."""
+        return {"train_loss": self.mean_train_loss(replies, clients)}
+
+    def server_lr(self) -> float:
+        """The step towards the average (1.0: the global model becomes the average)."""
+        return self.params.server_lr
 
 
 class FedAvgClient(ClientLogic):

@@ -97,10 +97,11 @@ from fedskew.algorithm_interface import (
     ClientLogic,
     ServerLogic,
     ServerSetup,
+    check_one_of,
 )
 from fedskew.algorithms.local import (
-    Forward,
     LossFn,
+    LossOutput,
     class_feature_means,
     get_arrays,
     set_arrays,
@@ -141,17 +142,10 @@ class FedCMEParams:
     def validate(self) -> None:
         if not 0 <= self.mu < float("inf"):
             raise UsageError(f"fedcme: mu must be a finite number >= 0, got {self.mu}")
-        for name, choices in (
-            ("exchange", EXCHANGES),
-            ("matching", MATCHINGS),
-            ("cold_start", COLD_STARTS),
-            ("feature_weights", FEATURE_WEIGHTS),
-        ):
-            if getattr(self, name) not in choices:
-                raise UsageError(
-                    f"fedcme: {name} must be one of {', '.join(choices)}, "
-                    f"got '{getattr(self, name)}'"
-                )
+        check_one_of("fedcme", "exchange", self.exchange, EXCHANGES)
+        check_one_of("fedcme", "matching", self.matching, MATCHINGS)
+        check_one_of("fedcme", "cold_start", self.cold_start, COLD_STARTS)
+        check_one_of("fedcme", "feature_weights", self.feature_weights, FEATURE_WEIGHTS)
         if not 0 < self.eval_fraction <= 1:
             raise UsageError(f"fedcme: eval_fraction must be in (0, 1], got {self.eval_fraction}")
 
@@ -268,13 +262,13 @@ def alignment_loss(
 
 
 def fedcme_loss(mu: float, features: torch.Tensor | None, known: torch.Tensor | None) -> LossFn:
-    def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Forward:
+    def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
         feats = model.body(x)
         logits = model.head(feats)
         loss = F.cross_entropy(logits, y)
         if features is not None and known is not None and mu > 0:
             loss = loss + mu * alignment_loss(feats, y, features, known)
-        return Forward(loss, feats, logits)
+        return LossOutput(loss, feats, logits)
 
     return loss_fn
 
@@ -337,62 +331,44 @@ class FedCMEServer(ServerLogic):
         self.known = torch.zeros(setup.num_classes, dtype=torch.bool)
 
     def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
-        p: FedCMEParams = self.params
-        epochs = self.setup.train.epochs
-        metrics: dict[str, float] = {"cold_starts": 0.0, "exchanged": 0.0, "donors": 0.0}
-        if not exchanges_parts(p, epochs):
+        """One round, in the steps of the module docstring."""
+        if not exchanges_parts(self.params, self.setup.train.epochs):
             replies = channel.exchange({c: self.train_message("train", False) for c in clients})
-            return {**metrics, **self.aggregate(arrived(clients, replies), replies)}
-
-        cached: set[int] = set()
-        new = [c for c in clients if c not in self.vectors]
-        if uses_vectors(p, epochs) and new and p.cold_start == "evaluate":
-            evaluated = channel.exchange(
-                {c: Message("evaluate", arrays=self.global_arrays) for c in new}
-            )
-            # A new client without a vector leaves the round; the others need not wait for it.
-            clients = [c for c in clients if c not in new or c in evaluated]
-            if not clients:
-                raise NoReplies(f"none of {len(new)} cold-started clients replied")
-            new = [c for c in new if c in evaluated]
-            for c in new:
-                self.vectors[c] = evaluated[c].arrays[EVAL_VECTOR].clone()
-            cached = set(new)
-            metrics["cold_starts"] = float(len(new))
-        donor = self.match(rnd, clients)
-        sharing = set(donor.values())
-
-        first = {}
-        for c in clients:
-            msg = self.train_message("train_first", c in cached)
-            msg.scalars["partner"] = float(donor.get(c, -1))
-            if p.matching == "many-to-one":
-                msg.scalars["share"] = float(c in sharing)
-            first[c] = msg
-        replies = channel.exchange(first)
-        clients = arrived(clients, replies)
-        halves = [c for c in clients if replies[c].kind == "half"]
-        # Only parts that arrived: a client whose donor is missing gets an empty train_rest.
-        parts = {c: replies[c].arrays for c in halves if c in sharing}
-        rest = {c: Message("train_rest", arrays=dict(parts.get(donor.get(c), {}))) for c in halves}
-        if halves:
-            # A half is no upload: a client whose final reply is missing leaves the aggregation.
-            replies = {c: r for c, r in replies.items() if r.kind != "half"}
-            replies.update(channel.exchange(rest))
             clients = arrived(clients, replies)
-        metrics["exchanged"] = float(sum(1 for m in rest.values() if m.arrays))
-        metrics["donors"] = float(len({donor[c] for c in halves if donor.get(c) in parts}))
-        return {**metrics, **self.aggregate(clients, replies)}
+            no_exchange = {"cold_starts": 0.0, "exchanged": 0.0, "donors": 0.0}
+            return {**no_exchange, **self.aggregate(clients, replies)}
+        clients, cold_started = self.cold_start(clients, channel)
+        donor = self.match(rnd, clients)
+        clients, replies = self.first_half(clients, cold_started, donor, channel)
+        clients, replies, exchanged = self.exchange(clients, replies, donor, channel)
+        return {
+            "cold_starts": float(len(cold_started)),
+            **exchanged,
+            **self.aggregate(clients, replies),
+        }
 
-    def train_message(self, kind: str, cached: bool) -> Message:
-        arrays: dict[str, torch.Tensor] = {} if cached else dict(self.global_arrays)
-        if self.params.mu > 0 and self.features is not None and bool(self.known.any()):
-            arrays[GLOBAL_FEATURES] = self.features[self.known]
-            arrays[GLOBAL_KNOWN] = self.known.clone()
-        return Message(kind, arrays=arrays)
+    def cold_start(self, clients: list[int], channel: Channel) -> tuple[list[int], set[int]]:
+        """Step 1: the selected clients without an evaluation vector evaluate the global
+        model, and keep it. Returns the clients still in the round and the cold-started ones."""
+        p: FedCMEParams = self.params
+        new = [c for c in clients if c not in self.vectors]
+        if not (uses_vectors(p, self.setup.train.epochs) and new and p.cold_start == "evaluate"):
+            return clients, set()
+        evaluated = channel.exchange(
+            {c: Message("evaluate", arrays=self.global_arrays) for c in new}
+        )
+        # A new client without a vector leaves the round; the others need not wait for it.
+        clients = [c for c in clients if c not in new or c in evaluated]
+        if not clients:
+            raise NoReplies(f"none of {len(new)} cold-started clients replied")
+        new = [c for c in new if c in evaluated]
+        for c in new:
+            self.vectors[c] = evaluated[c].arrays[EVAL_VECTOR].clone()
+        return clients, set(new)
 
     def match(self, rnd: int, clients: list[int]) -> dict[int, int]:
-        """receiver -> donor for this round (symmetric for pairs)."""
+        """Step 2, the paper's MakeMatching: receiver -> donor for this round (symmetric
+        for pairs)."""
         p: FedCMEParams = self.params
         if p.matching == "random":
             pairs, _ = random_pairs(
@@ -418,7 +394,52 @@ class FedCMEServer(ServerLogic):
             donor[leftover], donor[odd_seen[0]] = odd_seen[0], leftover
         return donor
 
+    def first_half(
+        self, clients: list[int], cached: set[int], donor: Mapping[int, int], channel: Channel
+    ) -> tuple[list[int], dict[int, Message]]:
+        """Step 3: ``train_first`` with each client's partner (the global model unless the
+        client kept it from the cold start). Paired clients answer with a half, the others
+        with their final upload. Returns the clients that replied and the replies."""
+        sharing = set(donor.values())
+        first = {}
+        for c in clients:
+            msg = self.train_message("train_first", c in cached)
+            msg.scalars["partner"] = float(donor.get(c, -1))
+            if self.params.matching == "many-to-one":
+                msg.scalars["share"] = float(c in sharing)
+            first[c] = msg
+        replies = channel.exchange(first)
+        return arrived(clients, replies), replies
+
+    def exchange(
+        self,
+        clients: list[int],
+        replies: dict[int, Message],
+        donor: Mapping[int, int],
+        channel: Channel,
+    ) -> tuple[list[int], dict[int, Message], dict[str, float]]:
+        """Step 4: ``train_rest`` relays each half-trained client its donor's part; the
+        client finishes training and uploads. Returns the clients with a final upload, the
+        uploads, and the ``exchanged`` and ``donors`` metrics."""
+        sharing = set(donor.values())
+        halves = [c for c in clients if replies[c].kind == "half"]
+        # Only parts that arrived: a client whose donor is missing gets an empty train_rest.
+        parts = {c: replies[c].arrays for c in halves if c in sharing}
+        rest = {c: Message("train_rest", arrays=dict(parts.get(donor.get(c), {}))) for c in halves}
+        if halves:
+            # A half is no upload: a client whose final reply is missing leaves the aggregation.
+            replies = {c: r for c, r in replies.items() if r.kind != "half"}
+            replies.update(channel.exchange(rest))
+            clients = arrived(clients, replies)
+        metrics = {
+            "exchanged": float(sum(1 for m in rest.values() if m.arrays)),
+            "donors": float(len({donor[c] for c in halves if donor.get(c) in parts})),
+        }
+        return clients, replies, metrics
+
     def aggregate(self, clients: list[int], replies: Mapping[int, Message]) -> dict[str, float]:
+        """Step 5: average the final uploads, aggregate the class features, keep the
+        evaluation vectors."""
         p: FedCMEParams = self.params
         sizes = [replies[c].scalars["num_samples"] for c in clients]
         models = [{k: replies[c].arrays[k] for k in self.global_arrays} for c in clients]
@@ -442,9 +463,16 @@ class FedCMEServer(ServerLogic):
             if EVAL_VECTOR in replies[c].arrays:
                 self.vectors[c] = replies[c].arrays[EVAL_VECTOR].clone()
         return {
-            "train_loss": sum(replies[c].scalars["loss"] for c in clients) / len(clients),
+            "train_loss": self.mean_train_loss(replies, clients),
             "known_classes": float(self.known.sum()),
         }
+
+    def train_message(self, kind: str, cached: bool) -> Message:
+        arrays: dict[str, torch.Tensor] = {} if cached else dict(self.global_arrays)
+        if self.params.mu > 0 and self.features is not None and bool(self.known.any()):
+            arrays[GLOBAL_FEATURES] = self.features[self.known]
+            arrays[GLOBAL_KNOWN] = self.known.clone()
+        return Message(kind, arrays=arrays)
 
 
 # --- client ---------------------------------------------------------------------------------
@@ -464,7 +492,7 @@ class FedCMEClient(ClientLogic):
         """A round without exchange: E epochs with alignment, then the final upload."""
         self.load_round_start(msg, ctx)
         result = train_client(ctx, loss_fn=self.loss_fn(ctx))
-        return self.finish(ctx, result.mean_loss * result.steps, result.steps)
+        return self.final_upload(ctx, result.mean_loss * result.steps, result.steps)
 
     def on_train_first(self, msg: Message, ctx: ClientContext) -> Message:
         self.load_round_start(msg, ctx)
@@ -472,7 +500,7 @@ class FedCMEClient(ClientLogic):
         share = bool(msg.scalars.get("share", float(partner >= 0)))
         if partner < 0 and not share:
             result = train_client(ctx, loss_fn=self.loss_fn(ctx))
-            return self.finish(ctx, result.mean_loss * result.steps, result.steps)
+            return self.final_upload(ctx, result.mean_loss * result.steps, result.steps)
         result = train_client(
             ctx, loss_fn=self.loss_fn(ctx), epochs=ctx.train.epochs // 2, purpose="train-first"
         )
@@ -502,7 +530,7 @@ class FedCMEClient(ClientLogic):
         )
         loss_sum = ctx.state.scalars.pop(LOSS_SUM) + result.mean_loss * result.steps
         steps = ctx.state.scalars.pop(STEPS) + result.steps
-        return self.finish(ctx, loss_sum, steps)
+        return self.final_upload(ctx, loss_sum, steps)
 
     def load_round_start(self, msg: Message, ctx: ClientContext) -> None:
         """Load the global model (from the message, or kept from the cold start) and keep the
@@ -532,7 +560,7 @@ class FedCMEClient(ClientLogic):
             self.params.mu, ctx.state.arrays.get(STATE_FEATURES), ctx.state.arrays.get(STATE_KNOWN)
         )
 
-    def finish(self, ctx: ClientContext, loss_sum: float, steps: float) -> Message:
+    def final_upload(self, ctx: ClientContext, loss_sum: float, steps: float) -> Message:
         """The final upload; the round's state entries are dropped."""
         ctx.state.arrays.pop(STATE_FEATURES, None)
         ctx.state.arrays.pop(STATE_KNOWN, None)

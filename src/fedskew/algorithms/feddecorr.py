@@ -19,6 +19,7 @@ Messages and server are FedAvg's. Default beta = 0.1; ``server_lr`` is FedAvg's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,7 @@ from torch import nn
 
 from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
-from fedskew.algorithms.local import Forward, set_arrays, train_client, trained_reply
+from fedskew.algorithms.local import LossOutput, set_arrays, train_client, trained_reply
 from fedskew.errors import UsageError
 from fedskew.precision import in_fp32
 from fedskew.protocol import Message
@@ -36,11 +37,11 @@ EPS = 1e-8
 
 @dataclass
 class FedDecorrParams(FedAvgParams):
+    algorithm: ClassVar[str] = "feddecorr"
     beta: float = 0.1
 
     def validate(self) -> None:
-        if self.server_lr <= 0:
-            raise UsageError(f"feddecorr: server_lr must be > 0, got {self.server_lr}")
+        super().validate()
         if self.beta < 0:
             raise UsageError(f"feddecorr: beta must be >= 0, got {self.beta}")
 
@@ -63,11 +64,11 @@ class FedDecorrClient(ClientLogic):
         set_arrays(ctx.model, msg.arrays)
         beta = self.params.beta
 
-        def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Forward:
+        def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
             features = model.body(x)
             logits = model.head(features)
             loss = F.cross_entropy(logits, y) + beta * decorrelation_loss(features)
-            return Forward(loss, features, logits)
+            return LossOutput(loss, features, logits)
 
         result = train_client(ctx, loss_fn=loss_fn)
         return trained_reply(ctx, result.mean_loss)

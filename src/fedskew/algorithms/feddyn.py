@@ -40,7 +40,13 @@ from fedskew.algorithm_interface import (
     ServerSetup,
 )
 from fedskew.algorithms.fednova import trained_keys
-from fedskew.algorithms.local import Forward, get_arrays, set_arrays, train_client, weighted_average
+from fedskew.algorithms.local import (
+    LossOutput,
+    get_arrays,
+    set_arrays,
+    train_client,
+    weighted_average,
+)
 from fedskew.errors import UsageError
 from fedskew.precision import in_fp32
 from fedskew.protocol import Channel, Message, arrived
@@ -63,7 +69,7 @@ def dynamic_loss(
     y: torch.Tensor,
     variables: Sequence[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]],
     alpha: float,
-) -> Forward:
+) -> LossOutput:
     """Cross-entropy minus ``<g_k, theta'>`` plus ``alpha/2 ||theta' - theta||^2``, with
     ``variables`` the triples (parameter theta', its g_k, its server value theta)."""
     features = model.body(x)
@@ -72,7 +78,7 @@ def dynamic_loss(
     if variables:
         linear, quad = dynamic_terms(variables)
         loss = loss - linear + 0.5 * alpha * quad
-    return Forward(loss, features, logits)
+    return LossOutput(loss, features, logits)
 
 
 @in_fp32
@@ -108,7 +114,7 @@ class FedDynServer(ServerLogic):
             self.h[k] = h - (alpha / m) * drift
             mean[k] = mean[k] - self.h[k] / alpha
         self.global_arrays = mean
-        return {"train_loss": sum(replies[c].scalars["loss"] for c in clients) / len(clients)}
+        return {"train_loss": self.mean_train_loss(replies, clients)}
 
 
 class FedDynClient(ClientLogic):

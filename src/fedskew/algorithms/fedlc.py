@@ -20,6 +20,7 @@ The counts never leave the client: messages and server are FedAvg's. Default tau
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ from torch import nn
 
 from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
-from fedskew.algorithms.local import Forward, set_arrays, train_client, trained_reply
+from fedskew.algorithms.local import LossOutput, set_arrays, train_client, trained_reply
 from fedskew.errors import UsageError
 from fedskew.protocol import Message
 
@@ -36,11 +37,11 @@ MISSING_COUNT = 1e-8
 
 @dataclass
 class FedLCParams(FedAvgParams):
+    algorithm: ClassVar[str] = "fedlc"
     tau: float = 1.0
 
     def validate(self) -> None:
-        if self.server_lr <= 0:
-            raise UsageError(f"fedlc: server_lr must be > 0, got {self.server_lr}")
+        super().validate()
         if self.tau < 0:
             raise UsageError(f"fedlc: tau must be >= 0, got {self.tau}")
 
@@ -56,10 +57,10 @@ class FedLCClient(ClientLogic):
         set_arrays(ctx.model, msg.arrays)
         margins = calibration_margins(ctx.data.class_counts(), self.params.tau)
 
-        def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Forward:
+        def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
             features = model.body(x)
             logits = model.head(features)
-            return Forward(F.cross_entropy(logits - margins, y), features, logits)
+            return LossOutput(F.cross_entropy(logits - margins, y), features, logits)
 
         result = train_client(ctx, loss_fn=loss_fn)
         return trained_reply(ctx, result.mean_loss)

@@ -145,7 +145,7 @@ class FedNHServer(ServerLogic):
         averaged[PROTOTYPES] = update_prototypes(prototypes, summed, self.params.rho)
         self.global_arrays = averaged
         return {
-            "train_loss": sum(replies[c].scalars["loss"] for c in clients) / len(clients),
+            "train_loss": self.mean_train_loss(replies, clients),
             "scale": float(averaged[SCALE].reshape(-1)[0]),
         }
 

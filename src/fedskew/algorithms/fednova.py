@@ -102,7 +102,7 @@ class FedNovaServer(ServerLogic):
             new[k] = (old.double() - tau_eff * direction[k].double()).to(old.dtype)
         self.global_arrays = new
         return {
-            "train_loss": sum(replies[c].scalars["loss"] for c in clients) / len(clients),
+            "train_loss": self.mean_train_loss(replies, clients),
             "tau_eff": tau_eff,
         }
 

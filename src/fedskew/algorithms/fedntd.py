@@ -14,6 +14,7 @@ Messages and server are FedAvg's. Defaults: tau = 1, beta = 1; ``server_lr`` is 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,13 @@ from torch import nn
 
 from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
-from fedskew.algorithms.local import Forward, frozen_copy, set_arrays, train_client, trained_reply
+from fedskew.algorithms.local import (
+    LossOutput,
+    frozen_copy,
+    set_arrays,
+    train_client,
+    trained_reply,
+)
 from fedskew.errors import UsageError
 from fedskew.precision import in_fp32
 from fedskew.protocol import Message
@@ -29,12 +36,12 @@ from fedskew.protocol import Message
 
 @dataclass
 class FedNTDParams(FedAvgParams):
+    algorithm: ClassVar[str] = "fedntd"
     tau: float = 1.0
     beta: float = 1.0
 
     def validate(self) -> None:
-        if self.server_lr <= 0:
-            raise UsageError(f"fedntd: server_lr must be > 0, got {self.server_lr}")
+        super().validate()
         if self.tau <= 0:
             raise UsageError(f"fedntd: tau must be > 0, got {self.tau}")
         if self.beta < 0:
@@ -70,13 +77,13 @@ class FedNTDClient(ClientLogic):
         set_arrays(self._global, msg.arrays)
         glob, tau, beta = self._global, self.params.tau, self.params.beta
 
-        def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Forward:
+        def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
             features = model.body(x)
             logits = model.head(features)
             with torch.no_grad():
                 global_logits = glob(x)
             ntd = not_true_distillation(logits, global_logits, y, tau)
-            return Forward(F.cross_entropy(logits, y) + beta * ntd, features, logits)
+            return LossOutput(F.cross_entropy(logits, y) + beta * ntd, features, logits)
 
         result = train_client(ctx, loss_fn=loss_fn)
         return trained_reply(ctx, result.mean_loss)

@@ -38,9 +38,10 @@ from fedskew.algorithm_interface import (
     ClientLogic,
     ServerLogic,
     ServerSetup,
+    check_one_of,
 )
 from fedskew.algorithms.local import (
-    Forward,
+    LossOutput,
     class_feature_means,
     get_arrays,
     set_arrays,
@@ -65,10 +66,7 @@ class FedProtoParams:
     def validate(self) -> None:
         if self.ld < 0:
             raise UsageError(f"fedproto: ld must be >= 0, got {self.ld}")
-        if self.distance not in DISTANCES:
-            raise UsageError(
-                f"fedproto: distance must be one of {', '.join(DISTANCES)}, got '{self.distance}'"
-            )
+        check_one_of("fedproto", "distance", self.distance, DISTANCES)
 
 
 @in_fp32
@@ -109,7 +107,7 @@ class FedProtoServer(ServerLogic):
             [replies[c].scalars["num_samples"] for c in clients],
         )
         self.aggregate_prototypes([replies[c] for c in clients])
-        return {"train_loss": sum(replies[c].scalars["loss"] for c in clients) / len(clients)}
+        return {"train_loss": self.mean_train_loss(replies, clients)}
 
     def aggregate_prototypes(self, replies: list[Message]) -> None:
         """P_c = sum_k n_kc a_kc / sum_k n_kc over the replies holding class c."""
@@ -144,13 +142,13 @@ class FedProtoClient(ClientLogic):
         ld, distance = self.params.ld, self.params.distance
         regularise = ld > 0 and bool(known.any())
 
-        def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Forward:
+        def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
             features = model.body(x)
             logits = model.head(features)
             loss = F.cross_entropy(logits, y)
             if regularise:
                 loss = loss + ld * prototype_regulariser(features, y, prototypes, known, distance)
-            return Forward(loss, features, logits)
+            return LossOutput(loss, features, logits)
 
         result = train_client(ctx, loss_fn=loss_fn)
         means, counts = class_feature_means(ctx.model, ctx.data, num_classes)

@@ -12,26 +12,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
-from fedskew.algorithms.local import Forward, set_arrays, train_client, trained_reply
+from fedskew.algorithms.local import LossOutput, set_arrays, train_client, trained_reply
 from fedskew.errors import UsageError
 from fedskew.protocol import Message
 
 
 @dataclass
 class FedProxParams(FedAvgParams):
+    algorithm: ClassVar[str] = "fedprox"
     mu: float = 0.01
 
     def validate(self) -> None:
+        super().validate()
         if self.mu < 0:
             raise UsageError(f"fedprox: mu must be >= 0, got {self.mu}")
-        if self.server_lr <= 0:
-            raise UsageError(f"fedprox: server_lr must be > 0, got {self.server_lr}")
 
 
 def proximal_loss(
@@ -40,7 +41,7 @@ def proximal_loss(
     y: torch.Tensor,
     anchor: Sequence[torch.Tensor],
     mu: float,
-) -> Forward:
+) -> LossOutput:
     """Cross-entropy plus ``mu/2 ||w - anchor||^2`` over ``model.parameters()`` (in order)."""
     features = model.body(x)
     logits = model.head(features)
@@ -52,7 +53,7 @@ def proximal_loss(
             for p, a in zip(model.parameters(), anchor, strict=True)
         ]
         loss = loss + 0.5 * mu * torch.stack(prox).sum()
-    return Forward(loss, features, logits)
+    return LossOutput(loss, features, logits)
 
 
 class FedProxClient(ClientLogic):

@@ -31,9 +31,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic, ServerLogic
+from fedskew.algorithm_interface import (
+    Algorithm,
+    ClientContext,
+    ClientLogic,
+    ServerLogic,
+    check_one_of,
+)
 from fedskew.algorithms.local import (
-    Forward,
+    LossOutput,
     set_arrays,
     train_client,
     trained_reply,
@@ -56,11 +62,7 @@ class FedRODParams:
     def validate(self) -> None:
         if self.gamma < 0:
             raise UsageError(f"fedrod: gamma must be >= 0, got {self.gamma}")
-        if self.phead_init not in PHEAD_INITS:
-            raise UsageError(
-                f"fedrod: phead_init must be one of {', '.join(PHEAD_INITS)}, "
-                f"got '{self.phead_init}'"
-            )
+        check_one_of("fedrod", "phead_init", self.phead_init, PHEAD_INITS)
 
 
 def balanced_shift(counts: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -119,7 +121,7 @@ class FedRODServer(ServerLogic):
             [replies[c].arrays for c in clients],
             [replies[c].scalars["num_samples"] for c in clients],
         )
-        metrics = {"train_loss": sum(replies[c].scalars["loss"] for c in clients) / len(clients)}
+        metrics = {"train_loss": self.mean_train_loss(replies, clients)}
         scores = [
             replies[c].scalars["personal_accuracy"]
             for c in clients
@@ -157,7 +159,7 @@ class FedRODClient(ClientLogic):
         shift = balanced_shift(counts, self.params.gamma)
         p_weight, p_bias = self._personal_head(ctx)
 
-        def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Forward:
+        def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
             features = model.body(x)
             logits = model.head(features)
             generic = balanced_softmax_loss(logits, y, shift)
@@ -165,7 +167,7 @@ class FedRODClient(ClientLogic):
             personal = F.cross_entropy(personal_logits, y)
             # The two terms touch disjoint parameters, so one backward of their sum trains
             # the shared model on BSM alone and p on the personal CE alone.
-            return Forward(generic + personal, features, logits)
+            return LossOutput(generic + personal, features, logits)
 
         cfg = ctx.train
         optimizer = torch.optim.SGD(

@@ -13,6 +13,7 @@ server are FedAvg's. Defaults: alpha = 0.5 (the paper's other setting is 0.9);
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -20,18 +21,18 @@ from torch import nn
 
 from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
-from fedskew.algorithms.local import Forward, set_arrays, train_client, trained_reply
+from fedskew.algorithms.local import LossOutput, set_arrays, train_client, trained_reply
 from fedskew.errors import UsageError
 from fedskew.protocol import Message
 
 
 @dataclass
 class FedRSParams(FedAvgParams):
+    algorithm: ClassVar[str] = "fedrs"
     alpha: float = 0.5
 
     def validate(self) -> None:
-        if self.server_lr <= 0:
-            raise UsageError(f"fedrs: server_lr must be > 0, got {self.server_lr}")
+        super().validate()
         if not 0 <= self.alpha <= 1:
             raise UsageError(f"fedrs: alpha must be in [0, 1], got {self.alpha}")
 
@@ -46,10 +47,10 @@ class FedRSClient(ClientLogic):
         set_arrays(ctx.model, msg.arrays)
         factors = restriction_factors(ctx.data.class_counts(), self.params.alpha)
 
-        def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Forward:
+        def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
             features = model.body(x)
             logits = model.head(features)
-            return Forward(F.cross_entropy(logits * factors, y), features, logits)
+            return LossOutput(F.cross_entropy(logits * factors, y), features, logits)
 
         result = train_client(ctx, loss_fn=loss_fn)
         return trained_reply(ctx, result.mean_loss)

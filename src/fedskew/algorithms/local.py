@@ -16,7 +16,7 @@ from fedskew.protocol import Message
 
 
 @dataclass
-class Forward:
+class LossOutput:
     """What a loss function computed: the loss, and the features and logits it used,
     so that plug-in loss terms (feature matching) can add to it without a second pass."""
 
@@ -25,18 +25,18 @@ class Forward:
     logits: torch.Tensor | None = None
 
 
-# loss_fn(model, x, y) -> Forward (or a bare loss tensor). Algorithms write their loss here.
-LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], "Forward | torch.Tensor"]
+# loss_fn(model, x, y) -> LossOutput (or a bare loss tensor). Algorithms write their loss here.
+LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], "LossOutput | torch.Tensor"]
 # term(features, logits, y) -> scalar added to the loss: plug-ins install these on the context.
 LossTerm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # Called after backward, before the optimiser step (SCAFFOLD corrects gradients here).
 StepHook = Callable[[torch.nn.Module], None]
 
 
-def cross_entropy_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Forward:
+def cross_entropy_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
     features = model.body(x)
     logits = model.head(features)
-    return Forward(F.cross_entropy(logits, y), features, logits)
+    return LossOutput(F.cross_entropy(logits, y), features, logits)
 
 
 @dataclass
@@ -111,10 +111,10 @@ def local_train(
             xb, yb = data.batch(perm[start:stop])
             if cfg.augment:
                 xb = augment_batch(xb, gen)
-            # Forward and loss under the precision policy; backward outside, weights fp32.
+            # Forward pass and loss under the precision policy; backward outside, weights fp32.
             with autocast(cfg.precision, xb.device.type):
                 out = loss_fn(model, xb, yb)
-                if isinstance(out, Forward):
+                if isinstance(out, LossOutput):
                     loss = out.loss
                     if extra_terms:
                         if out.features is None or out.logits is None:
@@ -125,7 +125,9 @@ def local_train(
                             loss = loss + term(out.features, out.logits, yb)
                 else:
                     if extra_terms:
-                        raise RuntimeError("extra loss terms need a loss_fn that returns a Forward")
+                        raise RuntimeError(
+                            "extra loss terms need a loss_fn that returns a LossOutput"
+                        )
                     loss = out
             opt.zero_grad(set_to_none=True)
             loss.backward()

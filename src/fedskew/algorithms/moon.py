@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ from torch import nn
 from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
 from fedskew.algorithms.local import (
-    Forward,
+    LossOutput,
     frozen_copy,
     get_arrays,
     set_arrays,
@@ -56,13 +57,13 @@ LOG2 = math.log(2.0)
 
 @dataclass
 class MoonParams(FedAvgParams):
+    algorithm: ClassVar[str] = "moon"
     mu: float = 5.0
     tau: float = 0.5
     out_dim: int = 256
 
     def validate(self) -> None:
-        if self.server_lr <= 0:
-            raise UsageError(f"moon: server_lr must be > 0, got {self.server_lr}")
+        super().validate()
         if self.mu < 0:
             raise UsageError(f"moon: mu must be >= 0, got {self.mu}")
         if self.tau <= 0:
@@ -111,18 +112,18 @@ class MoonClient(ClientLogic):
             set_arrays(self._prev, prev_arrays)
         glob, prev, mu, tau = self._global, self._prev, self.params.mu, self.params.tau
 
-        def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Forward:
+        def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
             features = model.body(x)
             z = model.head.projection(features)
             logits = model.head.classifier(z)
             if not has_prev:
                 # z_prev = z_glob: l_con is log 2 whatever z is, so skip both frozen passes.
-                return Forward(F.cross_entropy(logits, y) + mu * LOG2, features, logits)
+                return LossOutput(F.cross_entropy(logits, y) + mu * LOG2, features, logits)
             with torch.no_grad():
                 z_glob = glob.head.projection(glob.body(x))
                 z_prev = prev.head.projection(prev.body(x))
             loss = F.cross_entropy(logits, y) + mu * model_contrastive_loss(z, z_glob, z_prev, tau)
-            return Forward(loss, features, logits)
+            return LossOutput(loss, features, logits)
 
         result = train_client(ctx, loss_fn=loss_fn)
         arrays = get_arrays(ctx.model)

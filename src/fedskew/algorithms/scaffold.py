@@ -65,6 +65,7 @@ from fedskew.algorithm_interface import (
     ClientLogic,
     ServerLogic,
     ServerSetup,
+    check_one_of,
 )
 from fedskew.algorithms.fednova import momentum_normaliser, trained_keys
 from fedskew.algorithms.local import (
@@ -93,16 +94,8 @@ class ScaffoldParams:
     def validate(self) -> None:
         if self.global_lr <= 0:
             raise UsageError(f"scaffold: global_lr must be > 0, got {self.global_lr}")
-        if self.normaliser not in NORMALISERS:
-            raise UsageError(
-                f"scaffold: normaliser must be one of {', '.join(NORMALISERS)}, "
-                f"got '{self.normaliser}'"
-            )
-        if self.weighting not in WEIGHTINGS:
-            raise UsageError(
-                f"scaffold: weighting must be one of {', '.join(WEIGHTINGS)}, "
-                f"got '{self.weighting}'"
-            )
+        check_one_of("scaffold", "normaliser", self.normaliser, NORMALISERS)
+        check_one_of("scaffold", "weighting", self.weighting, WEIGHTINGS)
 
 
 class ScaffoldServer(ServerLogic):
@@ -133,7 +126,7 @@ class ScaffoldServer(ServerLogic):
         for k, ck in self.c.items():
             total = torch.stack([replies[c].arrays[DC_PREFIX + k] for c in clients]).sum(0)
             self.c[k] = ck + total / n
-        return {"train_loss": sum(replies[c].scalars["loss"] for c in clients) / len(clients)}
+        return {"train_loss": self.mean_train_loss(replies, clients)}
 
 
 class ScaffoldClient(ClientLogic):

@@ -752,4 +752,4 @@ def test_loss_functions_return_body_features_and_head_logits(monkeypatch):
         server, engine, _ = setup_run(alg, alg.make_params(params))
         server.round(0, [0], engine)
         assert seen.pop("ok"), alg.name
-    # FedNH and CReFF train with the shared CE loss, which returns Forward(features, logits)
+    # FedNH and CReFF train with the shared CE loss, which returns LossOutput(features, logits)

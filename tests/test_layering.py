@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
         "fedskew.models",
         "fedskew.metrics",
         "fedskew.report",
+        "fedskew.durable",
         "fedskew.runfolder",
     ),
     ("fedskew.protocol",),

@@ -133,6 +133,11 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         "(default auto: one per core with --precision bf16, in-process with fp32, as measured "
         "in BENCHMARKS.md; results are the same either way)",
     )
+    p.add_argument(
+        "--on-divergence",
+        choices=["stop", "drop"],
+        help="a client reply with NaN or Inf: stop the run (default) or leave the reply out",
+    )
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an unfinished run folder")
     p.add_argument("-o", "--out-dir", help="where run folders go (default ./runs)")
     p.add_argument(
@@ -174,6 +179,7 @@ def cli_values(args: argparse.Namespace) -> dict[str, Any]:
         "engine",
         "reply_timeout",
         "workers",
+        "on_divergence",
         "out_dir",
         "name",
         "quiet",
@@ -422,8 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     except FedskewError as exc:
         print(f"fedskew: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("fedskew: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        # A run that has a folder says which one to resume (fedskew.experiment.RunInterrupted).
+        print(f"fedskew: {exc}" if str(exc) else "fedskew: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader (e.g. `| head`) went away: stop quietly, as command-line tools do.

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -50,8 +52,11 @@ class ExperimentConfig:
     # Client worker processes, one torch thread each; 0 or 1: in-process; "auto": see
     # effective_workers (chosen by benchmarks/throughput_repeats.py).
     workers: int | str = "auto"
+    # A client reply with NaN or Inf: "stop" ends the run naming round and client (the last
+    # good checkpoint is kept); "drop" leaves the reply out of the round, as a lost one.
+    on_divergence: str = "stop"
     out_dir: str = "runs"
-    name: str | None = None
+    name: str | None = None  # the run folder's name: one path component
     quiet: bool = False
 
     def per_round(self) -> int:
@@ -81,6 +86,10 @@ class ExperimentConfig:
                 f"clients-per-round must be between 1 and num-clients ({self.num_clients}), "
                 f"got {self.clients_per_round}"
             )
+        for key in FINITE:
+            value = getattr(self, key)
+            if value is not None and not math.isfinite(value):
+                raise UsageError(f"{key.replace('_', '-')} must be a finite number, got {value}")
         if self.lr <= 0:
             raise UsageError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
@@ -101,6 +110,13 @@ class ExperimentConfig:
             raise UsageError(f"seed must be >= 0, got {self.seed}")
         if self.engine not in ENGINES:
             raise UsageError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.on_divergence not in DIVERGENCE_POLICIES:
+            raise UsageError(
+                f"on-divergence must be one of {', '.join(DIVERGENCE_POLICIES)}, "
+                f"got {self.on_divergence!r}"
+            )
+        if self.name is not None:
+            check_run_name(self.name)
         if self.reply_timeout < 0:
             raise UsageError(f"reply-timeout must be >= 0 (0: no limit), got {self.reply_timeout}")
         if self.workers == "auto":
@@ -115,6 +131,41 @@ class ExperimentConfig:
 
 
 MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
+DIVERGENCE_POLICIES = ("stop", "drop")
+FINITE = (
+    "lr", "momentum", "weight_decay", "grad_clip", "participation", "reply_timeout",
+    "synthetic_alpha", "synthetic_beta",
+)  # fmt: skip
+# How and where a run executes, not what it computes: left out of the configuration hash
+# that a checkpoint carries, and changeable when a run is resumed (engine: a run started
+# in one process can continue on Flower's simulation with the same metrics).
+EXECUTION_ONLY = ("quiet", "workers", "data_dir", "download", "out_dir", "name", "engine",
+                  "reply_timeout")  # fmt: skip
+
+
+def check_run_name(name: str) -> None:
+    """A run name becomes one folder under the output folder: one path component."""
+    if (
+        not name
+        or name in {".", ".."}
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or name != name.strip()
+    ):
+        raise UsageError(
+            f"name must be one folder name (no '/', no '..', no leading or trailing space), "
+            f"got {name!r}"
+        )
+
+
+def config_hash(cfg: ExperimentConfig) -> str:
+    """A short hash of what a run computes (its configuration without EXECUTION_ONLY)."""
+    values = {k: v for k, v in cfg.to_dict().items() if k not in EXECUTION_ONLY}
+    text = json.dumps(values, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
 ENGINES = ("inprocess", "flower-sim", "flower")  # "flower": set by the deployed ServerApp
 FIELDS = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
 TABLES = ("model_options", "partition_params", "params")
@@ -125,7 +176,12 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"config file not found: {p}")
-    text = p.read_text(encoding="utf-8")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"cannot parse {p}: not UTF-8 text") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read config file {p}: {exc.strerror or exc}") from None
     try:
         if p.suffix.lower() == ".toml":
             raw = tomllib.loads(text)
@@ -181,7 +237,11 @@ def build_config(file_values: dict[str, Any], cli_values: dict[str, Any]) -> Exp
 def _typed(key: str, value: Any) -> Any:
     f = FIELDS[key]
     default = f.default if f.default is not dataclasses.MISSING else None
-    if key in TABLES or default is None and key not in {"participation", "clients_per_round"}:
+    if key in TABLES:
+        return value
+    if default is None and key not in {"participation", "clients_per_round"}:
+        if not isinstance(value, str):  # data_dir, name: text or nothing
+            raise UsageError(f"{key.replace('_', '-')} expects text, got {value!r}")
         return value
     if key == "workers":
         return parse_workers(value)
@@ -194,6 +254,8 @@ def _typed(key: str, value: Any) -> Any:
         if str(value).lower() in {"false", "0", "no", "off"}:
             return False
         raise UsageError(f"{key.replace('_', '-')} expects true or false, got {value!r}")
+    if kind in (int, float) and isinstance(value, bool):
+        raise UsageError(f"{key.replace('_', '-')} expects a number, got {value!r}")
     if kind is int and isinstance(value, float) and not value.is_integer():
         raise UsageError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
     try:
@@ -208,6 +270,8 @@ def parse_workers(value: Any) -> int | str:
     """``auto`` or a worker count, from a command line, a config file or a saved config."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
+    if isinstance(value, bool):
+        raise UsageError(f"workers expects an integer >= 0 or auto, got {value!r}")
     try:
         count = int(value)
     except (TypeError, ValueError):

@@ -23,8 +23,14 @@ import torch
 from fedskew.algorithm_interface import ClientLogic, ServerLogic, ServerSetup
 from fedskew.algorithms.local import set_arrays
 from fedskew.building import Prepared, check_names, new_model, prepare, resolved_facts
-from fedskew.checkpoint import load_checkpoint, load_server_state, save_checkpoint, server_state
-from fedskew.config import ExperimentConfig, effective_workers
+from fedskew.checkpoint import (
+    check_checkpoint,
+    load_server_state,
+    read_checkpoint,
+    save_checkpoint,
+    server_state,
+)
+from fedskew.config import ExperimentConfig, config_hash, effective_workers
 from fedskew.data.federated import sample_clients
 from fedskew.engine.base import Engine
 from fedskew.engine.inprocess import InProcessEngine
@@ -32,7 +38,7 @@ from fedskew.engine.workers import WorkerPoolEngine, affordable_workers
 from fedskew.errors import FedskewError, UsageError
 from fedskew.machine import machine_facts
 from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
-from fedskew.protocol import NoReplies
+from fedskew.protocol import Message, NoReplies
 from fedskew.runfolder import RunFolder, check_writable
 
 RoundCallback = Callable[[dict[str, Any]], None]
@@ -74,8 +80,8 @@ def run(
     server = prep.algorithm.Server(prep.params, setup)
     client_logic = prep.algorithm.Client(prep.params)
     engine = factory(prep, client_logic, model)
+    state = RunState(prep, setup, server, engine, eval_model, per_round)
     try:
-        state = RunState(prep, setup, server, engine, eval_model, per_round)
         open_folder(state, resume)
         started = time.perf_counter()
         if on_start is not None:
@@ -91,8 +97,26 @@ def run(
             if on_round is not None:
                 on_round(record)
         return finish(state, time.perf_counter() - started)
+    except KeyboardInterrupt:
+        if state.folder is None:
+            raise
+        raise RunInterrupted(state) from None
     finally:
         engine.close()
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run, once its folder exists: says which folder to resume and how.
+    A KeyboardInterrupt still, for code that catches that."""
+
+    def __init__(self, state: RunState) -> None:
+        done = state.history[-1]["round"] if state.history else 0
+        folder = state.run_folder.path
+        super().__init__(
+            f"interrupted after round {done} of {state.cfg.rounds}; the run folder {folder} "
+            f"keeps the finished rounds: continue with  fedskew run --resume {folder}"
+        )
+        self.folder = folder
 
 
 def default_engine_factory(cfg: ExperimentConfig) -> EngineFactory:
@@ -169,16 +193,7 @@ def open_folder(state: RunState, resume: Path | None) -> None:
             raise FedskewError(
                 f"{resume}: the saved partition differs from the one rebuilt from its config"
             )
-        if folder.checkpoint_path.exists():
-            done, saved_server, client_states, _ = load_checkpoint(folder.checkpoint_path)
-            load_server_state(state.server, saved_server)
-            state.engine.restore_client_states(client_states)
-            state.start_round = done
-        state.history = folder.read_metrics(up_to_round=state.start_round)
-        state.last_eval = next(
-            ({k: r[k] for k in EVAL_KEYS} for r in reversed(state.history) if "accuracy" in r),
-            {},
-        )
+        restore(state, folder)
     state.folder = folder
     folder.append_process(
         {"from_round": state.start_round + 1, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -186,25 +201,60 @@ def open_folder(state: RunState, resume: Path | None) -> None:
     )  # fmt: skip
 
 
+def restore(state: RunState, folder: RunFolder) -> None:
+    """Continue from the folder's checkpoint, with metrics.jsonl made to agree with it.
+
+    Rounds whose metrics line came after the last checkpoint run again (their lines go);
+    the line of the checkpoint's own round, lost when a kill fell between the checkpoint
+    and the line, is taken from the checkpoint. Anything else (lines missing further back,
+    a checkpoint of another run) cannot be reconciled and stops the resume."""
+    rows = folder.read_metrics()
+    done = 0
+    if folder.checkpoint_path.exists():
+        path = folder.checkpoint_path
+        ckpt = read_checkpoint(path)
+        check_checkpoint(
+            ckpt, path, state.server, state.prep.algorithm.name, config_hash(state.cfg),
+            state.cfg.rounds,
+        )  # fmt: skip
+        done = ckpt.round
+        if len(rows) == done - 1 and ckpt.record is not None and ckpt.record["round"] == done:
+            rows.append(ckpt.record)
+        if len(rows) < done:
+            raise FedskewError(
+                f"{folder.metrics_path} has the metrics of rounds 1..{len(rows)} but "
+                f"{path} holds round {done}: cannot reconcile them, so this run cannot be resumed"
+            )
+        load_server_state(state.server, ckpt.server)
+        state.engine.restore_client_states(ckpt.clients)
+    state.start_round = done
+    state.history = rows[:done]
+    folder.keep_metrics(state.history)
+    state.last_eval = next(
+        ({k: r[k] for k in EVAL_KEYS} for r in reversed(state.history) if "accuracy" in r), {}
+    )
+
+
 def play_round(state: RunState, rnd: int) -> dict[str, Any]:
     """The server plays round ``rnd`` over the engine; its metrics line without evaluation."""
     cfg, engine, server = state.cfg, state.engine, state.server
     clients = sample_clients(cfg.seed, rnd, len(state.prep.partition), state.per_round)
     engine.begin_round(rnd)
-    lossy = engine.may_lose_replies
-    # A lossy engine may fail a round part-way; its server state is then put back.
+    channel = FiniteReplies(engine, rnd, drop=cfg.on_divergence == "drop")
+    lossy = engine.may_lose_replies or channel.drop
+    # A round may lose replies part-way; its server state is then put back.
     before = copy.deepcopy(server_state(server)) if lossy else None
     t0 = time.perf_counter()
     try:
-        round_metrics = server.round(rnd, clients, engine)
+        round_metrics = server.round(rnd, clients, channel)
     except NoReplies as exc:
-        assert before is not None  # only a lossy engine can leave a round without replies
+        assert before is not None  # only lost or dropped replies leave a round without any
         load_server_state(server, before)
         log.warning("round %d skipped: %s", rnd + 1, exc)
         round_metrics = {"skipped": 1.0}
     round_seconds = time.perf_counter() - t0
     faults = engine.faults()
-    trained = [c for c in clients if c not in faults.missing]
+    trained = [c for c in clients if c not in faults.missing and c not in channel.dropped]
     record: dict[str, Any] = {
         "round": rnd + 1,
         "clients": clients,
@@ -215,10 +265,65 @@ def play_round(state: RunState, rnd: int) -> dict[str, Any]:
         "seconds": round(round_seconds, 4),
         **{k: float(v) for k, v in round_metrics.items()},
     }
-    if lossy:
+    if engine.may_lose_replies:
         record["missing_replies"] = sorted(faults.missing)
         record["rejected_replies"] = sorted(faults.rejected)
+    if channel.drop:
+        record["diverged_replies"] = sorted(channel.dropped)
+    where = non_finite_array(server.global_arrays)
+    if where is not None:
+        raise FedskewError(
+            f"round {rnd + 1}: the global model has NaN or Inf in '{where}' after aggregation; "
+            "the last good checkpoint is kept (lower --lr, or add --grad-clip)"
+        )
     return record
+
+
+class FiniteReplies:
+    """The engine as the server logic sees it: replies with NaN or Inf (a diverged client)
+    stop the run with the round and client named, or with ``drop`` are left out."""
+
+    def __init__(self, engine: Engine, rnd: int, drop: bool) -> None:
+        self.engine = engine
+        self.round = rnd
+        self.drop = drop
+        self.dropped: set[int] = set()
+
+    def exchange(self, messages: dict[int, Message]) -> dict[int, Message]:
+        replies = self.engine.exchange(messages)
+        for cid in list(replies):
+            where = non_finite_value(replies[cid])
+            if where is None:
+                continue
+            if not self.drop:
+                raise FedskewError(
+                    f"round {self.round + 1}: client {cid} diverged (NaN or Inf in its "
+                    f"reply's '{where}'); the last good checkpoint is kept. Lower --lr, add "
+                    "--grad-clip, or --on-divergence drop to leave such replies out"
+                )
+            log.warning("round %d: reply of client %d dropped: NaN or Inf in '%s'",
+                        self.round + 1, cid, where)  # fmt: skip
+            self.dropped.add(cid)
+            del replies[cid]
+        return replies
+
+
+def non_finite_array(arrays: dict[str, torch.Tensor]) -> str | None:
+    for name, t in arrays.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+def non_finite_value(msg: Message) -> str | None:
+    """The name of the first array or number of ``msg`` holding NaN or Inf, or None."""
+    where = non_finite_array(msg.arrays)
+    if where is not None:
+        return where
+    for name, value in msg.scalars.items():
+        if not np.isfinite(value):
+            return name
+    return None
 
 
 def evaluate_global_model(state: RunState) -> dict[str, Any]:
@@ -250,7 +355,15 @@ def keep_round(state: RunState, rnd: int, record: dict[str, Any]) -> None:
     only kept once its state is safe."""
     cfg, folder = state.cfg, state.run_folder
     if cfg.checkpoint_every and ((rnd + 1) % cfg.checkpoint_every == 0 or rnd + 1 == cfg.rounds):
-        save_checkpoint(folder.checkpoint_path, rnd + 1, state.server, state.engine.client_states)
+        save_checkpoint(
+            folder.checkpoint_path,
+            rnd + 1,
+            state.server,
+            state.engine.client_states,
+            algorithm=state.prep.algorithm.name,
+            config_hash=config_hash(cfg),
+            record=record,
+        )
     folder.append_metrics(record)
     state.history.append(record)
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from fedskew.data.partition import load_partition, save_partition
+from fedskew.durable import append_line_durably, fsync_dir, write_bytes_durably
 from fedskew.errors import FedskewError
 
 INCOMPLETE = ".incomplete"
@@ -67,23 +68,56 @@ class RunFolder:
         return self.path / "checkpoint.npz"
 
     def read_config(self) -> dict[str, Any]:
-        return json.loads((self.path / "config.json").read_text(encoding="utf-8"))
+        path = self.path / "config.json"
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise FedskewError(f"cannot read {path}: {exc.strerror or exc}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FedskewError(f"{path} is not a JSON file: {str(exc).splitlines()[0]}") from None
+        if not isinstance(config, dict):
+            raise FedskewError(f"{path} is not a run configuration (not a JSON object)")
+        return config
 
     def read_partition(self) -> list[np.ndarray]:
         return load_partition(self.path / "partition.npz")[0]
 
-    def read_metrics(self, up_to_round: int) -> list[dict[str, Any]]:
-        """Metrics of rounds 1..up_to_round; later lines (from after the last checkpoint)
-        are dropped from the file, since those rounds will be run again."""
-        path = self.path / "metrics.jsonl"
-        rows = []
-        for row in read_jsonl(path):
-            if row.get("round", 0) > up_to_round:
-                break
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        """The metrics lines of the finished rounds, in order, checked: line N must be the
+        JSON record of round N. A last line without its newline was cut by a kill while it
+        was written and is left out; any other bad line is an error."""
+        path = self.metrics_path
+        if not path.exists():
+            return []
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except OSError as exc:
+            raise FedskewError(f"cannot read {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise FedskewError(f"{path} is not a metrics file (not UTF-8 text)") from None
+        lines = text.split("\n")
+        lines.pop()  # what follows the last newline: empty, or a line cut mid-write
+        rows: list[dict[str, Any]] = []
+        for number, line in enumerate(lines, start=1):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = None
+            if not isinstance(row, dict) or row.get("round") != number:
+                raise FedskewError(
+                    f"{path}: line {number} is not the metrics record of round {number}"
+                )
             rows.append(row)
-        if path.exists():
-            path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
         return rows
+
+    def keep_metrics(self, rows: list[dict[str, Any]]) -> None:
+        """Rewrite metrics.jsonl with exactly ``rows`` (before a resume continues)."""
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+        write_bytes_durably(self.metrics_path, text.encode("utf-8"))
 
     def write_config(self, config: dict[str, Any]) -> None:
         _write_json(self.path / "config.json", config)
@@ -92,12 +126,12 @@ class RunFolder:
         save_partition(self.path / "partition.npz", partition, meta)
 
     def append_metrics(self, record: dict[str, Any]) -> None:
-        _append_jsonl(self.path / "metrics.jsonl", record)
+        append_line_durably(self.metrics_path, json.dumps(record))
 
     def append_process(self, record: dict[str, Any]) -> None:
         """One line per process that worked on this run (a resumed run has several), so a
         result says which machine computed which rounds."""
-        _append_jsonl(self.path / "processes.jsonl", record)
+        append_line_durably(self.path / "processes.jsonl", json.dumps(record, default=_jsonable))
 
     def read_processes(self) -> list[dict[str, Any]]:
         return read_jsonl(self.path / "processes.jsonl")
@@ -106,6 +140,7 @@ class RunFolder:
         _write_json(self.path / "summary.json", summary)
         final = self.root / self.name
         os.replace(self.path, final)
+        fsync_dir(self.root)
         self.path = final
         return final
 
@@ -124,15 +159,9 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(record) + "\n")
-
-
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=_jsonable) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    text = json.dumps(obj, indent=2, default=_jsonable) + "\n"
+    write_bytes_durably(path, text.encode("utf-8"))
 
 
 def _jsonable(obj: Any) -> Any:

@@ -62,7 +62,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +121,8 @@ class FeatureMatchingParams:
 @dataclass
 class FedFMParams(FeatureMatchingParams, FedAvgParams):
     """FedAvg's ``server_lr`` first, then the feature-matching parameters."""
+
+    algorithm: ClassVar[str] = "fedfm"
 
     def validate(self) -> None:
         FedAvgParams.validate(self)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedskew.durable import replace_durably
 from fedskew.errors import DataError, FedskewError, UsageError
 from fedskew.rng import numpy_rng
 
@@ -516,9 +517,12 @@ def save_partition(path: Path, partition: list[np.ndarray], meta: dict) -> None:
         else np.empty(0, dtype=np.int64)
     )
     try:
-        # An open file keeps the exact name: np.savez would append ".npz" to a bare path.
-        with open(path, "wb") as fh:
-            np.savez(fh, indices=indices, offsets=offsets, meta=np.array(meta_json))
+        # Written beside and renamed into place: a resume reads this file. (An open file
+        # also keeps the exact name: np.savez would append ".npz" to a bare path.)
+        meta_array = np.array(meta_json)
+        replace_durably(
+            path, lambda fh: np.savez(fh, indices=indices, offsets=offsets, meta=meta_array)
+        )
     except OSError as exc:
         raise FedskewError(f"cannot write partition file {path}: {exc.strerror or exc}") from exc
 
@@ -531,10 +535,13 @@ def load_partition(path: Path) -> tuple[list[np.ndarray], dict]:
             indices = data["indices"].astype(np.int64, copy=False)
             offsets = data["offsets"].astype(np.int64, copy=False)
             meta = json.loads(str(data["meta"]))
-    except OSError as exc:
-        raise FedskewError(f"cannot read partition file {path}: {exc.strerror or exc}") from exc
-    except (KeyError, ValueError) as exc:
-        raise FedskewError(f"{path} is not a fedskew partition file: {exc}") from exc
+    except FileNotFoundError:
+        raise FedskewError(f"cannot read partition file {path}: no such file") from None
+    except Exception as exc:  # a torn or foreign file fails in zipfile, zlib or NumPy
+        raise FedskewError(
+            f"{path} is not a fedskew partition file, or it is damaged ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})"
+        ) from None
     if (
         offsets.ndim != 1
         or offsets.size == 0

@@ -1,0 +1,57 @@
+"""Writing files that a resume depends on, so that a crash or a power cut leaves either the
+old file or the new one, never a torn one: temp file, fsync, rename, fsync of the folder."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in ``path`` durable (a no-op where folders cannot be
+    opened, as on Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def replace_durably(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write ``path`` through ``write(fh)`` into a temp file beside it, then put it in place."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_bytes_durably(path: Path, data: bytes) -> None:
+    replace_durably(path, lambda fh: fh.write(data))
+
+
+def append_line_durably(path: Path, line: str) -> None:
+    """Append one line (a newline is added) and fsync; a kill mid-write leaves at most a
+    last line without its newline, which readers drop."""
+    path = Path(path)
+    new = not path.exists()
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(line + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    if new:
+        fsync_dir(path.parent)

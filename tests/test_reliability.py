@@ -1,0 +1,232 @@
+"""Reliability: resume reconciles the checkpoint with the metrics, corrupt or foreign files
+give one line, bad values are refused, divergence stops (or is dropped) by name, Ctrl-C
+says how to continue."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fedskew.checkpoint import read_checkpoint, save_checkpoint
+from fedskew.cli import main
+from fedskew.config import ExperimentConfig
+from fedskew.experiment import RunInterrupted, run
+
+SMALL = dict(num_clients=4, clients_per_round=2, rounds=3, local_epochs=1, quiet=True, seed=1)
+TIMING = ("seconds", "eval_seconds")
+
+
+def lines(folder: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def stop_after(n: int):
+    def hook(record):
+        if record["round"] == n:
+            raise KeyboardInterrupt
+
+    return hook
+
+
+def unfinished(tmp: Path, rounds_done: int = 2, **kw) -> Path:
+    cfg = ExperimentConfig(out_dir=str(tmp), name="r", **{**SMALL, **kw})
+    with pytest.raises(RunInterrupted) as info:
+        run(cfg, on_round=stop_after(rounds_done))
+    folder = tmp / "r.incomplete"
+    assert info.value.folder == folder
+    assert f"fedskew run --resume {folder}" in str(info.value)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ref")
+    folder, _ = run(ExperimentConfig(out_dir=str(out), name="r", **SMALL))
+    return lines(folder)
+
+
+def resume_cli(folder: Path, capsys) -> tuple[int, str]:
+    code = main(["run", "--resume", str(folder), "-q"])
+    err = capsys.readouterr().err
+    return code, err
+
+
+def test_kill_between_checkpoint_and_metrics_line_loses_nothing(tmp_path, reference, capsys):
+    folder = unfinished(tmp_path)
+    metrics = folder / "metrics.jsonl"
+    first = metrics.read_text().splitlines()[0]
+    metrics.write_text(first + "\n")  # round 2's line never written; its checkpoint was
+    assert read_checkpoint(folder / "checkpoint.npz").round == 2
+    assert resume_cli(folder, capsys)[0] == 0
+    assert lines(tmp_path / "r") == reference
+
+
+def test_half_written_last_line_is_dropped_and_rerun(tmp_path, reference, capsys):
+    folder = unfinished(tmp_path)
+    with open(folder / "metrics.jsonl", "a") as fh:
+        fh.write('{"round": 3, "clients": [0')  # a kill in the middle of round 3's line
+    assert resume_cli(folder, capsys)[0] == 0
+    assert lines(tmp_path / "r") == reference
+
+
+@pytest.mark.parametrize("damage", ["deleted", "garbage", "wrong round"])
+def test_metrics_that_cannot_be_reconciled_stop_the_resume(tmp_path, capsys, damage):
+    folder = unfinished(tmp_path)
+    metrics = folder / "metrics.jsonl"
+    if damage == "deleted":
+        metrics.unlink()
+    elif damage == "garbage":
+        metrics.write_bytes(b"\x00\xffnot json\n{}\n")
+    else:
+        metrics.write_text(json.dumps({"round": 5}) + "\n")
+    code, err = resume_cli(folder, capsys)
+    assert code == 1 and err.count("\n") == 1 and "metrics" in err
+    assert not (tmp_path / "r").exists()
+
+
+def _corrupt(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "empty":
+        path.write_bytes(b"")
+    elif how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "bitflip":
+        middle = len(data) // 2
+        path.write_bytes(data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :])
+    else:
+        path.write_bytes(b"PK\x03\x04" + b"\x00" * 40)
+
+
+@pytest.mark.parametrize("how", ["empty", "truncated", "bitflip", "foreign"])
+@pytest.mark.parametrize("name", ["checkpoint.npz", "partition.npz"])
+def test_corrupt_files_of_a_run_give_one_line(tmp_path, capsys, name, how):
+    folder = unfinished(tmp_path)
+    _corrupt(folder / name, how)
+    code, err = resume_cli(folder, capsys)
+    assert code != 0
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert name in err or "partition" in err
+
+
+@pytest.mark.parametrize("content", [b"not json", b"[1, 2]", b"\xff\xfe\x00"])
+def test_corrupt_config_json_gives_one_line(tmp_path, capsys, content):
+    folder = unfinished(tmp_path)
+    (folder / "config.json").write_bytes(content)
+    code, err = resume_cli(folder, capsys)
+    assert code != 0 and err.count("\n") == 1 and "config.json" in err
+
+
+def test_checkpoint_of_another_algorithm_is_refused(tmp_path, capsys):
+    mine = unfinished(tmp_path / "a")
+    other = unfinished(tmp_path / "b", algorithm="scaffold")
+    shutil.copy(other / "checkpoint.npz", mine / "checkpoint.npz")
+    code, err = resume_cli(mine, capsys)
+    assert code == 1 and "scaffold" in err and "fedavg" in err
+
+
+@pytest.mark.parametrize("problem", ["round", "nan", "shape", "config"])
+def test_checkpoints_that_do_not_fit_the_run_are_refused(tmp_path, capsys, problem):
+    import torch
+
+    from fedskew.algorithms.fedavg import FedAvg
+    from fedskew.building import new_model, prepare
+    from fedskew.config import build_config, config_hash, normalise_keys
+    from fedskew.experiment import server_setup
+
+    folder = unfinished(tmp_path)
+    saved = json.loads((folder / "config.json").read_text())
+    saved.pop("resolved")
+    cfg = build_config(normalise_keys(saved, "test"), {})
+    prep = prepare(cfg)
+    server = FedAvg.Server(FedAvg.make_params({}), server_setup(prep, new_model(prep)))
+    rnd, digest = 2, config_hash(cfg)
+    name = next(iter(server.global_arrays))
+    if problem == "round":
+        rnd = 99
+    elif problem == "nan":
+        server.global_arrays[name] = torch.full_like(server.global_arrays[name], float("nan"))
+    elif problem == "shape":
+        server.global_arrays[name] = torch.zeros(3)
+    else:
+        digest = "0" * 16
+    save_checkpoint(folder / "checkpoint.npz", rnd, server, {}, algorithm="fedavg",
+                    config_hash=digest)  # fmt: skip
+    code, err = resume_cli(folder, capsys)
+    assert code == 1 and err.count("\n") == 1 and "checkpoint.npz" in err, err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--lr", "nan"],
+        ["--lr", "inf"],
+        ["--weight-decay", "nan"],
+        ["--grad-clip", "nan"],
+        ["--momentum", "nan"],
+        ["--name", "../x"],
+        ["--name", "a/b"],
+        ["--name", ".."],
+    ],
+)
+def test_bad_values_are_refused_before_anything_runs(tmp_path, capsys, args):
+    code = main(["run", "-o", str(tmp_path / "out"), "-q", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "out" / "a").exists()
+
+
+@pytest.mark.parametrize(
+    "text", ["rounds: true\n", "lr: .nan\n", "seed: false\n", "name: 5\n", "workers: true\n"]
+)
+def test_yaml_values_of_the_wrong_kind_are_refused(tmp_path, capsys, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert main(["run", "-c", str(path), "-o", str(tmp_path), "-q"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_config_file_that_is_not_utf8(tmp_path, capsys):
+    path = tmp_path / "c.toml"
+    path.write_bytes(b"rounds = 2\n\xff\xfe")
+    assert main(["run", "-c", str(path), "-o", str(tmp_path), "-q"]) == 2
+    assert "UTF-8" in capsys.readouterr().err
+
+
+def test_divergence_stops_the_run_naming_round_and_client(tmp_path, capsys):
+    args = ["run", "-o", str(tmp_path), "--name", "d", "-q", "--lr", "1e30", "-n", "4",
+            "--clients-per-round", "2", "-r", "3", "-e", "1"]  # fmt: skip
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "round 1: client" in err and "diverged" in err
+    folder = tmp_path / "d.incomplete"
+    assert not (folder / "checkpoint.npz").exists()  # nothing non-finite was checkpointed
+    assert not (folder / "metrics.jsonl").exists()
+
+
+def test_divergence_drop_leaves_the_replies_out(tmp_path):
+    cfg = ExperimentConfig(out_dir=str(tmp_path), name="d", lr=1e30, on_divergence="drop",
+                           **SMALL)  # fmt: skip
+    folder, summary = run(cfg)
+    rows = lines(folder)
+    assert [r["skipped"] for r in rows] == [1.0] * 3  # every reply diverged
+    assert all(sorted(r["diverged_replies"]) == sorted(r["clients"]) for r in rows)
+    assert all(r["samples"] == 0 for r in rows)
+
+
+def test_interrupt_from_the_command_line_names_the_folder(tmp_path, capsys, monkeypatch):
+    import fedskew.experiment as experiment
+
+    real = experiment.keep_round
+
+    def keep_then_interrupt(state, rnd, record):
+        real(state, rnd, record)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(experiment, "keep_round", keep_then_interrupt)
+    assert main(["run", "-o", str(tmp_path), "--name", "i", "-q", "-r", "3"]) == 130
+    err = capsys.readouterr().err
+    assert f"fedskew run --resume {tmp_path / 'i.incomplete'}" in err

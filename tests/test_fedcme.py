@@ -28,12 +28,13 @@ from fedskew.algorithms.fedcme import (
     match_one_to_one,
 )
 from fedskew.algorithms.local import get_arrays
+from fedskew.building import new_model, prepare
 from fedskew.cli import main
 from fedskew.config import ExperimentConfig
 from fedskew.data.federated import FederatedData
 from fedskew.engine.inprocess import InProcessEngine
 from fedskew.errors import UsageError
-from fedskew.experiment import new_model, prepare, run
+from fedskew.experiment import run
 from fedskew.models import build_model
 from fedskew.models.base import BodyHeadModel
 from fedskew.protocol import ClientState, Message

@@ -13,7 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "fedskew"
 # Lowest first. A module is placed by the longest prefix of its dotted name listed here.
 LAYERS: list[tuple[str, ...]] = [
     (  # leaves
-        "fedskew",  # the package's __init__: the version
+        "fedskew.version",
+        "fedskew.references",
         "fedskew.errors",
         "fedskew.rng",
         "fedskew.precision",
@@ -33,7 +34,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("fedskew.building", "fedskew.checkpoint"),
     ("fedskew.engine",),
     ("fedskew.experiment",),
-    ("fedskew.cli", "fedskew.flower_app", "fedskew.__main__"),  # apps
+    # apps; the package's __init__ offers the Python API (fedskew.run)
+    ("fedskew", "fedskew.api", "fedskew.cli", "fedskew.flower_app", "fedskew.__main__"),
 ]
 
 

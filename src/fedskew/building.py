@@ -13,16 +13,27 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedskew import __version__
 from fedskew.algorithm_interface import Algorithm, LocalTrainConfig
 from fedskew.algorithms import get_algorithm
 from fedskew.config import ExperimentConfig
 from fedskew.data.federated import FederatedData
-from fedskew.data.partition import PARTITIONS, make_partition
-from fedskew.data.sources import DATASETS, Dataset, load_dataset
+from fedskew.data.partition import (
+    PARTITIONS,
+    check_partition,
+    make_partition,
+    read_partition_file,
+)
+from fedskew.data.sources import (
+    DATASETS,
+    Dataset,
+    default_model_for,
+    find_dataset_loader,
+    load_dataset,
+)
 from fedskew.errors import UsageError
-from fedskew.models import MODELS, build_model
+from fedskew.models import build_model, find_model
 from fedskew.rng import derive_seed
+from fedskew.version import __version__
 
 
 @dataclass
@@ -40,29 +51,36 @@ class Prepared:
     channels_last: bool = False
 
 
-def resolve_model_name(cfg: ExperimentConfig) -> str:
-    if cfg.model == "auto":
-        return DATASETS[cfg.dataset].default_model
-    if cfg.model not in MODELS:
-        raise UsageError(f"unknown model '{cfg.model}'; choose from: {', '.join(sorted(MODELS))}")
-    return cfg.model
+def resolve_model_name(cfg: ExperimentConfig, dataset: Dataset | None = None) -> str:
+    """The model's name (``auto``: the dataset's default); unknown names fail here."""
+    name = default_model_for(cfg.dataset, dataset) if cfg.model == "auto" else cfg.model
+    find_model(name)
+    return name
 
 
 def check_names(cfg: ExperimentConfig) -> None:
     """Fail on unknown names before any data is loaded."""
     get_algorithm(cfg.algorithm)
     if cfg.dataset not in DATASETS:
-        raise UsageError(
-            f"unknown dataset '{cfg.dataset}'; choose from: {', '.join(sorted(DATASETS))}"
-        )
+        find_dataset_loader(cfg.dataset)
     if cfg.partition not in PARTITIONS:
         raise UsageError(
             f"unknown partition '{cfg.partition}'; choose from: {', '.join(sorted(PARTITIONS))}"
         )
-    resolve_model_name(cfg)
+    if cfg.model != "auto" or cfg.dataset in DATASETS:
+        resolve_model_name(cfg)
 
 
 def build_partition(cfg: ExperimentConfig, dataset: Dataset) -> list[np.ndarray]:
+    if cfg.partition_file is not None:
+        partition = read_partition_file(cfg.partition_file)
+        check_partition(partition, len(dataset.y_train), cfg.partition_file, cfg.partition_overlap)
+        if len(partition) != cfg.num_clients:
+            raise UsageError(
+                f"{cfg.partition_file} has {len(partition)} clients but num-clients is "
+                f"{cfg.num_clients}"
+            )
+        return partition
     if cfg.partition == "natural":
         if dataset.natural_partition is None:
             raise UsageError("partition 'natural' needs a dataset with its own clients (synthetic)")
@@ -112,7 +130,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         grad_clip=cfg.grad_clip,
         precision=cfg.precision,
     )
-    model_name = resolve_model_name(cfg)
+    model_name = resolve_model_name(cfg, dataset)
     channels_last = use_channels_last(cfg, dataset, model_name)
     if channels_last:
         dataset.x_train = dataset.x_train.contiguous(memory_format=torch.channels_last)

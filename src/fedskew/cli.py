@@ -54,6 +54,17 @@ def add_experiment_options(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="other partition parameter, e.g. classes_per_client=2 (repeatable)",
     )
+    p.add_argument(
+        "--partition-file",
+        metavar="FILE",
+        help="use this partition (.npz as fedskew saves it, or .json index lists per client)",
+    )
+    p.add_argument(
+        "--partition-overlap",
+        action="store_const",
+        const=True,
+        help="allow clients of --partition-file to share samples",
+    )
     p.add_argument("--seed", type=int, help="experiment seed (default 0)")
     p.add_argument("--synthetic-alpha", type=float, help="synthetic dataset alpha")
     p.add_argument("--synthetic-beta", type=float, help="synthetic dataset beta")
@@ -157,6 +168,8 @@ def cli_values(args: argparse.Namespace) -> dict[str, Any]:
         "download",
         "num_clients",
         "partition",
+        "partition_file",
+        "partition_overlap",
         "seed",
         "synthetic_alpha",
         "synthetic_beta",
@@ -272,6 +285,9 @@ def resume_config(args: argparse.Namespace):
     saved.pop("resolved", None)
     saved = normalise_keys(saved, str(folder.path / "config.json"))
     changed = {k: values[k] for k in RESUME_MAY_CHANGE if k in values}
+    if saved.get("partition_file") and not Path(saved["partition_file"]).exists():
+        # The run folder keeps the partition it ran with: the same clients.
+        saved["partition_file"] = str(folder.path / "partition.npz")
     cfg = build_config({**saved, **changed}, {})
     return cfg, folder.path
 

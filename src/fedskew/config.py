@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedskew.data.partition import read_partition_file
 from fedskew.errors import UsageError
 from fedskew.precision import check_precision
 
@@ -30,6 +31,10 @@ class ExperimentConfig:
     clients_per_round: int | None = None  # or a count; default 40 % of the clients
     partition: str = "dirichlet"
     partition_params: dict[str, Any] = field(default_factory=dict)
+    # A partition made elsewhere (.npz as fedskew saves it, or JSON index lists); it
+    # replaces `partition`, and sets num_clients when that is not given.
+    partition_file: str | None = None
+    partition_overlap: bool = False  # may two clients of partition_file share a sample
     rounds: int = 30
     local_epochs: int = 2
     batch_size: int = 32
@@ -117,6 +122,8 @@ class ExperimentConfig:
             )
         if self.name is not None:
             check_run_name(self.name)
+        if self.partition_file is not None and self.partition == "natural":
+            raise UsageError("give either partition natural or a partition file, not both")
         if self.reply_timeout < 0:
             raise UsageError(f"reply-timeout must be >= 0 (0: no limit), got {self.reply_timeout}")
         if self.workers == "auto":
@@ -139,8 +146,10 @@ FINITE = (
 # How and where a run executes, not what it computes: left out of the configuration hash
 # that a checkpoint carries, and changeable when a run is resumed (engine: a run started
 # in one process can continue on Flower's simulation with the same metrics).
+# partition_file: its path may change (a resume falls back to the folder's partition.npz);
+# the partition itself is compared with the saved one on every resume.
 EXECUTION_ONLY = ("quiet", "workers", "data_dir", "download", "out_dir", "name", "engine",
-                  "reply_timeout")  # fmt: skip
+                  "reply_timeout", "partition_file")  # fmt: skip
 
 
 def check_run_name(name: str) -> None:
@@ -229,6 +238,8 @@ def build_config(file_values: dict[str, Any], cli_values: dict[str, Any]) -> Exp
                 merged[key] = value
     for key, value in list(merged.items()):
         merged[key] = _typed(key, value)
+    if merged.get("partition_file") is not None and "num_clients" not in merged:
+        merged["num_clients"] = len(read_partition_file(merged["partition_file"]))
     cfg = ExperimentConfig(**merged)
     cfg.validate()
     return cfg

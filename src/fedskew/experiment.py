@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from fedskew.engine.base import Engine
 from fedskew.engine.inprocess import InProcessEngine
 from fedskew.engine.workers import WorkerPoolEngine, affordable_workers
 from fedskew.errors import FedskewError, UsageError
-from fedskew.machine import machine_facts
+from fedskew.machine import machine_facts, software_facts
 from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
 from fedskew.protocol import Message, NoReplies
 from fedskew.runfolder import RunFolder, check_writable
@@ -186,7 +187,7 @@ def open_folder(state: RunState, resume: Path | None) -> None:
     if resume is None:
         folder = RunFolder.create(Path(cfg.out_dir), default_run_name(cfg))
         folder.write_config({**cfg.to_dict(), "resolved": resolved_facts(prep, state.per_round)})
-        folder.write_partition(prep.partition, {"scheme": cfg.partition, **cfg.partition_params})
+        folder.write_partition(prep.partition, partition_meta(cfg))
     else:
         folder = RunFolder.reopen(resume)
         if not partitions_equal(folder.read_partition(), prep.partition):
@@ -196,9 +197,16 @@ def open_folder(state: RunState, resume: Path | None) -> None:
         restore(state, folder)
     state.folder = folder
     folder.append_process(
-        {"from_round": state.start_round + 1, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-         "workers": state.engine.worker_count, **machine_facts()}
-    )  # fmt: skip
+        {
+            "from_round": state.start_round + 1,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "workers": state.engine.worker_count,
+            "device": "cpu",  # every engine trains on the CPU today
+            "data_source": prep.dataset.source,
+            **machine_facts(),
+            **software_facts(),
+        }
+    )
 
 
 def restore(state: RunState, folder: RunFolder) -> None:
@@ -233,6 +241,12 @@ def restore(state: RunState, folder: RunFolder) -> None:
     state.last_eval = next(
         ({k: r[k] for k in EVAL_KEYS} for r in reversed(state.history) if "accuracy" in r), {}
     )
+
+
+def partition_meta(cfg: ExperimentConfig) -> dict[str, Any]:
+    if cfg.partition_file is not None:
+        return {"scheme": "file", "file": str(Path(cfg.partition_file).resolve())}
+    return {"scheme": cfg.partition, **cfg.partition_params}
 
 
 def play_round(state: RunState, rnd: int) -> dict[str, Any]:
@@ -427,4 +441,6 @@ def default_run_name(cfg: ExperimentConfig) -> str:
     if cfg.name:
         return cfg.name
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return f"{cfg.algorithm}-{cfg.dataset}-{cfg.partition}-s{cfg.seed}-{stamp}"
+    name = f"{cfg.algorithm}-{cfg.dataset}-{cfg.partition}-s{cfg.seed}-{stamp}"
+    # module:Name references and local objects make names with ':' or '/': one component.
+    return re.sub(r"[^A-Za-z0-9._+-]", "-", name)

@@ -551,3 +551,61 @@ def load_partition(path: Path) -> tuple[list[np.ndarray], dict]:
     ):
         raise FedskewError(f"{path} is not a fedskew partition file: bad offsets")
     return np.split(indices, offsets[1:-1]), meta
+
+
+def read_partition_file(path: str | Path) -> list[np.ndarray]:
+    """A partition made by another tool: a fedskew ``.npz`` (as runs save it) or a ``.json``
+    list with one list of training-sample indices per client (or an object mapping client
+    ids 0..K-1 to such lists). Only the file's shape is checked here; see
+    :func:`check_partition` for the checks against a dataset."""
+    p = Path(path)
+    if p.suffix.lower() == ".npz":
+        return load_partition(p)[0]
+    if p.suffix.lower() != ".json":
+        raise UsageError(f"partition file must end in .npz or .json: {p}")
+    try:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"partition file not found: {p}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"cannot read partition file {p}: {str(exc).splitlines()[0]}") from None
+    if isinstance(raw, dict):
+        keys = sorted(raw, key=lambda k: int(k) if str(k).isdigit() else -1)
+        if [str(k) for k in keys] != [str(i) for i in range(len(raw))]:
+            raise UsageError(f"{p}: client ids must be 0..{len(raw) - 1}")
+        raw = [raw[k] for k in keys]
+    if not isinstance(raw, list) or not all(isinstance(c, list) for c in raw):
+        raise UsageError(f"{p}: expected a list of index lists, one per client")
+    clients = []
+    for k, indices in enumerate(raw):
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
+            raise UsageError(f"{p}: client {k} has an index that is not an integer")
+        clients.append(np.asarray(indices, dtype=np.int64))
+    return clients
+
+
+def check_partition(
+    partition: list[np.ndarray], num_samples: int, where: str, allow_overlap: bool = False
+) -> None:
+    """Indices in range, no client empty, no index twice in a client, and (unless allowed)
+    no sample held by two clients."""
+    if not partition:
+        raise UsageError(f"{where}: no clients")
+    seen = np.zeros(num_samples, dtype=np.int64)
+    for k, idx in enumerate(partition):
+        if idx.size == 0:
+            raise UsageError(f"{where}: client {k} has no samples")
+        if idx.min() < 0 or idx.max() >= num_samples:
+            raise UsageError(
+                f"{where}: client {k} has indices outside 0..{num_samples - 1} "
+                "(the training set's size)"
+            )
+        if np.unique(idx).size != idx.size:
+            raise UsageError(f"{where}: client {k} lists a sample twice")
+        seen[idx] += 1
+    shared = int((seen > 1).sum())
+    if shared and not allow_overlap:
+        raise UsageError(
+            f"{where}: {shared} samples are held by more than one client "
+            "(allow with partition_overlap / --partition-overlap)"
+        )

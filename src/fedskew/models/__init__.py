@@ -10,8 +10,17 @@ from fedskew.errors import UsageError
 from fedskew.models.base import BodyHeadModel, ModelInfo
 from fedskew.models.cnn import build_cnn_cifar, build_fedavg_cnn, build_mlp, build_simple_cnn
 from fedskew.models.resnet import build_resnet18
+from fedskew.references import entry_points, import_reference, is_reference, load_entry_point
 
-__all__ = ["MODELS", "BodyHeadModel", "ModelInfo", "build_model", "split_names"]
+__all__ = [
+    "MODELS",
+    "BodyHeadModel",
+    "ModelInfo",
+    "build_model",
+    "find_model",
+    "register_model",
+    "split_names",
+]
 
 MODELS: dict[str, ModelInfo] = {
     info.name: info
@@ -48,6 +57,43 @@ MODELS: dict[str, ModelInfo] = {
 }
 
 
+_REGISTERED: dict[str, ModelInfo] = {}
+
+
+def find_model(name: str) -> ModelInfo:
+    """A built-in model, a ``module:builder`` reference, an installed entry point (group
+    ``fedskew.models``) or one registered in this process. A user model is a
+    ``builder(input_shape, num_classes, **options) -> BodyHeadModel`` (options are its
+    keyword-only parameters) or a :class:`ModelInfo`."""
+    info = MODELS.get(name) or _REGISTERED.get(name)
+    if info is not None:
+        return info
+    found = import_reference(name, "model") if is_reference(name) else None
+    if found is None:
+        found = load_entry_point("model", name)
+    if found is None:
+        choices = sorted([*MODELS, *entry_points("model")])
+        raise UsageError(
+            f"unknown model '{name}' (choices: {', '.join(choices)}; "
+            "or give package.module:builder)"
+        )
+    return as_model_info(found, name)
+
+
+def register_model(name: str, builder: Any) -> None:
+    """Make a model builder (or ModelInfo) known as ``name`` in this process."""
+    _REGISTERED[name] = as_model_info(builder, name)
+
+
+def as_model_info(obj: Any, name: str) -> ModelInfo:
+    if isinstance(obj, ModelInfo):
+        return obj
+    if not callable(obj):
+        raise UsageError(f"model '{name}' is {obj!r}, not a model builder")
+    doc = (getattr(obj, "__doc__", None) or "user model").strip().splitlines()[0]
+    return ModelInfo(name, doc, obj)
+
+
 def _option_names(builder: Any) -> list[str]:
     # Options are the builder's keyword-only parameters; the signature is the single source
     # of truth, so adding an option to a builder needs no registry change.
@@ -67,9 +113,7 @@ def build_model(
     the model cannot take. Initialisation uses PyTorch defaults and the global torch RNG,
     so callers control determinism with ``torch.manual_seed``.
     """
-    info = MODELS.get(name)
-    if info is None:
-        raise UsageError(f"unknown model '{name}' (choices: {', '.join(sorted(MODELS))})")
+    info = find_model(name)
     # Shapes often come from numpy arrays or torch.Size: accept any integer-like value.
     try:
         shape = tuple(operator.index(d) for d in input_shape)
@@ -87,7 +131,13 @@ def build_model(
     if unknown:
         takes = f"options: {', '.join(allowed)}" if allowed else "it takes no options"
         raise UsageError(f"model '{name}' has no option {', '.join(unknown)} ({takes})")
-    return info.builder(shape, classes, **options)
+    model = info.builder(shape, classes, **options)
+    if not (callable(getattr(model, "body", None)) and callable(getattr(model, "head", None))):
+        raise UsageError(
+            f"model '{name}' has no body(x) and head(features): every fedskew model is "
+            "body + head (see fedskew.models.base.BodyHeadModel)"
+        )
+    return model
 
 
 def split_names(model: BodyHeadModel) -> tuple[list[str], list[str]]:

@@ -46,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from child import REPO, command_text, read_metrics, run_child  # noqa: E402
-from machine import describe  # noqa: E402
+from machine import machine_facts  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -423,7 +423,7 @@ def main() -> None:
             flush=True,
         )
     result = {
-        "machine": describe(),
+        "machine": machine_facts(),
         "invocation": "python benchmarks/algorithm_round_time.py "
         + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "smoke": args.smoke,

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe  # noqa: E402
+from machine import machine_facts  # noqa: E402
 
 from fedskew.config import ExperimentConfig  # noqa: E402
 from fedskew.data.sources import load_dataset  # noqa: E402
@@ -95,7 +95,7 @@ def main() -> None:
             }
         )
     result = {
-        "machine": describe(),
+        "machine": machine_facts(),
         "setting": "FedAvg, fmnist, simple-cnn, 20 clients, dirichlet beta 0.1, 8/round, "
         f"E=5, batch 64, lr 0.01, momentum 0.9, seed 0, {args.rounds} rounds, fp32",
         "rows": rows,

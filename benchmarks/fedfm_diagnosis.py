@@ -25,14 +25,15 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe  # noqa: E402
+from machine import machine_facts  # noqa: E402
 
 from fedskew.algorithms.feature_matching import cg_loss  # noqa: E402
 from fedskew.algorithms.local import set_arrays  # noqa: E402
+from fedskew.building import new_model, prepare  # noqa: E402
 from fedskew.checkpoint import load_checkpoint  # noqa: E402
 from fedskew.config import build_config  # noqa: E402
 from fedskew.data.federated import sample_clients  # noqa: E402
-from fedskew.experiment import new_model, prepare, run  # noqa: E402
+from fedskew.experiment import run  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SETTING = dict(
@@ -105,7 +106,7 @@ def main() -> None:
         for c in clients
     ]
     result = {
-        "machine": describe(),
+        "machine": machine_facts(),
         "command": f"python benchmarks/fedfm_diagnosis.py --seed {args.seed}",
         "setting": SETTING,
         "seed": args.seed,

@@ -58,7 +58,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from child import REPO, command_text, read_metrics, run_child  # noqa: E402
-from machine import describe  # noqa: E402
+from machine import machine_facts  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -533,7 +533,7 @@ def main() -> None:
     os.chdir(REPO)  # run folders and the printed commands are relative to the repository
     invocation = "python benchmarks/scale.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result: dict[str, Any] = {
-        "machine": describe(),
+        "machine": machine_facts(),
         "invocation": invocation.strip(),
         "smoke": args.smoke,
         "threads": args.threads,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe  # noqa: E402
+from machine import machine_facts  # noqa: E402
 from precision_throughput import (  # noqa: E402
     BATCH,
     LR,
@@ -163,7 +163,7 @@ def main() -> None:
                     flush=True,
                 )
     result = {
-        "machine": describe(),
+        "machine": machine_facts(),
         "data_source": data.source,
         "command": command,
         "setting": {

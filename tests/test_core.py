@@ -38,7 +38,9 @@ def test_addressed_rng_depends_on_address_not_order():
     assert not np.array_equal(a, numpy_rng(7, 3, 5, "eval").random(4))
     assert not np.array_equal(a, numpy_rng(7, 4, 5, "train").random(4))
     assert not np.array_equal(a, numpy_rng(8, 3, 5, "train").random(4))
-    assert derive_seed(1, 2, 3, "x") == derive_seed(1, 2, 3, "x")
+    # The same number in every process and Python version (no hash()): resumed runs and
+    # worker processes rely on it.
+    assert derive_seed(1, 2, 3, "x") == 5892264977675119791
     t1 = torch.randn(3, generator=torch_rng(1, 0, -1, "init"))
     t2 = torch.randn(3, generator=torch_rng(1, 0, -1, "init"))
     assert torch.equal(t1, t2)

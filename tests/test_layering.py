@@ -35,7 +35,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("fedskew.engine",),
     ("fedskew.experiment",),
     # apps; the package's __init__ offers the Python API (fedskew.run)
-    ("fedskew", "fedskew.api", "fedskew.cli", "fedskew.flower_app", "fedskew.__main__"),
+    # compare and reporting read checkpoints and start runs; report/ only formats.
+    ("fedskew", "fedskew.api", "fedskew.cli", "fedskew.flower_app", "fedskew.__main__",
+     "fedskew.compare", "fedskew.reporting"),
 ]
 
 

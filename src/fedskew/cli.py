@@ -404,6 +404,105 @@ def _check_output_file(path: Path) -> None:
         raise FedskewError(f"cannot write {path}: folder {parent} does not exist")
 
 
+def add_compare_options(p: argparse.ArgumentParser) -> None:
+    """``fedskew compare``: the experiment and run options (they set the base experiment),
+    then the grid's own."""
+    add_experiment_options(p)
+    add_run_options(p)
+    for action in p._actions:
+        if action.dest == "config":
+            action.help = (
+                "compare file (tables [compare], [experiment], [methods.NAME], [settings.NAME], "
+                "[axes]) or a `fedskew run` config file as the base experiment"
+            )
+        elif action.dest == "out_dir":
+            action.help = "the grid folder (default: [compare] out_dir, or runs/<file name>)"
+    g = p.add_argument_group("grid")
+    g.add_argument(
+        "--methods",
+        nargs="+",
+        metavar="NAME",
+        help="methods to run: algorithm names with their defaults, or a subset of the file's",
+    )
+    g.add_argument("--seeds", nargs="+", type=int, metavar="S", help="seeds (default 0)")
+    g.add_argument("--reference", help="method for the paired differences (default fedavg)")
+    g.add_argument("--last", type=int, help="evaluated rounds averaged (default 10)")
+    g.add_argument("--target", type=float, help="accuracy in percent: rounds to reach it")
+    g.add_argument("--jobs", type=int, help="runs at once, each its own process (default 1)")
+    g.add_argument(
+        "--threads", type=int, help="torch threads per run (default cores / jobs; jobs x threads "
+        "<= cores)"
+    )  # fmt: skip
+    g.add_argument(
+        "--only", nargs="+", metavar="RUN", help="run only these runs (e.g. fedprox-s1)"
+    )
+    g.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: rebuild the tables from the grid folder's runs",
+    )
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from fedskew import compare
+
+    if args.resume or args.name:
+        raise UsageError("compare names and resumes its runs itself; drop --resume and --name")
+    command = compare.command_line(getattr(args, "argv", []))
+    overrides = {
+        "seeds": args.seeds, "reference": args.reference, "last": args.last,
+        "target": args.target, "jobs": args.jobs, "threads": args.threads,
+        "out_dir": args.out_dir,
+    }  # fmt: skip
+    failed = 0
+    if args.report_only and not args.config and not args.methods:
+        # The grid folder says what it holds (compare.json), or its run folders do.
+        root = Path(args.out_dir or "runs/compare")
+        options = compare.options_from_manifest(root, compare.Options())
+        for key in ("reference", "last", "target"):
+            if overrides[key] is not None:
+                setattr(options, key, overrides[key])
+    else:
+        raw = compare.read_file(args.config) if args.config else {}
+        base = {
+            k: v
+            for k, v in cli_values(args).items()
+            if v is not None and k not in ("out_dir", "quiet", "name")
+        }
+        grid = compare.grid_from(raw, args.config or "", base, args.methods, overrides)
+        planned = runs = compare.plan(grid)
+        if args.only:
+            by_label = {r.label: r for r in planned}
+            unknown = [x for x in args.only if x not in by_label]
+            if unknown:
+                raise UsageError(
+                    f"not a run of this grid: {unknown[0]} (runs: {', '.join(by_label)})"
+                )
+            runs = [by_label[x] for x in args.only]
+        root, options = grid.out_dir, grid.options
+        root.mkdir(parents=True, exist_ok=True)
+        compare.write_manifest(root, compare.manifest(grid, planned, command))
+        if not args.report_only:
+            print(
+                f"{len(runs)} runs in {root} ({len(grid.settings)} setting(s) x "
+                f"{len(grid.methods)} method(s) x {len(grid.seeds)} seed(s)), {grid.jobs} at once"
+            )
+            outcomes = compare.run_grid(grid, runs)
+            failed = sum(o.status == "failed" for o in outcomes)
+    md = compare.write_tables(root, compare.collect(root), options, command)
+    print(f"tables: {md}, {root / 'comparison.csv'}, {root / 'runs.csv'}")
+    print(f"full report (curves, partition, provenance): fedskew report {root}")
+    return 1 if failed else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from fedskew.reporting import make_report
+
+    md, page = make_report(Path(args.folder), Path(args.out) if args.out else None)
+    print(f"report: {md} and {page} (self-contained)")
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedskew",
@@ -427,12 +526,26 @@ def make_parser() -> argparse.ArgumentParser:
     p_part.add_argument("--plot", help="write a PNG: class counts per client and client sizes")
     p_part.add_argument("--save", help="write the partition as .npz")
     p_part.set_defaults(func=cmd_partition)
+
+    p_cmp = sub.add_parser(
+        "compare", help="run methods x settings x seeds; tables in the papers' form"
+    )
+    add_compare_options(p_cmp)
+    p_cmp.set_defaults(func=cmd_compare)
+
+    p_rep = sub.add_parser(
+        "report", help="Markdown and HTML report of a run or a grid folder, from its files"
+    )
+    p_rep.add_argument("folder", help="a run folder, or a folder of runs (fedskew compare's)")
+    p_rep.add_argument("-o", "--out", help="where report.md/.html go (default: the folder)")
+    p_rep.set_defaults(func=cmd_report)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if not getattr(args, "command", None):
         parser.print_help()
         return 2

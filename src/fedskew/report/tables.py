@@ -1,0 +1,591 @@
+"""Comparison and cost tables in the papers' form, computed from run records.
+
+Per (setting, method), over the finished seeds: mean ± sample standard deviation of the final
+accuracy, of the mean of the last N evaluated rounds and of the best accuracy; the rounds
+to reach a target accuracy; the difference to a reference method taken per seed (the same
+seed gives every method the same partition and the same clients each round) and then
+averaged; bytes per round; the largest per-client state. Every number is computed here from
+the run folders' files; the sentences that draw conclusions are computed too.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fedskew.config import EXECUTION_ONLY
+from fedskew.report.document import Block, Bullets, Heading, Para, Table
+from fedskew.report.runs import NOT_RECORDED, RunRecord, provenance
+
+MIB = 2**20
+
+
+@dataclass
+class Options:
+    reference: str | None = "fedavg"  # method the paired differences are taken against
+    last: int = 10  # evaluated rounds averaged in the "last rounds" column
+    target: float | None = None  # accuracy in percent for the rounds-to-target column
+
+
+@dataclass
+class RunValues:
+    """The numbers of one finished run (accuracies in percent)."""
+
+    final: float
+    last: float
+    best: float
+    reached: int | None  # first round at or above the target, None if never (or no target)
+    bytes_down: float  # per round
+    bytes_up: float
+    seconds: float  # training plus evaluation, per round
+    client_state_bytes: int | None
+
+
+def run_values(record: RunRecord, options: Options) -> RunValues | None:
+    """The numbers of one run, or None when it has no evaluated round."""
+    acc = record.series("accuracy")
+    if not acc:
+        return None
+    values = np.array([100 * a for _, a in acc])
+    reached = None
+    if options.target is not None:
+        reached = next((r for r, a in acc if 100 * a >= options.target - 1e-9), None)
+    rows = record.metrics
+    n = max(len(rows), 1)
+    return RunValues(
+        final=float(values[-1]),
+        last=float(values[-options.last :].mean()),
+        best=float(values.max()),
+        reached=reached,
+        bytes_down=sum(float(r.get("bytes_down", 0)) for r in rows) / n,
+        bytes_up=sum(float(r.get("bytes_up", 0)) for r in rows) / n,
+        seconds=sum(float(r.get("seconds", 0)) + float(r.get("eval_seconds", 0)) for r in rows) / n,
+        client_state_bytes=record.client_state_bytes,
+    )
+
+
+@dataclass
+class MethodRow:
+    setting: str
+    method: str
+    seeds: list[int] = field(default_factory=list)  # finished seeds
+    runs: dict[int, RunValues] = field(default_factory=dict)
+    unfinished: list[int] = field(default_factory=list)
+    paired: dict[int, float] = field(default_factory=dict)  # seed -> last-N difference
+
+    def column(self, name: str) -> np.ndarray:
+        return np.array([getattr(self.runs[s], name) for s in self.seeds], dtype=float)
+
+
+def group(records: list[RunRecord], options: Options) -> dict[str, list[MethodRow]]:
+    """Setting -> its methods' rows, in the records' order, paired differences filled in."""
+    rows: dict[str, dict[str, MethodRow]] = {}
+    for rec in records:
+        row = rows.setdefault(rec.setting, {}).setdefault(
+            rec.method, MethodRow(rec.setting, rec.method)
+        )
+        values = run_values(rec, options) if rec.finished else None
+        if values is None:
+            row.unfinished.append(rec.seed)
+            continue
+        if rec.seed in row.runs:
+            continue  # a second folder of the same seed: the first one counts
+        row.seeds.append(rec.seed)
+        row.runs[rec.seed] = values
+    for methods in rows.values():
+        ref = methods.get(options.reference or "")
+        for row in methods.values():
+            row.seeds.sort()
+            for s in row.seeds:
+                if ref is not None and row is not ref and s in ref.runs:
+                    row.paired[s] = row.runs[s].last - ref.runs[s].last
+    return {setting: list(methods.values()) for setting, methods in rows.items()}
+
+
+def mean_std(values: np.ndarray | list[float], digits: int = 2, sign: bool = False) -> str:
+    a = np.asarray(values, dtype=float)
+    if a.size == 0:
+        return "n/a"
+    fmt = f"{{:{'+' if sign else ''}.{digits}f}}"
+    if a.size == 1:
+        return fmt.format(a[0]) + " (1 seed)"
+    return f"{fmt.format(a.mean())} ± {a.std(ddof=1):.{digits}f}"
+
+
+def _std(a: np.ndarray) -> float | None:
+    return float(a.std(ddof=1)) if a.size > 1 else None
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return NOT_RECORDED
+    if n >= MIB:
+        return f"{n / MIB:.2f} MiB"
+    if n >= 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{int(n)} B"
+
+
+def _reached_cell(row: MethodRow) -> str:
+    reached = [row.runs[s].reached for s in row.seeds]
+    hit = np.array([r for r in reached if r is not None], dtype=float)
+    if hit.size == 0:
+        return f"not reached (0/{len(reached)})"
+    return f"{mean_std(hit, digits=1).replace(' (1 seed)', '')} ({hit.size}/{len(reached)})"
+
+
+def _paired_cell(row: MethodRow, options: Options) -> str:
+    if row.method == options.reference:
+        return "reference"
+    if not row.paired:
+        return "n/a (no common seed)"
+    d = np.array(list(row.paired.values()))
+    return f"{mean_std(d, sign=True)} ({int((d > 0).sum())}/{d.size} seeds up)"
+
+
+def comparison_table(rows: list[MethodRow], options: Options) -> Table:
+    header = [
+        "method", "seeds", "final accuracy (%)", f"mean of last {options.last} (%)",
+        "best accuracy (%)",
+    ]  # fmt: skip
+    if options.target is not None:
+        header.append(f"rounds to {options.target:g} % (seeds reaching it)")
+    if options.reference:
+        header.append(f"last {options.last} vs {options.reference}, paired (points)")
+    body = []
+    for row in rows:
+        seeds = f"{len(row.seeds)}" + (
+            f" (+{len(row.unfinished)} unfinished)" if row.unfinished else ""
+        )
+        if not row.seeds:
+            cells = [row.method, seeds, "no finished run", "", ""]
+            cells += [""] * (len(header) - len(cells))
+            body.append(cells)
+            continue
+        cells = [
+            row.method,
+            seeds,
+            mean_std(row.column("final")),
+            mean_std(row.column("last")),
+            mean_std(row.column("best")),
+        ]
+        if options.target is not None:
+            cells.append(_reached_cell(row))
+        if options.reference:
+            cells.append(_paired_cell(row, options))
+        body.append(cells)
+    return Table(header, body)
+
+
+def cost_table(rows: list[MethodRow]) -> Table:
+    header = [
+        "method", "down per round", "up per round", "total per round",
+        "client state (largest client)", "seconds per round (train + eval)",
+    ]  # fmt: skip
+    body = []
+    for row in rows:
+        if not row.seeds:
+            body.append([row.method] + ["no finished run"] + [""] * 4)
+            continue
+        states = [v for v in (row.runs[s].client_state_bytes for s in row.seeds) if v is not None]
+        body.append(
+            [
+                row.method,
+                fmt_bytes(row.column("bytes_down").mean()),
+                fmt_bytes(row.column("bytes_up").mean()),
+                fmt_bytes((row.column("bytes_down") + row.column("bytes_up")).mean()),
+                fmt_bytes(max(states)) if states else f"{NOT_RECORDED} (no checkpoint.npz)",
+                f"{row.column('seconds').mean():.2f}",
+            ]
+        )
+    return Table(header, body)
+
+
+def overview_table(grouped: dict[str, list[MethodRow]], options: Options) -> Table:
+    """Methods down, settings across: mean of the last N rounds, as papers print them."""
+    settings = list(grouped)
+    methods = list(dict.fromkeys(r.method for rows in grouped.values() for r in rows))
+    body = []
+    for method in methods:
+        cells = [method]
+        for setting in settings:
+            row = next((r for r in grouped[setting] if r.method == method), None)
+            cells.append(mean_std(row.column("last")) if row and row.seeds else "")
+        body.append(cells)
+    return Table(["method", *settings], body)
+
+
+def conclusions(rows: list[MethodRow], options: Options) -> list[str]:
+    """Sentences computed from the rows: the highest mean of the last N rounds, and which
+    methods beat the reference on every seed they share with it."""
+    done = [r for r in rows if r.seeds]
+    if not done:
+        return ["No finished run yet."]
+    best = max(done, key=lambda r: r.column("last").mean())
+    out = [
+        f"Highest mean of the last {options.last} rounds: **{best.method}** "
+        f"({best.column('last').mean():.2f} % over {len(best.seeds)} seed(s))."
+    ]
+    if options.reference and any(r.method == options.reference for r in done):
+
+        def seeds(r: MethodRow) -> str:
+            return f"{r.method} ({len(r.paired)} seed{'s' if len(r.paired) != 1 else ''})"
+
+        up = [seeds(r) for r in done if r.paired and all(d > 0 for d in r.paired.values())]
+        down = [seeds(r) for r in done if r.paired and all(d < 0 for d in r.paired.values())]
+        out.append(
+            f"Above {options.reference} on every seed both ran: {', '.join(up) or 'none'}; "
+            f"below it on every such seed: {', '.join(down) or 'none'}."
+        )
+    return out
+
+
+def shared_data_checks(records: list[RunRecord]) -> list[str]:
+    """Whether the methods of each (setting, seed) had the same partition (partition.npz)
+    and the same clients in every round (metrics.jsonl), as the seed guarantees."""
+    by_key: dict[tuple[str, int], list[RunRecord]] = defaultdict(list)
+    for rec in records:
+        by_key[rec.setting, rec.seed].append(rec)
+    groups = [g for g in by_key.values() if len(g) > 1]
+    if not groups:
+        return ["Only one method per (setting, seed): nothing to check across methods."]
+    same_part, diff_part, unknown = 0, [], 0
+    same_clients, diff_clients = 0, []
+    for g in groups:
+        digests = {r.partition_digest for r in g if r.partition_digest is not None}
+        if len(digests) == 0:
+            unknown += 1
+        elif len(digests) == 1:
+            same_part += 1
+        else:
+            diff_part.append(f"{g[0].setting or 'the setting'} seed {g[0].seed}")
+        streams = []
+        for r in g:
+            streams.append([tuple(m.get("clients", ())) for m in r.metrics])
+        n = min(len(s) for s in streams)
+        if all(s[:n] == streams[0][:n] for s in streams):
+            same_clients += 1
+        else:
+            diff_clients.append(f"{g[0].setting or 'the setting'} seed {g[0].seed}")
+    lines = []
+    part = (
+        f"Partition (partition.npz): identical across methods in {same_part} of "
+        f"{len(groups)} (setting, seed) groups"
+    )
+    if unknown:
+        part += f"; {unknown} group(s) {NOT_RECORDED} (no partition.npz in the run folders)"
+    if diff_part:
+        part += f"; DIFFERENT in {', '.join(diff_part)}"
+    lines.append(part + ".")
+    clients = (
+        f"Clients of each round (metrics.jsonl): identical across methods in {same_clients} "
+        f"of {len(groups)} groups, over the rounds all of them finished"
+    )
+    if diff_clients:
+        clients += f"; DIFFERENT in {', '.join(diff_clients)}"
+    lines.append(clients + ".")
+    return lines
+
+
+def per_run_table(records: list[RunRecord], options: Options) -> Table:
+    header = [
+        "setting", "method", "seed", "rounds", "final (%)", f"last {options.last} (%)",
+        "best (%)", "computed on",
+    ]  # fmt: skip
+    body = []
+    for rec in records:
+        v = run_values(rec, options)
+        done = f"{len(rec.metrics)}/{rec.rounds_planned}" + ("" if rec.finished else " (running)")
+        nums = [f"{v.final:.2f}", f"{v.last:.2f}", f"{v.best:.2f}"] if v else ["", "", ""]
+        body.append(
+            [rec.setting or "-", rec.method, str(rec.seed), done, *nums,
+             provenance(rec)["machine"]]
+        )  # fmt: skip
+    return Table(header, body)
+
+
+def provenance_table(records: list[RunRecord]) -> Table:
+    keys = list(provenance(records[0])) if records else []
+    keys.remove("machine")
+    body = []
+    for rec in records:
+        p = provenance(rec)
+        body.append([rec.setting or "-", rec.method, str(rec.seed), *(p[k] for k in keys)])
+    return Table(["setting", "method", "seed", *keys], body)
+
+
+def comparison_blocks(
+    records: list[RunRecord], options: Options, heading_level: int = 2
+) -> list[Block]:
+    """The comparison and cost tables of every setting, with the checks and conclusions."""
+    grouped = group(records, options)
+    h = heading_level
+    blocks: list[Block] = []
+    multi = len(grouped) > 1 or any(s for s in grouped)
+    if multi:
+        blocks.append(Heading(h, f"Overview: mean of the last {options.last} rounds (%)"))
+        blocks.append(overview_table(grouped, options))
+    for setting, rows in grouped.items():
+        if multi:
+            blocks.append(Heading(h, f"Setting {setting}"))
+        blocks.append(Heading(h + (1 if multi else 0), "Accuracy"))
+        blocks.append(comparison_table(rows, options))
+        blocks.append(Bullets(conclusions(rows, options)))
+        blocks.append(Heading(h + (1 if multi else 0), "Cost"))
+        blocks.append(cost_table(rows))
+        table = metrics_table([r for r in records if r.setting == setting])
+        if table is not None:
+            blocks.append(Heading(h + (1 if multi else 0), "Other metrics the runs logged"))
+            blocks.append(
+                Para("The last logged value of each finished run, mean ± std over seeds.")
+            )
+            blocks.append(table)
+    blocks.append(Heading(h, "Same partition and clients across methods"))
+    blocks.append(Bullets(shared_data_checks(records)))
+    return blocks
+
+
+def explanation(options: Options) -> str:
+    text = (
+        "Mean ± sample standard deviation over each row's finished seeds (accuracy of the "
+        "global model on the test set, in %). The mean of the last "
+        f"{options.last} evaluated rounds is steadier than the final accuracy under strong "
+        "skew."
+    )
+    if options.reference:
+        text += (
+            f" The difference to {options.reference} is taken per seed (the same seed gives "
+            "every method the same partition and the same clients each round) and then "
+            "averaged."
+        )
+    text += (
+        " Bytes are those the engine carried (metrics.jsonl), averaged over rounds; the client "
+        "state is the largest client's state in the run's last checkpoint; seconds are the "
+        "run's own wall time per round on the machine that computed it (see the runs table)."
+    )
+    return text
+
+
+# ---------------------------------------------------------------------- other metrics
+
+# Metrics the papers report besides global accuracy, when a run logged them: (key, label,
+# scale). Personal accuracy (FedROD), FedFM's feature quality, FedACD's risk of local models.
+PAPER_METRICS = (
+    ("client_dist_accuracy", "accuracy on the clients' label distributions (%)", 100.0),
+    ("personal_accuracy", "personalised accuracy (%)", 100.0),
+    ("feature_nmi", "feature NMI", 1.0),
+    ("feature_silhouette", "feature silhouette", 1.0),
+    ("local_risk", "risk of local models", 1.0),
+)
+# Bookkeeping rather than results: left out of the diagnostics column.
+_BOOKKEEPING = re.compile(r"(_seconds|_models)$")
+
+
+def _last_values(recs: list[RunRecord], key: str, scale: float) -> list[float]:
+    return [scale * r.series(key)[-1][1] for r in recs if r.series(key)]
+
+
+def metrics_table(records: list[RunRecord]) -> Table | None:
+    """Per method, the last logged value (mean ± std over finished seeds) of the papers'
+    other metrics present in the runs, and of the algorithm's own diagnostics; None when
+    the runs logged none."""
+    by_method: dict[str, list[RunRecord]] = {}
+    for rec in records:
+        if rec.finished:
+            by_method.setdefault(rec.method, []).append(rec)
+    present = [
+        (k, label, scale)
+        for k, label, scale in PAPER_METRICS
+        if any(r.series(k) for rs in by_method.values() for r in rs)
+    ]
+    known = {k for k, _, _ in PAPER_METRICS}
+    diagnostics = {
+        method: [
+            n
+            for n in dict.fromkeys(n for r in recs for n in r.extra_metric_names())
+            if n not in known and not _BOOKKEEPING.search(n)
+        ]
+        for method, recs in by_method.items()
+    }
+    has_diag = any(diagnostics.values())
+    if not present and not has_diag:
+        return None
+    rows = []
+    for method, recs in by_method.items():
+        cells = [method]
+        for key, _, scale in present:
+            cells.append(mean_std(_last_values(recs, key, scale), digits=2 if scale > 1 else 4))
+        if has_diag:
+            cells.append(
+                "; ".join(
+                    f"{n} {mean_std(_last_values(recs, n, 1.0), digits=4)}"
+                    for n in diagnostics[method]
+                )
+                or "-"
+            )
+        rows.append(cells)
+    header = ["method", *(label for _, label, _ in present)]
+    if has_diag:
+        header.append("the algorithm's own diagnostics")
+    return Table(header, rows)
+
+
+# ----------------------------------------------------------------------- configuration
+
+# How and where a run executed, not what it computed; and what compare sets per run.
+HIDDEN_KEYS = frozenset(EXECUTION_ONLY) | {"seed", "checkpoint_every"}
+
+
+def _value(v: object) -> str:
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={_value(x)}" for k, x in v.items()) or "{}"
+    return json.dumps(v) if v is None or isinstance(v, bool) else str(v)
+
+
+def columns(pairs: list[tuple[str, str]], names: tuple[str, str], per_row: int) -> Table:
+    """Key-value pairs laid out ``per_row`` pairs to a row (a short, wide table)."""
+    header = [h for _ in range(per_row) for h in names]
+    rows = []
+    for i in range(0, len(pairs), per_row):
+        chunk = pairs[i : i + per_row]
+        row = [c for pair in chunk for c in pair]
+        rows.append(row + [""] * (len(header) - len(row)))
+    return Table(header, rows)
+
+
+def configuration_blocks(records: list[RunRecord], heading_level: int = 2) -> list[Block]:
+    """The configuration every run shares, then what differs per (setting, method), with the
+    algorithms' full hyper-parameters as the runs resolved them."""
+    if not records:
+        return []
+    h = heading_level
+    keys = list(dict.fromkeys(k for r in records for k in r.config if k not in HIDDEN_KEYS))
+    missing = object()
+    common = [
+        k for k in keys
+        if len({json.dumps(r.config.get(k, missing), sort_keys=True, default=str)
+                for r in records}) == 1
+    ]  # fmt: skip
+    varying = [k for k in keys if k not in common]
+    blocks: list[Block] = [Heading(h, "Configuration")]
+    seeds = sorted({r.seed for r in records})
+    blocks.append(
+        Para(
+            f"From the runs' config.json; seeds {', '.join(map(str, seeds))}. Shared by every run:"
+        )
+    )
+    pairs = [(k, _value(records[0].config[k])) for k in common]
+    blocks.append(columns(pairs, ("option", "value"), per_row=3))
+    resolved_keys = ("model", "num_clients", "clients_per_round", "num_classes",
+                     "train_samples", "test_samples")  # fmt: skip
+    facts = [
+        [k, _value(records[0].resolved[k])]
+        for k in resolved_keys
+        if k in records[0].resolved and len({json.dumps(r.resolved.get(k)) for r in records}) == 1
+    ]
+    if facts:
+        blocks.append(Para("As the runs resolved them:"))
+        blocks.append(columns([(k, v) for k, v in facts], ("fact", "value"), per_row=3))
+    rows, seen = [], set()
+    for r in records:
+        if (r.setting, r.method) in seen:
+            continue
+        seen.add((r.setting, r.method))
+        diff = "; ".join(f"{k}={_value(r.config.get(k))}" for k in varying) or "-"
+        params = r.resolved.get("algorithm_params")
+        rows.append(
+            [r.setting or "-", r.method, diff, NOT_RECORDED if params is None else _value(params)]
+        )
+    blocks.append(Para("Per setting and method:"))
+    blocks.append(
+        Table(["setting", "method", "options that differ", "algorithm parameters (resolved)"], rows)
+    )
+    return blocks
+
+
+# ------------------------------------------------------------------------------ CSV
+
+
+def _num(x: float | None, digits: int = 4) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return ""
+    return f"{x:.{digits}f}"
+
+
+def comparison_csv(records: list[RunRecord], options: Options) -> str:
+    """One line per (setting, method): the comparison and cost numbers, unformatted."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(
+        [
+            "setting", "method", "seeds", "unfinished", "final_mean", "final_std",
+            f"last{options.last}_mean", f"last{options.last}_std", "best_mean", "best_std",
+            "target", "rounds_to_target_mean", "seeds_reaching_target", "reference",
+            "paired_mean", "paired_std", "paired_seeds", "paired_seeds_up",
+            "bytes_down_per_round", "bytes_up_per_round", "client_state_bytes_max",
+            "seconds_per_round",
+        ]
+    )  # fmt: skip
+    for setting, rows in group(records, options).items():
+        for row in rows:
+            if not row.seeds:
+                w.writerow([setting, row.method, 0, len(row.unfinished)] + [""] * 18)
+                continue
+            final, last, best = row.column("final"), row.column("last"), row.column("best")
+            reached = [row.runs[s].reached for s in row.seeds if row.runs[s].reached is not None]
+            d = np.array(list(row.paired.values()))
+            states = [row.runs[s].client_state_bytes for s in row.seeds]
+            states = [s for s in states if s is not None]
+            w.writerow(
+                [
+                    setting, row.method, len(row.seeds), len(row.unfinished),
+                    _num(final.mean()), _num(_std(final)), _num(last.mean()), _num(_std(last)),
+                    _num(best.mean()), _num(_std(best)),
+                    "" if options.target is None else options.target,
+                    _num(float(np.mean(reached)) if reached else None, 2),
+                    len(reached) if options.target is not None else "",
+                    options.reference or "",
+                    _num(d.mean() if d.size else None), _num(_std(d) if d.size else None),
+                    d.size, int((d > 0).sum()),
+                    _num(row.column("bytes_down").mean(), 1),
+                    _num(row.column("bytes_up").mean(), 1),
+                    max(states) if states else "",
+                    _num(row.column("seconds").mean(), 3),
+                ]
+            )  # fmt: skip
+    return buf.getvalue()
+
+
+def runs_csv(records: list[RunRecord], options: Options) -> str:
+    """One line per run folder: its numbers and where they came from."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    prov_keys = list(provenance(records[0])) if records else []
+    w.writerow(
+        ["setting", "method", "seed", "folder", "finished", "rounds_done", "final", "last",
+         "best", "rounds_to_target", "bytes_down_per_round", "bytes_up_per_round",
+         "client_state_bytes_max", "seconds_per_round", *prov_keys]
+    )  # fmt: skip
+    for rec in records:
+        v = run_values(rec, options)
+        p = provenance(rec)
+        w.writerow(
+            [
+                rec.setting, rec.method, rec.seed, rec.folder.name, rec.finished,
+                len(rec.metrics),
+                _num(v.final if v else None), _num(v.last if v else None),
+                _num(v.best if v else None), "" if not v or v.reached is None else v.reached,
+                _num(v.bytes_down if v else None, 1), _num(v.bytes_up if v else None, 1),
+                "" if rec.client_state_bytes is None else rec.client_state_bytes,
+                _num(v.seconds if v else None, 3),
+                *(p[k] for k in prov_keys),
+            ]
+        )  # fmt: skip
+    return buf.getvalue()

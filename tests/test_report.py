@@ -1,0 +1,118 @@
+"""`fedskew report`: a Markdown and a self-contained HTML report rebuilt from run folders,
+with the optional parts (other metrics, t-SNE) when the folders have them and "not recorded"
+where they do not say."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from fedskew.cli import main
+from fedskew.config import ExperimentConfig
+from fedskew.experiment import run
+from fedskew.report.document import Heading, Image, Para, Table, to_html, to_markdown
+from fedskew.report.runs import find_runs, method_label
+
+
+def _png() -> bytes:
+    fig = Figure(figsize=(2, 2))
+    FigureCanvasAgg(fig)
+    fig.subplots().scatter(np.arange(5), np.arange(5))
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory) -> Path:
+    """2 methods x 2 seeds x 2 rounds on digits, named as fedskew compare names runs."""
+    root = tmp_path_factory.mktemp("grid")
+    for seed in (0, 1):
+        for name, algorithm in (("fedavg", "fedavg"), ("prox", "fedprox")):
+            cfg = ExperimentConfig(
+                algorithm=algorithm, num_clients=4, clients_per_round=2, rounds=2,
+                local_epochs=1, seed=seed, out_dir=str(root), name=f"{name}-s{seed}",
+                quiet=True,
+            )  # fmt: skip
+            run(cfg)
+    # What another part of fedskew may add to a run folder: a t-SNE picture, a metric.
+    (root / "prox-s0" / "tsne.png").write_bytes(_png())
+    path = root / "prox-s1" / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**r, "feature_nmi": 0.5}) + "\n" for r in rows))
+    # A run from before processes.jsonl: its provenance is "not recorded", not invented.
+    (root / "fedavg-s1" / "processes.jsonl").unlink()
+    return root
+
+
+def test_report_renders_markdown_and_self_contained_html(grid, tmp_path):
+    out = tmp_path / "report"
+    assert main(["report", str(grid), "-o", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    page = (out / "report.html").read_text()
+
+    # Markdown: its pictures beside it, every link resolving.
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md)
+    assert {Path(x).name for x in links} >= {"curves-all.png", "partition-all-s0.png"}
+    assert all((out / x).is_file() for x in links)
+    assert any("tsne.png" in x for x in links)
+    for heading in (
+        "## Results",
+        "## Curves",
+        "## Partition",
+        "## Configuration",
+        "## t-SNE of test features",
+        "## Where each run's numbers came from",
+    ):
+        assert heading in md, heading
+    assert "| fedavg | 2 |" in md and "| prox | 2 |" in md
+    assert "feature NMI" in md and "0.5000 (1 seed)" in md
+    assert "r1-2: not recorded" not in md and "not recorded (no processes.jsonl)" in md
+    assert "identical across methods in 2 of 2" in md
+
+    # HTML: one file, every picture embedded, nothing fetched from elsewhere.
+    images = re.findall(r'<img [^>]*src="([^"]+)"', page)
+    assert len(images) == len(links)
+    assert all(src.startswith("data:image/png;base64,") for src in images)
+    for src in images:
+        assert base64.b64decode(src.split(",", 1)[1]).startswith(b"\x89PNG")
+    assert not re.search(r'(src|href)="(?!data:)', page)
+    assert "<table>" in page and "prox" in page
+
+
+def test_report_of_one_run_folder(grid, tmp_path):
+    assert main(["report", str(grid / "fedavg-s0"), "-o", str(tmp_path)]) == 0
+    md = (tmp_path / "report.md").read_text()
+    assert "1 method(s) (fedavg)" in md and "vs fedavg" not in md
+
+
+def test_runs_are_found_and_labelled(grid):
+    records = find_runs(grid)
+    assert sorted((r.method, r.seed) for r in records) == [
+        ("fedavg", 0), ("fedavg", 1), ("prox", 0), ("prox", 1),
+    ]  # fmt: skip
+    assert method_label("fedavg-digits-dirichlet-s3-20250101-000000", {"algorithm": "fedavg",
+                        "seed": 3, "params": {"mu": 1}}) == "fedavg mu=1"  # fmt: skip
+
+
+def test_document_renders_both_ways():
+    blocks = [
+        Heading(1, "T"),
+        Para("a `code` <b> and **bold**"),
+        Table(["x", "y|z"], [["1", "2"]]),
+        Image("p.png", b"\x89PNG...", "a caption"),
+    ]
+    md, files = to_markdown(blocks, "files")
+    assert "![a caption](files/p.png)" in md and files == {"p.png": b"\x89PNG..."}
+    assert "y\\|z" in md
+    page = to_html(blocks, "T")
+    assert "<code>code</code>" in page and "&lt;b&gt;" in page and "<strong>bold</strong>" in page
+    assert "data:image/png;base64," in page

@@ -26,7 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe  # noqa: E402
+from machine import machine_facts  # noqa: E402
+from runinfo import data_summary, describe_facts, run_facts  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SETTING = [
@@ -107,7 +108,7 @@ def load_run(folder: Path) -> tuple[dict, list[float]]:
 
 def ran_on(summary: dict, rounds: int) -> str:
     """Which machine computed which rounds of a run (a resumed run may span machines)."""
-    unrecorded = "not recorded (before runs recorded their machine: the report's machine)"
+    unrecorded = "not recorded (the run predates processes.jsonl)"
     spans: list[list] = []  # [first round, last round, machine]
     for p in summary.get("processes", []):
         machine = f"{p['cpu']}, {p['cores']} cores, torch {p['torch']}"
@@ -140,6 +141,10 @@ def report(preset: str, out: Path, seeds: list[int], rounds: int, results: Path)
         for label in PRESETS[preset]
     }
     reference = runs.get("fedavg", {})
+    facts = {
+        (label, s): run_facts(out / f"{label}-s{s}") for label, done in runs.items() for s in done
+    }
+    data_line, differ = data_summary(facts)
     rows, per_seed = [], []
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     for label, done in runs.items():
@@ -173,6 +178,7 @@ def report(preset: str, out: Path, seeds: list[int], rounds: int, results: Path)
                 f"| {label} | {s} | {100 * sm['final_accuracy']:.2f} | "
                 f"{100 * np.mean(c[-LAST:]):.2f} | {100 * sm['best_accuracy']:.2f} | "
                 f"{ran_on(sm, len(c))} |"
+                + (f" {describe_facts(facts[label, s])} |" if differ else "")
             )
         n = min(len(c) for _, c in done.values())
         arr = np.array([c[:n] for _, c in done.values()]) * 100
@@ -187,7 +193,7 @@ def report(preset: str, out: Path, seeds: list[int], rounds: int, results: Path)
     ax.legend(fontsize=7)
     results.mkdir(parents=True, exist_ok=True)
     fig.savefig(results / f"compare_{preset}.png", bbox_inches="tight")
-    m = describe()
+    m = machine_facts()
     (results / f"compare_{preset}.md").write_text(
         f"# Comparison: {preset}\n\n"
         f"Produced by `python benchmarks/compare.py --preset {preset} --rounds {rounds} "
@@ -196,7 +202,7 @@ def report(preset: str, out: Path, seeds: list[int], rounds: int, results: Path)
         f"- Report made on: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; torch "
         f"{m['torch']}. Each run says below which machine computed which of its rounds "
         "(one thread per run; a killed run resumes from its checkpoint, on any machine)\n"
-        f"- Data: Fashion-MNIST (Debian's dataset-fashion-mnist copy of the official files)\n"
+        f"- Data: Fashion-MNIST; {data_line}\n"
         f"- Setting: `fedskew run {' '.join(SETTING)} -r {rounds}`, seeds {seeds}; "
         "each algorithm with its defaults unless its label says otherwise\n\n"
         "Mean ± sample standard deviation over each row's seeds. At beta 0.1 the accuracy "
@@ -208,7 +214,13 @@ def report(preset: str, out: Path, seeds: list[int], rounds: int, results: Path)
         f"| best accuracy (%) | last-{LAST} vs FedAvg, paired (points) | MiB per round |\n"
         "|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
         f"Every finished run:\n\n| algorithm | seed | final (%) | last {LAST} (%) | best (%) "
-        "| rounds computed on |\n|---|---|---|---|---|---|\n" + "\n".join(per_seed) + "\n\n"
+        "| rounds computed on |"
+        + (" data read from; torch |" if differ else "")
+        + "\n|---|---|---|---|---|---|"
+        + ("---|" if differ else "")
+        + "\n"
+        + "\n".join(per_seed)
+        + "\n\n"
         f"![accuracy curves](compare_{preset}.png)\n\n"
         "Curves: mean over each algorithm's finished seeds; the shaded band is the min-max "
         "range.\n"

@@ -1,27 +1,28 @@
 """Assemble BENCHMARKS.md from the result files the benchmark scripts wrote.
 
-Nothing is measured here: every number comes from a JSON file under benchmarks/results/,
-written by the script named next to it. Run the scripts first, then this:
+Nothing is measured here and no figure or verdict is typed here: every number comes from a
+file under benchmarks/results/. The JSON files are written by the scripts that measured
+them (benchmarks/README.md says which script writes which file and how to rerun it);
+external_figures.json holds the figures issue 6 gives for other frameworks, measured on
+another machine, and every row or sentence that uses them says so. Sentences that draw a
+conclusion (goal reached or not, which configuration is fastest, faster or slower) are
+computed from those numbers. Per-run command lists stay in the linked result files.
 
-    python benchmarks/precision_throughput.py --threads 2 --rounds 3 --repeat 1 --bare-steps 200
-    python benchmarks/precision_throughput.py --threads 2 --rounds 3 --repeat 1 --bare-steps 200 \\
-        --workers 2 --out benchmarks/results/precision_throughput_workers.md
-    python benchmarks/precision_accuracy.py --rounds 15
-    python benchmarks/scale.py --threads 2
-    python benchmarks/algorithm_round_time.py -r 3 -e 2 --repeat 2 --threads 1
-    python benchmarks/flower_round_time.py --threads 1
-    python benchmarks/throughput_repeats.py --threads 2 --workers 2 --repeat 3 --rounds 3
     python benchmarks/make_benchmarks_md.py
 """
 
 from __future__ import annotations
 
 import json
+import re
+import statistics
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 ROOT = HERE.parent
+LINK = "benchmarks/results/"
 
 
 def load(name: str) -> dict | None:
@@ -29,63 +30,100 @@ def load(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def machine_text(m: dict[str, Any]) -> str:
+    return f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}"
+
+
+def workers_of(result: dict[str, Any]) -> int:
+    """The --workers of a precision_throughput invocation (0: clients in one process)."""
+    found = re.search(r"--workers\s+(\d+)", result.get("command", ""))
+    return int(found.group(1)) if found else 0
+
+
+def layout(workers: int, threads: int) -> str:
+    if workers:
+        return f"{workers} worker processes, 1 thread each"
+    return f"1 process, {threads} threads"
+
+
+def faster_or_slower(ratio: float) -> str:
+    return "faster" if ratio > 1 else "slower" if ratio < 1 else "the same"
+
+
+# ---------------------------------------------------------------------------- throughput
+
+
 def throughput_section() -> list[str]:
     inproc, workers = load("precision_throughput.json"), load("precision_throughput_workers.json")
-    if inproc is None:
-        return ["(run benchmarks/precision_throughput.py)"]
-    figures, goal = inproc["issue_figures"], inproc["goal"]
-    bare = {(r["precision"], r["memory_format"]): r["samples_per_s"] for r in inproc["bare"]}
-    base = bare[("fp32", "contiguous")]
+    external = load("external_figures.json")
+    if inproc is None or external is None:
+        return ["## Round throughput", "", "(run benchmarks/precision_throughput.py)", ""]
+    frameworks = external["frameworks"]
+    goal_of = external["goal"]["of"]
+    goal = external["goal"]["factor"] * frameworks[goal_of]["round_throughput"]
+    issue_bare = external["bare_loop"]["fp32 contiguous"]
     m = inproc["machine"]
+    commands = " and ".join(f"`{r['command']}`" for r in (inproc, workers) if r is not None)
     lines = [
         "## Round throughput: the issue-6 experiment",
         "",
-        "FedAvg, Fashion-MNIST, 20 clients, Dirichlet 0.1, 8 clients per round, 5 local epochs, "
-        "batch 64, SGD lr 0.01, momentum 0.9, McMahan's FedAvg CNN (`fedavg-cnn`, 582,026 "
-        "parameters), the global model tested every round. Round throughput = training samples "
-        "per second of round wall time, evaluation included.",
+        f"Issue 6's experiment: {external['experiment']}. Round throughput = {external['unit']}.",
         "",
-        f"fedskew rows: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, measured by "
-        "`benchmarks/precision_throughput.py` (first measurement: one repeat per row; 3 rounds, "
-        "the first left out; the repeated measurement below is the one to read). "
-        "Framework rows: the figures issue 6 gives for the frameworks on its 2-core machine "
-        "kind (not rerun here). The issue's machine had AMX; this one (AMD EPYC) has AVX-512 "
-        "BF16 but no AMX, and its bare fp32 loop runs at "
-        f"{base:,.0f} samples/s where the issue measured 3,600, so the column 'x own bare fp32 "
-        "loop' is the fairer comparison across the two machines.",
+        "- Rows from issue 6: the figures issue 6 gives for other frameworks "
+        f"({external['source']}; that machine: {external['machine']}; "
+        "[external_figures.json](benchmarks/results/external_figures.json)). The goal, "
+        f"{external['goal']['factor']}x {goal_of}'s figure = {goal:,} samples/s, is a figure "
+        "of that machine too.",
+        f"- fedskew rows: measured on {machine_text(m)} by {commands} (one repeat per row; "
+        "the repeated measurement below is the one to read); "
+        f"{inproc['setting']['rounds_setting']}.",
+        "- 'x own bare fp32 loop' divides by the bare fp32 loop of the row's own machine: "
+        f"issue 6's {issue_bare:,} samples/s for its rows, the same invocation's for "
+        "fedskew's.",
         "",
-        "| framework / configuration | round throughput (samples/s) | x own bare fp32 loop "
-        f"| x goal ({goal:,}) |",
-        "|---|---|---|---|",
+        "| source | framework / configuration | round throughput (samples/s) "
+        f"| x own bare fp32 loop | x goal ({goal:,}) |",
+        "|---|---|---|---|---|",
     ]
-    for name, value in figures.items():
-        lines.append(f"| {name} (issue 6) | {value:,} | {value / 3600:.2f} | {value / goal:.2f} |")
-    for label, result in (("1 process, 2 threads", inproc), ("2 worker processes", workers)):
+    for name, f in frameworks.items():
+        value = f["round_throughput"]
+        lines.append(
+            f"| issue 6 (another machine, not rerun) | {name} | {value:,} | "
+            f"{value / issue_bare:.2f} | {value / goal:.2f} |"
+        )
+    for source, result in (
+        ("precision_throughput.json", inproc),
+        ("precision_throughput_workers.json", workers),
+    ):
         if result is None:
             continue
-        own = {(r["precision"], r["memory_format"]): r["samples_per_s"] for r in result["bare"]}[
-            ("fp32", "contiguous")
-        ]
+        label = layout(workers_of(result), result["setting"]["threads"])
+        own = bare_fp32(result)
         for r in result["rounds"]:
             lines.append(
-                f"| fedskew {r['precision']} {r['memory_format']}, {label} | "
+                f"| {source} | fedskew {r['precision']} {r['memory_format']}, {label} | "
                 f"{r['round_throughput']:,.0f} | {r['round_throughput'] / own:.2f} | "
                 f"{r['round_throughput'] / goal:.2f} |"
             )
+    bare = {(r["precision"], r["memory_format"]): r["samples_per_s"] for r in inproc["bare"]}
+    base = bare[("fp32", "contiguous")]
     lines += [
         "",
-        "Bare PyTorch loop on this machine (same model, batch 64, pre-made tensors, 2 threads):",
+        f"Bare PyTorch loop, {machine_text(m)} (same model, batch 64, pre-made tensors, "
+        f"{inproc['setting']['threads']} threads; from precision_throughput.json):",
         "",
         "| precision | memory format | samples/s | x fp32 contiguous |",
         "|---|---|---|---|",
     ]
     for (precision, fmt), value in bare.items():
         lines.append(f"| {precision} | {fmt} | {value:,.0f} | {value / base:.2f} |")
-    repeats = load("throughput_repeats.json")
-    lines += ["", *repeats_section(repeats, goal, flower=figures["Flower 1.42 simulation (Ray)"])]
     lines += [
         "",
-        "Details, per-run commands and the evaluation share: "
+        *repeats_section(load("throughput_repeats.json"), external, goal),
+        "",
+        *defaults_evidence(inproc, workers, load("throughput_repeats.json")),
+        "",
+        "Details, each run's command and the evaluation share: "
         "[precision_throughput.md](benchmarks/results/precision_throughput.md), "
         "[precision_throughput_workers.md](benchmarks/results/precision_throughput_workers.md), "
         "[throughput_repeats.md](benchmarks/results/throughput_repeats.md).",
@@ -94,77 +132,136 @@ def throughput_section() -> list[str]:
     return lines
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+def bare_fp32(result: dict[str, Any]) -> float:
+    return next(
+        r["samples_per_s"]
+        for r in result["bare"]
+        if r["precision"] == "fp32" and r["memory_format"] == "contiguous"
+    )
 
 
-def repeats_section(result: dict | None, goal: int, flower: int) -> list[str]:
-    """The repeated, interleaved measurement: the conclusion and the defaults rest on it."""
+def repeats_section(result: dict | None, external: dict[str, Any], goal: int) -> list[str]:
+    """The repeated, interleaved measurement, and the conclusions computed from it."""
     if result is None:
         return ["(run benchmarks/throughput_repeats.py)"]
-    m, n = result["machine"], result["setting"]["repeat"]
+    m, s = result["machine"], result["setting"]
+    n = s["repeat"]
+    goal_of = external["goal"]["of"]
+    flower = external["frameworks"][goal_of]["round_throughput"]
+    issue_bare = external["bare_loop"]["fp32 contiguous"]
     bare: dict[tuple[str, bool], list[float]] = {}
     for r in result["bare"]:
         bare.setdefault((r["precision"], r["compiled"]), []).append(r["samples_per_s"])
-    own = median(bare[("fp32", False)])
+    own = statistics.median(bare[("fp32", False)])
     lines = [
-        f"Repeated measurement ({n} repeats, every variant once per repeat, order alternating; "
-        f"`benchmarks/throughput_repeats.py`, {m['cpu']}, {m['cores']} cores, torch "
-        f"{m['torch']}; channels_last; median [min-max]). The bare fp32 loop of the same "
-        f"invocation ran at {own:,.0f} samples/s (median), so 'x own bare fp32 loop' uses that:",
+        f"Repeated measurement: `{result['command']}` on {machine_text(m)}; {n} repeats, "
+        "every variant once per repeat, order alternating; channels_last; median [min-max]. "
+        f"The bare fp32 loop of the same invocation ran at {own:,.0f} samples/s (median).",
         "",
         "| fedskew configuration | round throughput (samples/s) | x own bare fp32 loop "
-        f"| x goal ({goal:,}) | x Flower's figure |",
+        f"| x goal ({goal:,}; issue 6) | x {goal_of}'s figure (issue 6) |",
         "|---|---|---|---|---|",
     ]
-    best = (0.0, "", [])
+    rows: list[tuple[float, str, list[float]]] = []
     for precision in ("fp32", "bf16"):
-        for workers, label in ((0, "1 process, 2 threads"), (1, "2 worker processes")):
+        for workers in sorted({r["workers"] for r in result["rounds"]}):
             vals = [
                 r["round_throughput"]
                 for r in result["rounds"]
-                if r["precision"] == precision and bool(r["workers"]) == bool(workers)
+                if r["precision"] == precision and r["workers"] == workers
             ]
             if not vals:
                 continue
-            med = median(vals)
+            med = statistics.median(vals)
+            label = f"{precision} channels_last, {layout(workers, s['threads'])}"
+            rows.append((med, label, vals))
             lines.append(
-                f"| {precision} channels_last, {label} | {med:,.0f} [{min(vals):,.0f}-"
-                f"{max(vals):,.0f}] | {med / own:.2f} | {med / goal:.2f} | {med / flower:.2f} |"
+                f"| {label} | {med:,.0f} [{min(vals):,.0f}-{max(vals):,.0f}] | "
+                f"{med / own:.2f} | {med / goal:.2f} | {med / flower:.2f} |"
             )
-            if med > best[0]:
-                best = (med, f"{precision} channels_last with {label}", vals)
-    med, label, vals = best
-    flower_ratio = flower / 3600
-    bf16_gain = median(bare[("bf16", False)]) / own
-    compiled = {p: median(bare[(p, True)]) / median(bare[(p, False)]) for p in ("fp32", "bf16")}
+    med, label, vals = max(rows)
+    reached = med >= goal
+    flower_own = flower / issue_bare
     lines += [
         "",
-        f"**Goal not reached on this machine.** The fastest configuration, {label}, runs at "
-        f"{med:,.0f} samples/s (median of {n}; best {max(vals):,.0f}): {med / goal:.2f} of the "
-        f"3x-Flower goal ({goal:,}) and {med / flower:.2f}x Flower's figure in absolute terms. "
-        f"Against each machine's own bare fp32 loop it is {med / own:.2f}x where Flower's "
-        f"figure is {flower_ratio:.2f}x of the issue machine's loop (3,600), about "
-        f"{med / own / flower_ratio:.1f}x Flower. Why not 3x: bf16 with channels_last speeds the "
-        f"bare loop up {bf16_gain:.1f}x here (AVX-512 BF16, no AMX) against 2.6x "
-        "(3,600 -> 9,300) on the issue's AMX machine. The two-thread bare bf16 loop runs at "
-        f"{median(bare[('bf16', False)]):,.0f} samples/s here; two one-thread worker processes "
-        "get past it by training two clients at once, but 3x Flower would need another "
-        f"{goal / med:.2f}x from the hardware. "
-        "torch.compile (inductor) does not help: compiled / eager in the bare loop is "
-        f"{compiled['fp32']:.2f} in fp32 and {compiled['bf16']:.2f} in bf16 (same repeats).",
-        "",
-        "Defaults chosen from these measurements: `channels_last` for convolutional models "
-        "(faster in every pair of the first measurement); `--precision fp32` stays the default "
-        "for exactness (bf16 is opt-in; its accuracy is checked below); `--workers auto`, the "
-        "default, runs clients in one-thread worker processes (one per core, at most the "
-        "clients per round) under bf16, where they were faster in every repeat, and in one "
-        "process under fp32, where they were not (table above). The choice changes speed only; "
-        "metrics are identical (tests/test_workers.py). torch.compile is not used.",
+        f"Fastest configuration (median): {label}, {med:,.0f} samples/s (best of {n}: "
+        f"{max(vals):,.0f}). Against the goal ({goal:,}, from issue 6's figures on another "
+        f"machine): {med / goal:.2f}, goal **{'reached' if reached else 'not reached'}**"
+        + ("" if reached else f" (it needs {goal / med:.2f}x more)")
+        + f". Each against its own machine's bare fp32 loop: fedskew {med / own:.2f}x "
+        f"(this invocation), {goal_of} {flower_own:.2f}x (issue 6: {flower:,} / "
+        f"{issue_bare:,}); ratio {med / own / flower_own:.2f}.",
     ]
+    gain, issue_gain = bf16_gain(), external["bare_loop"]["bf16 channels_last"] / issue_bare
+    if gain:
+        lines += [
+            "",
+            f"Bare loop, bf16 channels_last / fp32 contiguous: {gain:.2f} here "
+            f"(precision_throughput.json) and {issue_gain:.2f} in issue 6 "
+            f"({external['bare_loop']['bf16 channels_last']:,} / {issue_bare:,}, another "
+            "machine).",
+        ]
+    compiled = {
+        p: statistics.median(bare[(p, True)]) / statistics.median(bare[(p, False)])
+        for p in ("fp32", "bf16")
+        if (p, True) in bare and (p, False) in bare
+    }
+    if compiled:
+        parts = ", ".join(
+            f"{p}: {c:.2f} ({faster_or_slower(c)} compiled)" for p, c in compiled.items()
+        )
+        lines += ["", f"torch.compile (inductor), compiled / eager in the bare loop: {parts}."]
     return lines
+
+
+def bf16_gain() -> float:
+    result = load("precision_throughput.json")
+    if result is None:
+        return 0.0
+    bare = {(r["precision"], r["memory_format"]): r["samples_per_s"] for r in result["bare"]}
+    return bare[("bf16", "channels_last")] / bare[("fp32", "contiguous")]
+
+
+def defaults_evidence(
+    inproc: dict[str, Any], workers: dict | None, repeats: dict | None
+) -> list[str]:
+    """Counts behind the defaults (src/fedskew/building.py use_channels_last, config.py
+    effective_workers), computed from the measurements above."""
+    pairs = wins = 0
+    for result in (inproc, workers):
+        if result is None:
+            continue
+        by = {(r["repeat"], r["precision"], r["memory_format"]): r for r in result["rounds"]}
+        for (rep, precision, fmt), r in by.items():
+            if fmt == "channels_last" and (rep, precision, "contiguous") in by:
+                pairs += 1
+                wins += r["round_throughput"] > by[rep, precision, "contiguous"]["round_throughput"]
+    lines = [
+        "What the defaults rest on (`use_channels_last` in src/fedskew/building.py, "
+        "`effective_workers` in src/fedskew/config.py): channels_last had the higher round "
+        f"throughput in {wins} of {pairs} channels_last/contiguous pairs of the first "
+        "measurement"
+    ]
+    if repeats is not None:
+        by = {(r["repeat"], r["precision"], r["workers"]): r for r in repeats["rounds"]}
+        counts = []
+        for precision in ("fp32", "bf16"):
+            keys = [k for k in by if k[1] == precision and k[2]]
+            won = sum(
+                by[k]["round_throughput"] > by[k[0], precision, 0]["round_throughput"]
+                for k in keys
+                if (k[0], precision, 0) in by
+            )
+            counts.append(f"{won} of {len(keys)} repeats in {precision}")
+        lines[0] += (
+            "; worker processes had the higher round throughput than one process with all "
+            "threads in " + " and ".join(counts)
+        )
+    lines[0] += ". Metrics do not depend on the engine (tests/test_workers.py)."
+    return lines
+
+
+# ---------------------------------------------------------------------------- other sections
 
 
 def round_time_reading() -> list[str]:
@@ -177,13 +274,61 @@ def round_time_reading() -> list[str]:
     return [
         "## Round time per algorithm: how to read it",
         "",
-        f"{repeats} repeat(s) with one thread per run on an otherwise idle machine; FedAvg runs "
-        f"first, in the middle and last of every repeat, and its own ratios spread "
+        f"{repeats} repeat(s), {result['threads']} thread(s) per run; FedAvg runs first, in "
+        "the middle and last of every repeat, and its own ratios spread "
         f"{fedavg['ratio_min']:.2f}-{fedavg['ratio_max']:.2f}: ratios within that spread of 1 "
         "do not tell algorithms apart. The extra-passes column is counted from the code and "
         "does not depend on the run.",
         "",
     ]
+
+
+COMMAND_COLUMNS = {"command", "commands", "call"}
+
+
+def split_row(line: str) -> list[str]:
+    """The cells of a Markdown table row; a '|' inside backticks stays in its cell."""
+    cells, cell, code = [], "", False
+    for ch in line.strip()[1:]:
+        if ch == "`":
+            code = not code
+        if ch == "|" and not code:
+            cells.append(cell)
+            cell = ""
+        else:
+            cell += ch
+    return cells
+
+
+def without_commands(body: list[str]) -> list[str]:
+    """A result file as BENCHMARKS.md shows it: without its 'Commands' sections and without
+    table columns of per-run commands (they stay in the result file, which is linked)."""
+    out: list[str] = []
+    skip_level = 0
+    drop: list[int] = []
+    for i, line in enumerate(body):
+        heading = re.match(r"(#+)\s+(.*)", line)
+        if heading:
+            level = len(heading.group(1))
+            if skip_level and level > skip_level:
+                continue
+            skip_level = level if heading.group(2).strip().lower() == "commands" else 0
+            if skip_level:
+                continue
+        elif skip_level:
+            continue
+        if line.startswith("|"):
+            nxt = body[i + 1] if i + 1 < len(body) else ""
+            if nxt.startswith("|---") or nxt.startswith("|:--") or nxt.startswith("|--:"):
+                cells = split_row(line)
+                drop = [j for j, c in enumerate(cells) if c.strip().lower() in COMMAND_COLUMNS]
+            if drop:
+                cells = split_row(line)
+                line = "|" + "|".join(c for j, c in enumerate(cells) if j not in drop) + "|"
+        else:
+            drop = []
+        out.append(line)
+    return out
 
 
 def include(title: str, name: str, script: str) -> list[str]:
@@ -193,20 +338,33 @@ def include(title: str, name: str, script: str) -> list[str]:
     body = path.read_text().splitlines()
     if body and body[0].startswith("# "):
         body = body[1:]
+    shown = without_commands(body)
+    removed = len(shown) < len(body) or any(a != b for a, b in zip(shown, body, strict=False))
+    body = shown
+    suffix = ", with every run's command" if removed else ""
     # Nested under this file's sections: demote headings one level.
     body = ["#" + line if line.startswith("#") else line for line in body]
-    body = [line.replace("](compare_", "](benchmarks/results/compare_") for line in body]
-    return [f"## {title}", *body, ""]
+    body = [re.sub(r"\]\((?!https?:|#|benchmarks/)([^)]+)\)", rf"]({LINK}\1)", x) for x in body]
+    while body and not body[-1].strip():
+        body.pop()
+    return [
+        f"## {title}",
+        *body,
+        "",
+        f"Full result{suffix}: [{name}]({LINK}{name}).",
+        "",
+    ]
 
 
 def main() -> None:
     lines = [
         "# Benchmarks",
         "",
-        "Produced by `python benchmarks/make_benchmarks_md.py` from the result files of the "
-        "scripts it names; each section says which script, machine, data and seeds. Speed "
-        "figures are ratios inside one run of one script; absolute samples/s depend on the "
-        "machine.",
+        "Assembled by `python benchmarks/make_benchmarks_md.py` from the result files under "
+        "benchmarks/results/; [benchmarks/README.md](benchmarks/README.md) says which script "
+        "makes which file and how to rerun it. Each section names its script, machine, data "
+        "and seeds; figures measured elsewhere are marked as such. Speed figures compare "
+        "rows of one invocation; absolute samples/s depend on the machine.",
         "",
         *throughput_section(),
         *include(
@@ -222,7 +380,7 @@ def main() -> None:
         ),  # fmt: skip
         *include("Scale", "scale.md", "python benchmarks/scale.py"),
         *include(
-            "Flower simulation against the in-process engine",
+            "Flower's simulation against fedskew's engines",
             "flower_round_time.md",
             "python benchmarks/flower_round_time.py",
         ),  # fmt: skip

@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe  # noqa: E402
+from machine import machine_facts  # noqa: E402
+from runinfo import data_summary, describe_facts, run_facts  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SETTING = [
@@ -94,15 +95,38 @@ def main() -> None:
         sd = f" ± {statistics.stdev(v):.2f}" if len(v) > 1 else ""
         return f"{statistics.mean(v):+.2f}{sd}" if v else "n/a"
 
-    m = describe()
+    finished = {
+        f"{p}-s{s}": out / f"{p}-s{s}"
+        for s in args.seeds
+        for p in ("fp32", "bf16")
+        if (out / f"{p}-s{s}" / "summary.json").exists()
+    }
+    facts = {name: run_facts(folder) for name, folder in finished.items()}
+    data_line, differ = data_summary(facts)
+    per_run = (
+        "".join(f"- {name}: {describe_facts(f)}\n" for name, f in facts.items()) + "\n"
+        if differ
+        else ""
+    )
+    machines = (
+        ", ".join(
+            sorted(
+                {f"{p['cpu']}, {p['cores']} cores" for f in facts.values() for p in f["processes"]}
+            )
+        )
+        or "not recorded (the runs predate processes.jsonl)"
+    )
+    m = machine_facts()
     text = (
         "# bf16 autocast against fp32: accuracy\n\n"
         f"Produced by `python benchmarks/precision_accuracy.py --rounds {args.rounds} "
-        f"--seeds {' '.join(map(str, args.seeds))}` on {m['cpu']}, {m['cores']} cores, "
-        f"torch {m['torch']}; {args.jobs} runs at a time, {args.threads} thread each.\n\n"
-        f"Data: Fashion-MNIST (official files). Setting: `fedskew run {' '.join(SETTING)} "
+        f"--seeds {' '.join(map(str, args.seeds))}`; report made on {m['cpu']}, "
+        f"{m['cores']} cores, torch {m['torch']}. Runs computed on: {machines}; "
+        f"{args.jobs} runs at a time, {args.threads} thread each.\n\n"
+        f"Data: Fashion-MNIST; {data_line}. Setting: `fedskew run {' '.join(SETTING)} "
         f"-r {args.rounds} --precision fp32|bf16 --seed S`.\n\n"
-        f"| seed | fp32 final (%) | bf16 final (%) | difference | fp32 last {LAST} (%) "
+        + per_run
+        + f"| seed | fp32 final (%) | bf16 final (%) | difference | fp32 last {LAST} (%) "
         f"| bf16 last {LAST} (%) | difference | fp32 training samples/s | bf16 training "
         "samples/s |\n|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
         f"bf16 - fp32, mean ± sd over seeds: final {mean_sd(diffs_final)} points, "

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe  # noqa: E402
+from machine import machine_facts  # noqa: E402
 
 from fedskew.config import ExperimentConfig  # noqa: E402
 from fedskew.data.sources import load_dataset  # noqa: E402
@@ -48,9 +48,11 @@ FORMATS = ("contiguous", "channels_last")
 BATCH = 64
 LR = 0.01
 MOMENTUM = 0.9
-# Round throughput of the frameworks, as measured for issue 6 on the 2-core machine kind.
-ISSUE_FIGURES = {"PFLlib": 3347, "FL-bench": 3140, "Flower 1.42 simulation (Ray)": 3962}
-GOAL = 3 * ISSUE_FIGURES["Flower 1.42 simulation (Ray)"]
+# The frameworks' round throughput and the goal, from issue 6 (another machine, not rerun
+# here): read from the data file that states their source.
+EXTERNAL = json.loads((RESULTS / "external_figures.json").read_text())
+ISSUE_FIGURES = {k: v["round_throughput"] for k, v in EXTERNAL["frameworks"].items()}
+GOAL = EXTERNAL["goal"]["factor"] * ISSUE_FIGURES[EXTERNAL["goal"]["of"]]
 
 
 def forward_context(precision: str) -> contextlib.AbstractContextManager[object]:
@@ -197,8 +199,9 @@ def markdown(result: dict[str, Any], command: str) -> str:
         "| repeat | precision | memory format | round throughput (samples/s) | training alone "
         f"| evaluation share | x goal ({GOAL:,}) | final accuracy |\n"
         "|---|---|---|---|---|---|---|---|\n" + "\n".join(round_rows) + "\n\n"
-        f"The goal is 3x Flower's round throughput as measured for issue 6 ({figures} "
-        "samples/s on the 2-core machine kind); it only applies to runs on that machine kind.\n\n"
+        f"The goal is {EXTERNAL['goal']['factor']}x the round throughput of "
+        f"{EXTERNAL['goal']['of']} in issue 6 ({figures} samples/s; "
+        f"{EXTERNAL['source']}: benchmarks/results/external_figures.json).\n\n"
         "Each rounds row is the same experiment as:\n\n" + commands + "\n"
     )
 
@@ -261,7 +264,7 @@ def main() -> None:
     bare.sort(key=lambda r: (r["repeat"], variants.index((r["precision"], r["memory_format"]))))
     rounds.sort(key=lambda r: (r["repeat"], variants.index((r["precision"], r["memory_format"]))))
     result = {
-        "machine": describe(),
+        "machine": machine_facts(),
         "data_source": data.source,
         "setting": {
             "threads": args.threads,

@@ -35,6 +35,7 @@ def curves_png(records: list[RunRecord], title: str = "") -> bytes | None:
     FigureCanvasAgg(fig)
     ax_acc, ax_loss = fig.subplots(1, 2)
     drawn = False
+    loss_range: list[float] = []  # lowest and highest loss drawn
     for i, (method, recs) in enumerate(by_method.items()):
         color = f"C{i % 10}"
         for ax, key, scale in ((ax_acc, "accuracy", 100.0), (ax_loss, "loss", 1.0)):
@@ -42,6 +43,11 @@ def curves_png(records: list[RunRecord], title: str = "") -> bytes | None:
             if band is None:
                 continue
             rounds, mean, low, high = band
+            if key == "loss" and np.isfinite(high).any():
+                lo, hi = float(np.nanmin(low)), float(np.nanmax(high[np.isfinite(high)]))
+                loss_range[:] = (
+                    [min(loss_range[0], lo), max(loss_range[1], hi)] if loss_range else [lo, hi]
+                )
             n = len(recs)
             label = f"{method} ({n} seed{'s' if n != 1 else ''})"
             ax.plot(rounds, scale * mean, color=color, label=label, linewidth=1.4)
@@ -56,10 +62,10 @@ def curves_png(records: list[RunRecord], title: str = "") -> bytes | None:
         ax.set_xlabel("round")
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    low, high = ax_loss.get_ylim()
-    if low > 0 and high / low > 20:  # a diverging method would flatten the others
-        ax_loss.set_yscale("log")
-    ax_acc.legend(fontsize=7, loc="lower right")
+    if loss_range and loss_range[0] > 0 and loss_range[1] / loss_range[0] > 20:
+        ax_loss.set_yscale("log")  # a diverging method would flatten the others
+    handles, labels = ax_acc.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(4, len(labels)), fontsize=8)
     if title:
         fig.suptitle(title)
     buf = io.BytesIO()

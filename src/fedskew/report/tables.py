@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedskew.config import EXECUTION_ONLY
+from fedskew.config import EXECUTION_ONLY, ExperimentConfig
 from fedskew.report.document import Block, Bullets, Heading, Para, Table
 from fedskew.report.runs import NOT_RECORDED, RunRecord, provenance
 
@@ -147,7 +147,8 @@ def _paired_cell(row: MethodRow, options: Options) -> str:
     if not row.paired:
         return "n/a (no common seed)"
     d = np.array(list(row.paired.values()))
-    return f"{mean_std(d, sign=True)} ({int((d > 0).sum())}/{d.size} seeds up)"
+    value = mean_std(d, sign=True).removesuffix(" (1 seed)")
+    return f"{value} ({int((d > 0).sum())}/{d.size} seed{'s' if d.size > 1 else ''} up)"
 
 
 def comparison_table(rows: list[MethodRow], options: Options) -> Table:
@@ -445,7 +446,7 @@ HIDDEN_KEYS = frozenset(EXECUTION_ONLY) | {"seed", "checkpoint_every"}
 
 def _value(v: object) -> str:
     if isinstance(v, dict):
-        return ", ".join(f"{k}={_value(x)}" for k, x in v.items()) or "{}"
+        return "{" + ", ".join(f"{k}={_value(x)}" for k, x in v.items()) + "}"
     return json.dumps(v) if v is None or isinstance(v, bool) else str(v)
 
 
@@ -466,12 +467,13 @@ def configuration_blocks(records: list[RunRecord], heading_level: int = 2) -> li
     if not records:
         return []
     h = heading_level
-    keys = list(dict.fromkeys(k for r in records for k in r.config if k not in HIDDEN_KEYS))
-    missing = object()
+    # A key a run folder lacks (written before the option existed) had its default.
+    defaults = ExperimentConfig().to_dict()
+    configs = [{**defaults, **r.config} for r in records]
+    keys = list(dict.fromkeys(k for c in configs for k in c if k not in HIDDEN_KEYS))
     common = [
         k for k in keys
-        if len({json.dumps(r.config.get(k, missing), sort_keys=True, default=str)
-                for r in records}) == 1
+        if len({json.dumps(c.get(k), sort_keys=True, default=str) for c in configs}) == 1
     ]  # fmt: skip
     varying = [k for k in keys if k not in common]
     blocks: list[Block] = [Heading(h, "Configuration")]
@@ -481,7 +483,7 @@ def configuration_blocks(records: list[RunRecord], heading_level: int = 2) -> li
             f"From the runs' config.json; seeds {', '.join(map(str, seeds))}. Shared by every run:"
         )
     )
-    pairs = [(k, _value(records[0].config[k])) for k in common]
+    pairs = [(k, _value(configs[0][k])) for k in common]
     blocks.append(columns(pairs, ("option", "value"), per_row=3))
     resolved_keys = ("model", "num_clients", "clients_per_round", "num_classes",
                      "train_samples", "test_samples")  # fmt: skip
@@ -494,14 +496,19 @@ def configuration_blocks(records: list[RunRecord], heading_level: int = 2) -> li
         blocks.append(Para("As the runs resolved them:"))
         blocks.append(columns([(k, v) for k, v in facts], ("fact", "value"), per_row=3))
     rows, seen = [], set()
-    for r in records:
+    for r, c in zip(records, configs, strict=True):
         if (r.setting, r.method) in seen:
             continue
         seen.add((r.setting, r.method))
-        diff = "; ".join(f"{k}={_value(r.config.get(k))}" for k in varying) or "-"
+        diff = "; ".join(f"{k}={_value(c.get(k))}" for k in varying) or "-"
         params = r.resolved.get("algorithm_params")
         rows.append(
-            [r.setting or "-", r.method, diff, NOT_RECORDED if params is None else _value(params)]
+            [
+                r.setting or "-",
+                r.method,
+                diff,
+                NOT_RECORDED if params is None else _value(params)[1:-1] or "none",
+            ]
         )
     blocks.append(Para("Per setting and method:"))
     blocks.append(

@@ -21,6 +21,7 @@ check that the clients and the accuracy curves are identical. Other processes ma
 machine: the 1-minute load average is recorded before and after every run.
 
     python benchmarks/flower_round_time.py [--rounds 5] [--threads 1]     # a few minutes
+    python benchmarks/flower_round_time.py --report-only    # the .md again from the .json
 """
 
 from __future__ import annotations
@@ -209,19 +210,38 @@ def report_md(report: dict[str, Any]) -> str:
         f"{report['load1_start']} at the start and {report['load1_end']} at the end (other "
         "processes may share the machine; each run's is in the table).",
         "",
-        f"Like with like, the same thread budget ({budget} threads): Flower's median round "
-        "time divided by fedskew's (above 1: fedskew faster).",
+        f"Like with like, the same thread budget ({budget} threads as Flower's): Flower's "
+        "median round time divided by fedskew's (above 1: fedskew faster).",
         "",
     ]
-    for key, text in report["headline"].items():
+    runs = {r["engine"]: r for r in results}
+    # Files written before "run_of" existed: main() runs them in this order.
+    run_of = report.get("run_of") or {
+        "workers": results[1]["engine"],
+        "one_process": results[2]["engine"],
+        "reference": results[-1]["engine"],
+    }
+    for key in ("workers", "one_process", "reference"):
+        if key not in report["ratios"]:
+            continue
+        r = runs[run_of[key]]
         ratio = report["ratios"][key]
-        lines.append(f"- against {text}: **{ratio:.2f}** (fedskew {speed_word(ratio)} in this run)")
-    if "reference" in report["ratios"]:
-        ratio = report["ratios"]["reference"]
         lines.append(
-            f"- not like with like, against {report['reference']}: {ratio:.2f} (fedskew "
-            f"{speed_word(ratio)} in this run)"
+            ("- " if key != "reference" else "- not like with like: ")
+            + f"fedskew with {r['threads_in_use']} thread(s) ({r['engine']}): "
+            + (f"{ratio:.2f}" if key == "reference" else f"**{ratio:.2f}**")
+            + f" (fedskew {speed_word(ratio)} in this run)"
         )
+    loads = [report["load1_start"], report["load1_end"]] + [
+        x for r in results for x in (r["load1_before"], r["load1_after"])
+    ]
+    if max(loads) > m["cores"]:
+        lines += [
+            "",
+            f"The 1-minute load average reached {max(loads)} on these {m['cores']} cores "
+            "during the runs: other processes competed for the CPU, so these round times "
+            "are not those of an idle machine, and a run's time depends on when it ran.",
+        ]
     lines += ["", "Configurations, from what each run recorded:", ""]
     lines += [f"- {r['engine']}: {describe(r)}" for r in results]
     lines += [
@@ -274,7 +294,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (T)")
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rewrite flower_round_time.md from flower_round_time.json; run nothing",
+    )
     args = ap.parse_args()
+    if args.report_only:
+        report = json.loads((RESULTS / "flower_round_time.json").read_text())
+        (RESULTS / "flower_round_time.md").write_text(report_md(report))
+        return
     invocation = "python benchmarks/flower_round_time.py " + " ".join(
         shlex.quote(a) for a in sys.argv[1:]
     )
@@ -358,10 +387,12 @@ def main() -> None:
         ),
         "headline": headline,
         "ratios": ratios,
+        "run_of": {"workers": workers["engine"], "one_process": one_process["engine"]},
     }
     if budget != T:
         report["reference"] = f"fedskew's in one process with {T} torch thread(s)"
         report["ratios"]["reference"] = ratio(results[-1])
+        report["run_of"]["reference"] = results[-1]["engine"]
     (RESULTS / "flower_round_time.json").write_text(json.dumps(report, indent=1) + "\n")
     text = report_md(report)
     (RESULTS / "flower_round_time.md").write_text(text)

@@ -1,6 +1,6 @@
 """FedROD, FedNH, CReFF and generalised FedProto: each distinctive mechanism against values
-computed here by hand, per-client state, and each method end to end through the CLI (same
-clients as FedAvg, exact traffic per round)."""
+computed here by hand, per-client state, and each method end to end through the CLI (exact
+traffic per round)."""
 
 from __future__ import annotations
 
@@ -633,11 +633,6 @@ def digits():
     return {"P": total, "body": body, "d": 200, "C": 10, "held": held, "classes": classes}
 
 
-@pytest.mark.parametrize("name", list(DEFAULTS))
-def test_same_clients_as_fedavg(runs, name):
-    assert [r["clients"] for r in runs[name]] == [r["clients"] for r in runs["fedavg"]]
-
-
 def test_fedavg_reference_traffic(runs, digits):
     for r in runs["fedavg"]:
         assert r["bytes_down"] == 8 * 4 * digits["P"]
@@ -698,7 +693,8 @@ def test_fedproto_traffic(runs, digits):
 )
 def test_switches_run_end_to_end(tmp_path, runs, name, args):
     rows = cli_run(tmp_path, "r", "-a", name, *args)
-    assert [r["clients"] for r in rows] == [r["clients"] for r in runs["fedavg"]]
+    assert [r["round"] for r in rows] == [r["round"] for r in runs["fedavg"]]
+    assert all(math.isfinite(r["accuracy"]) and math.isfinite(r["train_loss"]) for r in rows)
 
 
 @pytest.mark.parametrize("name", list(DEFAULTS))

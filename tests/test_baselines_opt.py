@@ -559,13 +559,11 @@ def expected_bytes(algorithm: str) -> tuple[int, int]:
         ("fednova", []),
     ],
 )
-def test_runs_end_to_end_with_exact_traffic(tmp_path, fedavg_records, algorithm, extra):
+def test_runs_end_to_end_with_exact_traffic(tmp_path, algorithm, extra):
     records = run_cli(tmp_path, algorithm, "-a", algorithm, *extra)
     assert [r["round"] for r in records] == [1, 2, 3]
     assert all(math.isfinite(r["accuracy"]) and 0 <= r["accuracy"] <= 1 for r in records)
     assert all(math.isfinite(r["train_loss"]) for r in records)
-    # same seed, same pre-sampled clients as FedAvg
-    assert [r["clients"] for r in records] == [r["clients"] for r in fedavg_records]
     down, up = expected_bytes(algorithm)
     assert all(r["bytes_down"] == down and r["bytes_up"] == up for r in records), records[0]
     assert all(r["exchanges"] == 1 for r in records)

@@ -116,3 +116,20 @@ def test_document_renders_both_ways():
     page = to_html(blocks, "T")
     assert "<code>code</code>" in page and "&lt;b&gt;" in page and "<strong>bold</strong>" in page
     assert "data:image/png;base64," in page
+
+
+def test_report_of_a_grid_with_settings(grid, tmp_path):
+    """Run folders one level down are one setting per subfolder: an overview table with the
+    settings across, and each setting's own tables, curves and partition."""
+    import shutil
+
+    root = tmp_path / "grid"
+    for setting in ("beta0.5", "iid"):
+        for run in ("fedavg-s0", "prox-s0"):
+            shutil.copytree(grid / run, root / setting / run)
+    assert main(["report", str(root)]) == 0
+    md = (root / "report.md").read_text()
+    assert "Overview: mean of the last 10 rounds (%)" in md
+    assert "| method | beta0.5 | iid |" in md
+    assert md.count("### Setting beta0.5") == 1 and "curves-iid.png" in md
+    assert (root / "report_files" / "partition-beta0.5-s0.png").is_file()

@@ -125,8 +125,8 @@ def test_report_of_a_grid_with_settings(grid, tmp_path):
 
     root = tmp_path / "grid"
     for setting in ("beta0.5", "iid"):
-        for run in ("fedavg-s0", "prox-s0"):
-            shutil.copytree(grid / run, root / setting / run)
+        for folder in ("fedavg-s0", "prox-s0"):
+            shutil.copytree(grid / folder, root / setting / folder)
     assert main(["report", str(root)]) == 0
     md = (root / "report.md").read_text()
     assert "Overview: mean of the last 10 rounds (%)" in md

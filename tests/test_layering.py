@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fedskew.algorithms",),
     ("fedskew.building", "fedskew.checkpoint"),
     ("fedskew.engine",),
-    ("fedskew.experiment",),
+    ("fedskew.experiment", "fedskew.measurements"),
     # apps; the package's __init__ offers the Python API (fedskew.run)
     # compare and reporting read checkpoints and start runs; report/ only formats.
     ("fedskew", "fedskew.api", "fedskew.cli", "fedskew.flower_app", "fedskew.__main__",

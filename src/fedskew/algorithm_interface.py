@@ -134,6 +134,11 @@ class Algorithm:
     Params: ClassVar[type]
     Server: ClassVar[type[ServerLogic]]
     Client: ClassVar[type[ClientLogic]]
+    # Whether a reply holding an array for every entry of the model's state is the client's
+    # trained model (what the run loop's local-model metrics score). False where replies
+    # carry arrays named like the model's that are something else (FedNova's normalised
+    # updates).
+    replies_carry_local_models: ClassVar[bool] = True
 
     @classmethod
     def adapt_model(cls, params: Any, model: torch.nn.Module) -> torch.nn.Module:

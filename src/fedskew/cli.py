@@ -115,6 +115,27 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--eval-every", type=int, help="evaluate every N rounds (default 1)")
     p.add_argument(
+        "--feature-metrics-every",
+        type=int,
+        metavar="N",
+        help="every N rounds and the last: NMI of k-means clusters and silhouette of the "
+        "global model's test features (FedFM Table IV; default 0: off)",
+    )
+    p.add_argument(
+        "--local-risk-every",
+        type=int,
+        metavar="N",
+        help="every N rounds and the last: risk of the round's local models over client "
+        "distributions (FedACD; default 0: off)",
+    )
+    p.add_argument(
+        "--tsne",
+        action="store_const",
+        const=True,
+        help="write tsne.png into the run folder: t-SNE of the final global model's test "
+        "features, coloured by class",
+    )
+    p.add_argument(
         "--memory-format",
         choices=["auto", "channels_last", "contiguous"],
         help="tensor layout (default auto: channels_last for convolutional models)",
@@ -186,6 +207,9 @@ def cli_values(args: argparse.Namespace) -> dict[str, Any]:
         "grad_clip",
         "feature_matching",
         "eval_every",
+        "feature_metrics_every",
+        "local_risk_every",
+        "tsne",
         "checkpoint_every",
         "memory_format",
         "precision",

@@ -48,6 +48,10 @@ class ExperimentConfig:
     params: dict[str, Any] = field(default_factory=dict)  # algorithm hyper-parameters
     feature_matching: bool = False  # FedFM's anchor feature matching as a plug-in
     eval_every: int = 1
+    # Metrics besides accuracy (fedskew.metrics.features), every N rounds and the last; 0: off.
+    feature_metrics_every: int = 0  # NMI (k-means) and silhouette of the test body features
+    local_risk_every: int = 0  # risk of the round's local models over client distributions
+    tsne: bool = False  # t-SNE plot of the final global model's test features: tsne.png
     seed: int = 0
     synthetic_alpha: float = 1.0
     synthetic_beta: float = 1.0
@@ -105,6 +109,12 @@ class ExperimentConfig:
             raise UsageError(f"weight-decay must be >= 0, got {self.weight_decay}")
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
             raise UsageError(f"checkpoint-every must be >= 0, got {self.checkpoint_every!r}")
+        for key in ("feature_metrics_every", "local_risk_every"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise UsageError(
+                    f"{key.replace('_', '-')} must be an integer >= 0 (0: off), got {value!r}"
+                )
         if self.memory_format not in MEMORY_FORMATS:
             raise UsageError(
                 f"memory-format must be one of {', '.join(MEMORY_FORMATS)}, "
@@ -168,9 +178,16 @@ def check_run_name(name: str) -> None:
         )
 
 
+# What a run measures besides its training: extra metrics never change the model, so a
+# checkpoint made with other values (or before these options existed) still fits.
+MEASUREMENT_ONLY = ("feature_metrics_every", "local_risk_every", "tsne")
+
+
 def config_hash(cfg: ExperimentConfig) -> str:
-    """A short hash of what a run computes (its configuration without EXECUTION_ONLY)."""
-    values = {k: v for k, v in cfg.to_dict().items() if k not in EXECUTION_ONLY}
+    """A short hash of what a run computes (its configuration without EXECUTION_ONLY and
+    MEASUREMENT_ONLY)."""
+    skip = EXECUTION_ONLY + MEASUREMENT_ONLY
+    values = {k: v for k, v in cfg.to_dict().items() if k not in skip}
     text = json.dumps(values, sort_keys=True, default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 

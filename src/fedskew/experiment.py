@@ -38,6 +38,7 @@ from fedskew.engine.inprocess import InProcessEngine
 from fedskew.engine.workers import WorkerPoolEngine, affordable_workers
 from fedskew.errors import FedskewError, UsageError
 from fedskew.machine import machine_facts, software_facts
+from fedskew.measurements import Measurements, final_values
 from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
 from fedskew.protocol import Message, NoReplies
 from fedskew.runfolder import RunFolder, check_writable
@@ -81,7 +82,8 @@ def run(
     server = prep.algorithm.Server(prep.params, setup)
     client_logic = prep.algorithm.Client(prep.params)
     engine = factory(prep, client_logic, model)
-    state = RunState(prep, setup, server, engine, eval_model, per_round)
+    measurements = Measurements(prep, eval_model)
+    state = RunState(prep, setup, server, engine, eval_model, per_round, measurements=measurements)
     try:
         open_folder(state, resume)
         started = time.perf_counter()
@@ -94,9 +96,12 @@ def run(
                 state.last_eval = evaluate_global_model(state)
                 record.update(state.last_eval)
                 record["eval_seconds"] = round(time.perf_counter() - t1, 4)
+            record.update(measurements.measure(rnd, server, skipped="skipped" in record))
             keep_round(state, rnd, record)
             if on_round is not None:
                 on_round(record)
+        if cfg.tsne:
+            measurements.write_tsne(cfg.rounds - 1, server, state.run_folder.path)
         return finish(state, time.perf_counter() - started)
     except KeyboardInterrupt:
         if state.folder is None:
@@ -166,6 +171,7 @@ class RunState:
     start_round: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     last_eval: dict[str, Any] = field(default_factory=dict)
+    measurements: Measurements | None = None  # the metrics asked for besides accuracy
 
     def __post_init__(self) -> None:
         self.client_counts = self.prep.fed.class_counts()
@@ -259,8 +265,9 @@ def play_round(state: RunState, rnd: int) -> dict[str, Any]:
     # A round may lose replies part-way; its server state is then put back.
     before = copy.deepcopy(server_state(server)) if lossy else None
     t0 = time.perf_counter()
+    served = channel if state.measurements is None else state.measurements.channel(rnd, channel)
     try:
-        round_metrics = server.round(rnd, clients, channel)
+        round_metrics = server.round(rnd, clients, served)
     except NoReplies as exc:
         assert before is not None  # only lost or dropped replies leave a round without any
         load_server_state(server, before)
@@ -393,6 +400,7 @@ def finish(state: RunState, seconds_this_process: float) -> tuple[Path, dict[str
         state.history,
         state.last_eval,
     )
+    summary.update(final_values(state.history))  # final_personal_accuracy and the like
     summary["wall_seconds_this_process"] = round(seconds_this_process, 3)
     summary["processes"] = folder.read_processes()
     return folder.finish(summary), summary

@@ -128,3 +128,4 @@ class FedNova(Algorithm):
     Params = FedNovaParams
     Server = FedNovaServer
     Client = FedNovaClient
+    replies_carry_local_models = False  # they carry (w - y) / a, not the local model y

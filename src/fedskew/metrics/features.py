@@ -20,10 +20,11 @@ scikit-learn; the rest is open and chosen here:
   test set is used whole. Why 2,000 (``benchmarks/results/feature_metrics_cost.md``,
   CIFAR-10, FedAvg's CNN after 3 rounds, 10 subsamples per size): the spread from
   subsample to subsample is 0.007 (NMI) and 0.005 (silhouette) at 2,000, against 0.019 and
-  0.015 at 500 and 0.004 at 5,000; k-means + silhouette take 0.7 s at 2,000, 3.1 s at 5,000
-  and 7.2 s on the whole 10,000 (the silhouette is quadratic), and the t-SNE of the same
-  points stays under a minute on a loaded 2-core CPU. The NMI of a sample is biased upwards
-  (+0.012 at 2,000 against the whole test set there): compare methods at the same size.
+  0.015 at 500 and 0.004 at 5,000; k-means + silhouette take 0.7 s at 2,000, 3-4 s at 5,000
+  and 7-8 s on the whole 10,000 (the silhouette is quadratic), and the t-SNE of the same
+  points takes about a minute (49-75 s on the 2-core CPU shared with other jobs). The NMI
+  of a sample is biased upwards (+0.012 at 2,000 against the whole test set there):
+  compare methods at the same size.
 
 Risk of local models over client distributions (FedACD, Eq. 3 and Table 3, [RECON] in
 ALGORITHMS.md Sec. 3.1 and 3.9): a local model w_m has per-class test error eps_i (from the

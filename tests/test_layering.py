@@ -18,6 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
         "fedskew.errors",
         "fedskew.rng",
         "fedskew.precision",
+        "fedskew.device",
         "fedskew.machine",
         "fedskew.progress",
         "fedskew.config",

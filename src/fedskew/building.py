@@ -30,6 +30,7 @@ from fedskew.data.sources import (
     find_dataset_loader,
     load_dataset,
 )
+from fedskew.device import ExecutionSettings, device_facts, resolve_device
 from fedskew.errors import UsageError
 from fedskew.models import build_model, find_model
 from fedskew.rng import derive_seed
@@ -49,6 +50,18 @@ class Prepared:
     params: Any
     train: LocalTrainConfig
     channels_last: bool = False
+    # Where clients train and the model is evaluated; ``fed`` and ``test`` live there (the
+    # dataset's own tensors stay in host memory for partitions, metrics and reports).
+    device: torch.device = torch.device("cpu")
+    test: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def x_test(self) -> torch.Tensor:
+        return self.dataset.x_test if self.test is None else self.test[0]
+
+    @property
+    def y_test(self) -> torch.Tensor:
+        return self.dataset.y_test if self.test is None else self.test[1]
 
 
 def resolve_model_name(cfg: ExperimentConfig, dataset: Dataset | None = None) -> str:
@@ -108,8 +121,16 @@ def load_experiment_data(cfg: ExperimentConfig) -> Dataset:
     )
 
 
+def execution_settings(cfg: ExperimentConfig) -> ExecutionSettings:
+    """The process-wide switches of ``cfg`` (TF32, deterministic algorithms)."""
+    return ExecutionSettings(tf32=cfg.tf32, deterministic=cfg.deterministic)
+
+
 def prepare(cfg: ExperimentConfig) -> Prepared:
+    """Data, partition, algorithm and training settings of ``cfg``; the training and test
+    tensors are put on the run's device once (a no-op on the CPU)."""
     check_names(cfg)
+    device = resolve_device(cfg.device)
     algorithm = get_algorithm(cfg.algorithm, feature_matching=cfg.feature_matching)
     params = algorithm.make_params(cfg.params)
     dataset = load_experiment_data(cfg)
@@ -135,10 +156,17 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     if channels_last:
         dataset.x_train = dataset.x_train.contiguous(memory_format=torch.channels_last)
         dataset.x_test = dataset.x_test.contiguous(memory_format=torch.channels_last)
-    fed = FederatedData(dataset.x_train, dataset.y_train, partition, dataset.num_classes)
-    return Prepared(
-        cfg, dataset, model_name, partition, fed, algorithm, params, train, channels_last
+    fed = FederatedData(
+        dataset.x_train.to(device),
+        dataset.y_train.to(device),
+        partition,
+        dataset.num_classes,
     )
+    test = (dataset.x_test.to(device), dataset.y_test.to(device))
+    return Prepared(
+        cfg, dataset, model_name, partition, fed, algorithm, params, train, channels_last,
+        device, test,
+    )  # fmt: skip
 
 
 def new_model(prep: Prepared) -> torch.nn.Module:
@@ -154,7 +182,9 @@ def new_model(prep: Prepared) -> torch.nn.Module:
         model = prep.algorithm.adapt_model(prep.params, model)
     if prep.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    return model
+    # Initialised on the CPU from the seed above, then moved: the same initial weights on
+    # every device.
+    return model.to(prep.device)
 
 
 def use_channels_last(cfg: ExperimentConfig, dataset: Dataset, model_name: str) -> bool:
@@ -183,4 +213,5 @@ def resolved_facts(prep: Prepared, per_round: int) -> dict[str, Any]:
         "torch_version": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "channels_last": prep.channels_last,
+        **device_facts(prep.device),
     }

@@ -146,6 +146,31 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         help="forward passes in fp32 (default) or under bf16 autocast; weights stay fp32",
     )
     p.add_argument(
+        "--device",
+        metavar="auto|cpu|cuda|cuda:N",
+        help="where clients train and the model is evaluated (default auto: CUDA when "
+        "available, else the CPU)",
+    )
+    p.add_argument(
+        "--tf32",
+        metavar="on|off",
+        help="CUDA: let fp32 products use TF32 tensor cores (default off: fp32 is fp32)",
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_const",
+        const=True,
+        help="PyTorch's deterministic algorithms (and the cuBLAS workspace setting): the same "
+        "metrics on every repeat of a CUDA run, somewhat slower",
+    )
+    p.add_argument(
+        "--clients-together",
+        metavar="auto|off|vmap",
+        help="train a round's clients together with stacked parameters (vmap) where the "
+        "algorithm's local step is plain cross-entropy; off: one after another (default auto: "
+        "vmap on CUDA, off on the CPU)",
+    )
+    p.add_argument(
         "--checkpoint-every", type=int, help="rounds between checkpoints (default 1; 0: none)"
     )
     p.add_argument(
@@ -213,6 +238,10 @@ def cli_values(args: argparse.Namespace) -> dict[str, Any]:
         "checkpoint_every",
         "memory_format",
         "precision",
+        "device",
+        "tf32",
+        "deterministic",
+        "clients_together",
         "engine",
         "reply_timeout",
         "workers",
@@ -289,8 +318,9 @@ def flower_simulation():
 
 
 # How and where a run executes, not what it computes: a resumed run may change them (a run
-# started here can be continued on another machine, with its own data folder and cores).
-RESUME_MAY_CHANGE = ("quiet", "workers", "data_dir")
+# started here can be continued on another machine, with its own data folder, cores and GPU).
+RESUME_MAY_CHANGE = ("quiet", "workers", "data_dir", "device", "tf32", "deterministic",
+                     "clients_together")  # fmt: skip
 
 
 def resume_config(args: argparse.Namespace):

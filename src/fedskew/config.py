@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fedskew.data.partition import read_partition_file
+from fedskew.device import check_device_spec, cuda_count
 from fedskew.errors import UsageError
 from fedskew.precision import check_precision
 
@@ -45,6 +46,13 @@ class ExperimentConfig:
     grad_clip: float = 0.0  # max gradient norm per local step; 0: off
     memory_format: str = "auto"  # auto: channels_last for convolutional models
     precision: str = "fp32"  # fp32, or bf16 autocast for forward passes (fedskew.precision)
+    device: str = "auto"  # auto (CUDA when available, else CPU), cpu, cuda, cuda:N
+    tf32: bool = False  # CUDA: TF32 tensor cores for fp32 products (fedskew.device)
+    deterministic: bool = False  # torch.use_deterministic_algorithms (+ cuBLAS workspace)
+    # Train a round's clients together: "vmap" stacks their parameters (torch.func) where the
+    # algorithm's local step is plain cross-entropy; "off": one after another; "auto": vmap on
+    # CUDA, one after another on the CPU (measured: benchmarks/clients_together.py).
+    clients_together: str = "auto"
     params: dict[str, Any] = field(default_factory=dict)  # algorithm hyper-parameters
     feature_matching: bool = False  # FedFM's anchor feature matching as a plug-in
     eval_every: int = 1
@@ -121,6 +129,16 @@ class ExperimentConfig:
                 f"got {self.memory_format!r}"
             )
         check_precision(self.precision)
+        self.device = check_device_spec(self.device)
+        if self.device.startswith("cuda") and cuda_count() == 0:
+            raise UsageError(
+                f"device {self.device}: no CUDA device is available here; use --device cpu or auto"
+            )
+        if self.clients_together not in CLIENTS_TOGETHER:
+            raise UsageError(
+                f"clients-together must be one of {', '.join(CLIENTS_TOGETHER)}, "
+                f"got {self.clients_together!r}"
+            )
         if self.seed < 0:
             raise UsageError(f"seed must be >= 0, got {self.seed}")
         if self.engine not in ENGINES:
@@ -148,6 +166,7 @@ class ExperimentConfig:
 
 
 MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
+CLIENTS_TOGETHER = ("auto", "off", "vmap")
 DIVERGENCE_POLICIES = ("stop", "drop")
 FINITE = (
     "lr", "momentum", "weight_decay", "grad_clip", "participation", "reply_timeout",
@@ -158,8 +177,14 @@ FINITE = (
 # in one process can continue on Flower's simulation with the same metrics).
 # partition_file: its path may change (a resume falls back to the folder's partition.npz);
 # the partition itself is compared with the saved one on every resume.
+# device, tf32, deterministic and clients_together choose the hardware and kernels that
+# compute the same experiment (same data, partition, randomness and updates): a change moves
+# results by floating-point rounding only (CPU and CUDA agree within the tolerance the README
+# states), so they are left out of the hash and a run may be resumed on another device; each
+# process's device and settings are recorded in processes.jsonl.
 EXECUTION_ONLY = ("quiet", "workers", "data_dir", "download", "out_dir", "name", "engine",
-                  "reply_timeout", "partition_file")  # fmt: skip
+                  "reply_timeout", "partition_file", "device", "tf32", "deterministic",
+                  "clients_together")  # fmt: skip
 
 
 def check_run_name(name: str) -> None:
@@ -320,9 +345,16 @@ def effective_workers(cfg: ExperimentConfig) -> int:
     fp32 and for other engines. Each worker holds its own copy of the dataset, so the run
     then lowers the count to what half of the available memory holds
     (engine.workers.affordable_workers). The choice changes speed only: metrics are
-    identical."""
+    identical.
+
+    On CUDA (``device`` cuda, or auto with a GPU), ``auto`` runs one worker per visible GPU
+    when there are two or more (worker i uses cuda:i mod count), else the in-process engine;
+    a device named ``cuda:N`` keeps every client on that one GPU, in process."""
     if cfg.workers != "auto":
         return int(cfg.workers)
+    if cfg.engine == "inprocess" and cfg.device in ("auto", "cuda") and cuda_count() > 0:
+        gpus = min(cuda_count(), cfg.per_round())
+        return gpus if gpus >= 2 else 0
     if cfg.engine != "inprocess" or cfg.precision != "bf16":
         return 0
     try:

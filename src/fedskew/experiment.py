@@ -23,7 +23,14 @@ import torch
 
 from fedskew.algorithm_interface import ClientLogic, ServerLogic, ServerSetup
 from fedskew.algorithms.local import set_arrays
-from fedskew.building import Prepared, check_names, new_model, prepare, resolved_facts
+from fedskew.building import (
+    Prepared,
+    check_names,
+    execution_settings,
+    new_model,
+    prepare,
+    resolved_facts,
+)
 from fedskew.checkpoint import (
     check_checkpoint,
     load_server_state,
@@ -33,6 +40,7 @@ from fedskew.checkpoint import (
 )
 from fedskew.config import ExperimentConfig, config_hash, effective_workers
 from fedskew.data.federated import sample_clients
+from fedskew.device import device_facts, settings_applied
 from fedskew.engine.base import Engine
 from fedskew.engine.inprocess import InProcessEngine
 from fedskew.engine.workers import WorkerPoolEngine, affordable_workers
@@ -66,8 +74,21 @@ def run(
     sends them through Flower's Grid. The engine is closed when the run ends, also on
     errors. An engine that may lose replies gets its faults recorded per round, and a
     round in which no client replied is skipped with the server state put back.
+
+    The run's TF32 and determinism switches hold while it runs and are put back after it.
     """
     cfg.validate()
+    with settings_applied(execution_settings(cfg)):
+        return _run(cfg, on_round, resume, on_start, engine_factory)
+
+
+def _run(
+    cfg: ExperimentConfig,
+    on_round: RoundCallback | None,
+    resume: Path | None,
+    on_start: Callable[[int], None] | None,
+    engine_factory: EngineFactory | None,
+) -> tuple[Path, dict[str, Any]]:
     check_names(cfg)
     if resume is None:
         check_writable(Path(cfg.out_dir))
@@ -146,7 +167,9 @@ def default_engine_factory(cfg: ExperimentConfig) -> EngineFactory:
 def server_setup(prep: Prepared, model: torch.nn.Module) -> ServerSetup:
     cfg = prep.cfg
     return ServerSetup(
-        initial_arrays=model.state_dict(),
+        # The server logic runs on the CPU (its work is aggregation): host copies of the
+        # initial weights (the very tensors when the model is on the CPU).
+        initial_arrays={k: v.cpu() for k, v in model.state_dict().items()},
         num_clients=len(prep.partition),
         num_classes=prep.dataset.num_classes,
         client_sizes=prep.fed.sizes(),
@@ -207,12 +230,26 @@ def open_folder(state: RunState, resume: Path | None) -> None:
             "from_round": state.start_round + 1,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "workers": state.engine.worker_count,
-            "device": "cpu",  # every engine trains on the CPU today
+            **device_facts(prep.device),
+            **execution_facts(state),
             "data_source": prep.dataset.source,
             **machine_facts(),
             **software_facts(),
         }
     )
+
+
+def execution_facts(state: RunState) -> dict[str, Any]:
+    """How this process's stretch of the run executes besides its device (processes.jsonl)."""
+    cfg, engine = state.cfg, state.engine
+    facts: dict[str, Any] = {
+        "tf32": cfg.tf32,
+        "deterministic": cfg.deterministic,
+        "clients_together": engine.clients_together,
+    }
+    if engine.worker_devices:
+        facts["worker_devices"] = list(engine.worker_devices)
+    return facts
 
 
 def restore(state: RunState, folder: RunFolder) -> None:
@@ -354,8 +391,8 @@ def evaluate_global_model(state: RunState) -> dict[str, Any]:
     set_arrays(state.eval_model, state.server.eval_arrays())
     result = evaluate(
         state.eval_model,
-        prep.dataset.x_test,
-        prep.dataset.y_test,
+        prep.x_test,
+        prep.y_test,
         prep.dataset.num_classes,
         precision=prep.train.precision,
     )

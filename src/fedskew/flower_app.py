@@ -32,7 +32,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from fedskew.algorithm_interface import ClientLogic
-from fedskew.building import Prepared, prepare
+from fedskew.building import Prepared, execution_settings, prepare
 from fedskew.config import (
     TABLES,
     ExperimentConfig,
@@ -41,6 +41,7 @@ from fedskew.config import (
     parse_pairs,
     read_config_file,
 )
+from fedskew.device import apply_settings, resolve_device
 from fedskew.engine.client_runtime import ClientRuntime
 from fedskew.engine.flower_codec import clear_state, decode, encode, load_state, store_state
 from fedskew.engine.flower_engine import MESSAGE_TYPE, FlowerEngine
@@ -197,6 +198,7 @@ def _runtime(config_json: str, data_dir: str | None) -> ClientRuntime:
         raw["engine"] = "inprocess"  # the node runs the client side itself
         cfg = build_config(normalise_keys(raw, "setup message"), {})
         _RUNTIMES.clear()  # a node serves one experiment at a time
+        apply_settings(execution_settings(cfg))  # the node's device (its own GPU, if any)
         runtime = _RUNTIMES[key] = ClientRuntime.from_prepared(prepare(cfg))
     return runtime
 
@@ -245,10 +247,18 @@ def run_simulation(
     on_start: Callable[[int], None] | None = None,
     resume: Path | None = None,
     cpus_per_client: float = 1.0,
+    gpus_per_client: float | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """``fedskew run --engine flower-sim``: the experiment on Flower's simulation engine
-    (Ray backend), one virtual SuperNode per client."""
+    (Ray backend), one virtual SuperNode per client.
+
+    On CUDA (``device`` cuda, or auto with a GPU) each virtual client gets a GPU fraction,
+    ``gpus_per_client`` (default: the visible GPUs shared by the clients of a round), and
+    Ray shows each client actor its GPU as cuda:0."""
     from flwr.simulation import run_simulation as flower_run_simulation
+
+    if gpus_per_client is None:
+        gpus_per_client = simulation_gpus_per_client(cfg)
 
     outcome: dict[str, Any] = {}
     app = ServerApp()
@@ -267,7 +277,7 @@ def run_simulation(
         client_app=client_app,
         num_supernodes=cfg.num_clients,
         backend_config={
-            "client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0},
+            "client_resources": {"num_cpus": cpus_per_client, "num_gpus": gpus_per_client},
             "init_args": {"log_to_driver": False, "logging_level": "error"},
         },
     )
@@ -276,3 +286,17 @@ def run_simulation(
     if "result" not in outcome:
         raise FedskewError("the Flower simulation ended without a result (see its log)")
     return outcome["result"]
+
+
+def simulation_gpus_per_client(cfg: ExperimentConfig) -> float:
+    """The GPU fraction of a virtual client: 0 on the CPU, else the visible GPUs divided
+    among a round's clients (at most one each), so that a round's clients train at once."""
+    if cfg.device.startswith("cuda:"):
+        raise UsageError(
+            "--engine flower-sim places its clients on the GPUs through Ray (each client "
+            "actor sees its GPU as cuda:0): use --device cuda or auto"
+        )
+    device = resolve_device(cfg.device)
+    if device.type != "cuda":
+        return 0.0
+    return min(1.0, torch.cuda.device_count() / cfg.per_round())

@@ -65,7 +65,28 @@ def in_fp32(fn: F_) -> F_:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type="cpu", enabled=False):
+        # Autocast is switched off for the device the term computes on (a CUDA autocast
+        # is untouched by the CPU one, and the other way round).
+        device_type = _device_type((*args, *kwargs.values()))
+        with torch.autocast(device_type=device_type, enabled=False):
             return fn(*(up(a) for a in args), **{k: up(v) for k, v in kwargs.items()})
 
     return wrapper  # type: ignore[return-value]
+
+
+def _device_type(values: Any) -> str:
+    """The device type of the first tensor in ``values`` (looking into lists and tuples),
+    "cpu" when there is none."""
+    tensor = _first_tensor(values)
+    return "cpu" if tensor is None else tensor.device.type
+
+
+def _first_tensor(values: Any) -> torch.Tensor | None:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, (list, tuple)):
+            found = _first_tensor(value)
+            if found is not None:
+                return found
+    return None

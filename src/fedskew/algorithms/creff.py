@@ -48,10 +48,12 @@ from fedskew.algorithm_interface import (
     check_one_of,
 )
 from fedskew.algorithms.local import (
+    PlainTraining,
+    TrainResult,
     batch_bounds,
     get_arrays,
+    run_plain,
     set_arrays,
-    train_client,
     trained_reply,
     weighted_average,
 )
@@ -149,7 +151,7 @@ def real_class_gradients(
     mean CE of the classifier on the body's features of each class, in eval mode."""
     was_training = model.training
     model.eval()
-    positions = torch.arange(len(data))
+    positions = torch.arange(len(data), device=data.device)
     feats, labels = [], []
     for start in range(0, len(data), batch_size):
         xb, yb = data.batch(positions[start : start + batch_size])
@@ -160,7 +162,8 @@ def real_class_gradients(
     classes = torch.unique(y)
     grads_w, grads_b = [], []
     for c in classes.tolist():
-        g_w, g_b = class_gradients(features[y == c][None], torch.tensor([c]), weight, bias)
+        label = torch.tensor([c], device=features.device)
+        g_w, g_b = class_gradients(features[y == c][None], label, weight, bias)
         grads_w.append(g_w[0])
         if g_b is not None:
             grads_b.append(g_b[0])
@@ -180,7 +183,9 @@ class CReFFServer(ServerLogic):
         num_classes, dim = self.global_arrays[HEAD_WEIGHT].shape
         self.num_classes, self.dim = num_classes, dim
         gen = torch_rng(setup.seed, -1, -1, "creff-features")
-        self.features = torch.randn(num_classes, params.num_features, dim, generator=gen)
+        self.features = torch.randn(
+            num_classes, params.num_features, dim, generator=gen, device=gen.device
+        )
         self.classifier = {CLF_WEIGHT: self.global_arrays[HEAD_WEIGHT].clone()}
         if self.has_bias:
             self.classifier[CLF_BIAS] = self.global_arrays[HEAD_BIAS].clone()
@@ -206,15 +211,16 @@ class CReFFServer(ServerLogic):
         self, replies: list[Message]
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Per class, the plain mean of the gradients of the clients holding it."""
-        sum_w = torch.zeros(self.num_classes, self.num_classes, self.dim)
-        sum_b = torch.zeros(self.num_classes, self.num_classes)
-        holders = torch.zeros(self.num_classes)
+        dev = self.features.device
+        sum_w = torch.zeros(self.num_classes, self.num_classes, self.dim, device=dev)
+        sum_b = torch.zeros(self.num_classes, self.num_classes, device=dev)
+        holders = torch.zeros(self.num_classes, device=dev)
         for reply in replies:
             cls = reply.arrays[GRAD_CLASSES]
             sum_w.index_add_(0, cls, reply.arrays[GRAD_WEIGHT])
             if self.has_bias:
                 sum_b.index_add_(0, cls, reply.arrays[GRAD_BIAS])
-            holders.index_add_(0, cls, torch.ones(len(cls)))
+            holders.index_add_(0, cls, torch.ones(len(cls), device=dev))
         classes = torch.nonzero(holders > 0).flatten()
         n = holders[classes]
         real = [sum_w[classes] / n[:, None, None]]
@@ -253,17 +259,21 @@ class CReFFServer(ServerLogic):
         """
         gen = torch_rng(self.setup.seed, rnd, -1, "creff-retrain")
         bound = 1 / math.sqrt(self.dim)  # nn.Linear's default initialisation range
-        weight = (torch.rand(self.num_classes, self.dim, generator=gen) * 2 - 1) * bound
+        host = gen.device
+        weight = torch.rand(self.num_classes, self.dim, generator=gen, device=host)
+        weight = (weight * 2 - 1) * bound
         bias = None
         if self.has_bias:
-            bias = (torch.rand(self.num_classes, generator=gen) * 2 - 1) * bound
+            bias = (torch.rand(self.num_classes, generator=gen, device=host) * 2 - 1) * bound
         x = self.features.reshape(-1, self.dim)
-        y = torch.arange(self.num_classes).repeat_interleave(self.params.num_features)
+        y = torch.arange(self.num_classes, device=x.device).repeat_interleave(
+            self.params.num_features
+        )
         onehot = F.one_hot(y, self.num_classes).to(x.dtype)
         lr = self.params.lr_net
         bounds = batch_bounds(len(y), self.setup.train.batch_size)
         for _ in range(self.params.crt_epochs):
-            perm = torch.randperm(len(y), generator=gen)
+            perm = torch.randperm(len(y), generator=gen, device=host)
             for start, stop in bounds:
                 idx = perm[start:stop]
                 xb = x[idx]
@@ -290,19 +300,27 @@ class CReFFServer(ServerLogic):
 
 class CReFFClient(ClientLogic):
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_train(msg, ctx), ctx)
+
+    def plain_train(self, msg: Message, ctx: ClientContext) -> PlainTraining:
+        """The real gradients under the received model, then FedAvg's plain local training
+        (split so that an engine may train a round's clients together)."""
         set_arrays(
             ctx.model, {k: v for k, v in msg.arrays.items() if not k.startswith("classifier.")}
         )
         classes, grad_w, grad_b = real_class_gradients(
             ctx.model, ctx.data, msg.arrays[CLF_WEIGHT], msg.arrays.get(CLF_BIAS)
         )
-        result = train_client(ctx)
-        arrays = get_arrays(ctx.model)
-        arrays[GRAD_CLASSES] = classes
-        arrays[GRAD_WEIGHT] = grad_w
-        if grad_b is not None:
-            arrays[GRAD_BIAS] = grad_b
-        return trained_reply(ctx, result.mean_loss, arrays)
+
+        def finish(result: TrainResult) -> Message:
+            arrays = get_arrays(ctx.model)
+            arrays[GRAD_CLASSES] = classes
+            arrays[GRAD_WEIGHT] = grad_w
+            if grad_b is not None:
+                arrays[GRAD_BIAS] = grad_b
+            return trained_reply(ctx, result.mean_loss, arrays)
+
+        return PlainTraining(finish)
 
 
 class CReFF(Algorithm):

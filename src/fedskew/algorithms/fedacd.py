@@ -96,9 +96,10 @@ class FedACDParams:
 class ConfusionAccumulator:
     """Weighted per-class sums of softmax outputs; ``result()`` gives P and the row weights."""
 
-    def __init__(self, num_classes: int) -> None:
-        self.sums = torch.zeros(num_classes, num_classes, dtype=torch.float64)
-        self.weights = torch.zeros(num_classes, dtype=torch.float64)
+    def __init__(self, num_classes: int, device: torch.device | str = "cpu") -> None:
+        f64 = torch.float64
+        self.sums = torch.zeros(num_classes, num_classes, dtype=f64, device=device)
+        self.weights = torch.zeros(num_classes, dtype=f64, device=device)
 
     def add(
         self, probs: torch.Tensor, y_a: torch.Tensor, y_b: torch.Tensor, mix: float = 1.0
@@ -109,7 +110,8 @@ class ConfusionAccumulator:
             if w == 0.0:
                 continue
             self.sums.index_add_(0, rows, probs, alpha=w)
-            self.weights.index_add_(0, rows, torch.full(rows.shape, w, dtype=torch.float64))
+            ones = torch.full(rows.shape, w, dtype=torch.float64, device=rows.device)
+            self.weights.index_add_(0, rows, ones)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.sums / (self.weights.unsqueeze(1) + EPS), self.weights.clone()
@@ -124,10 +126,10 @@ def soft_confusion(
     Rows of classes the client lacks are zero; their count (0) marks them as undefined."""
     was_training = model.training
     model.eval()
-    acc = ConfusionAccumulator(num_classes)
+    acc = ConfusionAccumulator(num_classes, data.device)
     n = len(data)
     for start in range(0, n, batch_size):
-        xb, yb = data.batch(torch.arange(start, min(start + batch_size, n)))
+        xb, yb = data.batch(torch.arange(start, min(start + batch_size, n), device=data.device))
         acc.add(F.softmax(model.head(model.body(xb)).float(), dim=1), yb, yb)
     model.train(was_training)
     return acc.result()
@@ -176,11 +178,14 @@ class Mixup:
         self.alpha = alpha
         self.gen = gen
         # torch's Beta sampler takes no generator: seed a NumPy one from the addressed stream.
-        self._np = np.random.default_rng(int(torch.randint(0, 2**62, (1,), generator=gen)))
+        seed = torch.randint(0, 2**62, (1,), generator=gen, device=gen.device)
+        self._np = np.random.default_rng(int(seed))
 
     def draw(self, n: int) -> tuple[float, torch.Tensor]:
+        """The mixing weight and the partner permutation (in host memory: the caller moves
+        it to its batch's device)."""
         mix = float(self._np.beta(self.alpha, self.alpha))
-        return mix, torch.randperm(n, generator=self.gen)
+        return mix, torch.randperm(n, generator=self.gen, device=self.gen.device)
 
 
 class FedACDLoss:
@@ -211,7 +216,7 @@ class FedACDLoss:
             if start is None:
                 raise ValueError("margins need the start-of-round confusion matrix")
             self.log_delta = log_margins(start[0], start[1] > 0, params.delta)
-            self.acc = ConfusionAccumulator(num_classes)
+            self.acc = ConfusionAccumulator(num_classes, start[0].device)
         self.seen = 0
 
     def single(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -228,6 +233,7 @@ class FedACDLoss:
         mix, y_b = 1.0, y
         if self.mixer is not None:
             mix, perm = self.mixer.draw(x.shape[0])
+            perm = perm.to(x.device)
             x = mix * x + (1.0 - mix) * x[perm]
             y_b = y[perm]
         features = model.body(x)
@@ -241,7 +247,7 @@ class FedACDLoss:
             if self.seen >= self.epoch_size:
                 confusion, weights = self.acc.result()
                 self.log_delta = log_margins(confusion, weights > 0, self.params.delta)
-                self.acc = ConfusionAccumulator(self.num_classes)
+                self.acc = ConfusionAccumulator(self.num_classes, logits.device)
                 self.seen = 0
         return LossOutput(loss, features, logits)
 
@@ -249,10 +255,13 @@ class FedACDLoss:
 # --- the score and the aggregation weights ------------------------------------------------
 
 
-def template_matrix_q(num_classes: int, tau: float) -> torch.Tensor:
+def template_matrix_q(
+    num_classes: int, tau: float, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """The paper's template matrix Q (Eq. 10): tau on the diagonal, (1 - tau) / (C - 1)
     elsewhere, a smoothed identity (KL(P_i || I_i) would be infinite)."""
-    q = torch.full((num_classes, num_classes), (1.0 - tau) / (num_classes - 1), dtype=torch.float64)
+    off = (1.0 - tau) / (num_classes - 1)
+    q = torch.full((num_classes, num_classes), off, dtype=torch.float64, device=device)
     return q.fill_diagonal_(tau)
 
 
@@ -263,14 +272,14 @@ def adaptability_divergence(
     if not bool(present.any()):
         raise ValueError("no class is present: the score is undefined")
     p = confusion.to(torch.float64)
-    q = template_matrix_q(p.shape[0], tau)
+    q = template_matrix_q(p.shape[0], tau, p.device)
     kl = (torch.special.xlogy(p, p) - p * q.log()).sum(dim=1)[present]
     return float(kl.mean() if rows == "mean" else kl.sum())
 
 
 def aggregation_weights(divergences: Sequence[float], weighting: str) -> list[float]:
     """Normalised weights from the clients' scores D (the sample counts play no part)."""
-    d = torch.tensor([float(v) for v in divergences], dtype=torch.float64)
+    d = torch.tensor([float(v) for v in divergences], dtype=torch.float64, device="cpu")
     if weighting == "inverse":
         v = 1.0 / d.clamp_min(1e-12)
     elif weighting == "softmax":

@@ -15,9 +15,10 @@ from typing import ClassVar
 
 from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic, ServerLogic
 from fedskew.algorithms.local import (
+    PlainTraining,
     apply_server_lr,
+    run_plain,
     set_arrays,
-    train_client,
     trained_reply,
     weighted_average,
 )
@@ -70,9 +71,13 @@ class FedAvgServer(ServerLogic):
 
 class FedAvgClient(ClientLogic):
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_train(msg, ctx), ctx)
+
+    def plain_train(self, msg: Message, ctx: ClientContext) -> PlainTraining:
+        """Load the global model; after plain local training, reply with the trained model
+        (split so that an engine may train a round's clients together)."""
         set_arrays(ctx.model, msg.arrays)
-        result = train_client(ctx)
-        return trained_reply(ctx, result.mean_loss)
+        return PlainTraining(lambda result: trained_reply(ctx, result.mean_loss))
 
 
 class FedAvg(Algorithm):

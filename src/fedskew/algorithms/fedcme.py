@@ -232,7 +232,7 @@ def aggregate_features(
     """
     means = torch.stack([m.to(torch.float64) for m in local_means])  # (K, C, d)
     mask = torch.stack(list(present)).bool()  # (K, C)
-    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float64, device=means.device)
     values = torch.where(mask[..., None], means, global_features.to(torch.float64)[None])
     contributes = mask | known[None, :]
     cw = w[:, None] * contributes  # (K, C)
@@ -255,7 +255,7 @@ def alignment_loss(
     f, labels = features[keep], y[keep]
     sq = ((f - global_features[labels].to(f.dtype)) ** 2).sum(dim=1)
     num_classes = global_features.shape[0]
-    sums = torch.zeros(num_classes, dtype=sq.dtype).index_add(0, labels, sq)
+    sums = torch.zeros(num_classes, dtype=sq.dtype, device=sq.device).index_add(0, labels, sq)
     counts = torch.bincount(labels, minlength=num_classes)
     in_batch = counts > 0
     return (sums[in_batch] / counts[in_batch].to(sq.dtype)).mean()
@@ -278,9 +278,11 @@ def fedcme_loss(mu: float, features: torch.Tensor | None, known: torch.Tensor | 
 
 def eval_subset(labels: torch.Tensor, fraction: float, gen: torch.Generator) -> torch.Tensor:
     """Positions of a uniform random ``fraction`` of the data (at least one), plus the first
-    drawn position of every present class the draw missed."""
+    drawn position of every present class the draw missed. Drawn and returned in the
+    generator's (host) memory, whatever device ``labels`` are on."""
+    labels = labels.to(gen.device)
     n = int(labels.numel())
-    perm = torch.randperm(n, generator=gen)
+    perm = torch.randperm(n, generator=gen, device=gen.device)
     size = min(n, max(1, round(fraction * n)))
     chosen = perm[:size]
     missing = set(labels.unique().tolist()) - set(labels[chosen].unique().tolist())
@@ -292,7 +294,7 @@ def eval_subset(labels: torch.Tensor, fraction: float, gen: torch.Generator) -> 
             missing.discard(label)
             if not missing:
                 break
-    return torch.cat([chosen, torch.tensor(extra, dtype=torch.int64)])
+    return torch.cat([chosen, torch.tensor(extra, dtype=torch.int64, device=gen.device)])
 
 
 @torch.no_grad()
@@ -302,8 +304,8 @@ def evaluation_vector(
     """(C,) float32 per-class accuracy on the given rows; 0 for classes absent there."""
     was_training = model.training
     model.eval()
-    correct = torch.zeros(data.num_classes, dtype=torch.int64)
-    counts = torch.zeros(data.num_classes, dtype=torch.int64)
+    correct = torch.zeros(data.num_classes, dtype=torch.int64, device=data.device)
+    counts = torch.zeros(data.num_classes, dtype=torch.int64, device=data.device)
     for start in range(0, len(rows), batch_size):
         xb, yb = data.batch(rows[start : start + batch_size])
         hit = model(xb).argmax(dim=1) == yb
@@ -328,7 +330,7 @@ class FedCMEServer(ServerLogic):
         super().__init__(params, setup)
         self.vectors: dict[int, torch.Tensor] = {}  # last evaluation vector of every client
         self.features: torch.Tensor | None = None  # (C, d) once a class has been observed
-        self.known = torch.zeros(setup.num_classes, dtype=torch.bool)
+        self.known = torch.zeros(setup.num_classes, dtype=torch.bool, device="cpu")
 
     def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
         """One round, in the steps of the module docstring."""
@@ -449,7 +451,7 @@ class FedCMEServer(ServerLogic):
             for c in clients:
                 arrays = replies[c].arrays
                 mask = arrays[PRESENT].bool()
-                full = torch.zeros(len(mask), arrays[FEATURES].shape[1])
+                full = torch.zeros(len(mask), arrays[FEATURES].shape[1], device=mask.device)
                 full[mask] = arrays[FEATURES].float()
                 means.append(full)
                 present.append(mask)
@@ -550,8 +552,9 @@ class FedCMEClient(ClientLogic):
         ctx.state.arrays.pop(STATE_KNOWN, None)
         if self.params.mu > 0 and GLOBAL_KNOWN in msg.arrays:
             known = msg.arrays[GLOBAL_KNOWN].bool()
-            full = torch.zeros(len(known), msg.arrays[GLOBAL_FEATURES].shape[1])
-            full[known] = msg.arrays[GLOBAL_FEATURES].float()
+            features = msg.arrays[GLOBAL_FEATURES]
+            full = torch.zeros(len(known), features.shape[1], device=features.device)
+            full[known] = features.float()
             ctx.state.arrays[STATE_FEATURES] = full
             ctx.state.arrays[STATE_KNOWN] = known.clone()
 

@@ -31,9 +31,11 @@ from torch import nn
 
 from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic, ServerLogic
 from fedskew.algorithms.local import (
+    PlainTraining,
+    TrainResult,
     get_arrays,
+    run_plain,
     set_arrays,
-    train_client,
     trained_reply,
     weighted_average,
 )
@@ -103,9 +105,10 @@ def scaled_class_means(
     """(classes held, n_c * normalize(class mean of normalised features)) in eval mode."""
     was_training = model.training
     model.eval()
-    sums = torch.zeros(num_classes, model.feature_dim)
-    counts = torch.zeros(num_classes, dtype=torch.int64)
-    positions = torch.arange(len(data))
+    dev = data.device
+    sums = torch.zeros(num_classes, model.feature_dim, device=dev)
+    counts = torch.zeros(num_classes, dtype=torch.int64, device=dev)
+    positions = torch.arange(len(data), device=dev)
     for start in range(0, len(data), batch_size):
         xb, yb = data.batch(positions[start : start + batch_size])
         sums.index_add_(0, yb, F.normalize(model.body(xb).float(), dim=1))
@@ -152,13 +155,22 @@ class FedNHServer(ServerLogic):
 
 class FedNHClient(ClientLogic):
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_train(msg, ctx), ctx)
+
+    def plain_train(self, msg: Message, ctx: ClientContext) -> PlainTraining:
+        """FedAvg's plain local training (the prototypes are a buffer no step moves), then
+        the count-scaled class means (split so that an engine may train a round's clients
+        together)."""
         set_arrays(ctx.model, msg.arrays)
-        result = train_client(ctx)
-        classes, scaled = scaled_class_means(ctx.model, ctx.data, ctx.data.num_classes)
-        arrays = {k: v for k, v in get_arrays(ctx.model).items() if k != PROTOTYPES}
-        arrays["proto_classes"] = classes
-        arrays["proto_sums"] = scaled
-        return trained_reply(ctx, result.mean_loss, arrays)
+
+        def finish(result: TrainResult) -> Message:
+            classes, scaled = scaled_class_means(ctx.model, ctx.data, ctx.data.num_classes)
+            arrays = {k: v for k, v in get_arrays(ctx.model).items() if k != PROTOTYPES}
+            arrays["proto_classes"] = classes
+            arrays["proto_sums"] = scaled
+            return trained_reply(ctx, result.mean_loss, arrays)
+
+        return PlainTraining(finish)
 
 
 class FedNH(Algorithm):

@@ -51,7 +51,7 @@ class FedNTDParams(FedAvgParams):
 def not_true_logits(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """(N, C-1) logits without each row's true class, other classes in their order."""
     keep = torch.ones_like(logits, dtype=torch.bool)
-    keep[torch.arange(len(y)), y] = False
+    keep[torch.arange(len(y), device=y.device), y] = False
     return logits[keep].view(len(y), logits.shape[1] - 1)
 
 

@@ -91,7 +91,7 @@ class FedProtoServer(ServerLogic):
     def __init__(self, params: FedProtoParams, setup: ServerSetup) -> None:
         super().__init__(params, setup)
         self.prototypes: torch.Tensor | None = None  # (C, d), valid where self.known
-        self.known = torch.zeros(setup.num_classes, dtype=torch.bool)
+        self.known = torch.zeros(setup.num_classes, dtype=torch.bool, device="cpu")
 
     def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
         arrays = dict(self.global_arrays)
@@ -112,8 +112,9 @@ class FedProtoServer(ServerLogic):
     def aggregate_prototypes(self, replies: list[Message]) -> None:
         """P_c = sum_k n_kc a_kc / sum_k n_kc over the replies holding class c."""
         dim = replies[0].arrays[PROTOS].shape[1]
-        sums = torch.zeros(self.setup.num_classes, dim, dtype=torch.float64)
-        counts = torch.zeros(self.setup.num_classes, dtype=torch.float64)
+        dev = self.known.device
+        sums = torch.zeros(self.setup.num_classes, dim, dtype=torch.float64, device=dev)
+        counts = torch.zeros(self.setup.num_classes, dtype=torch.float64, device=dev)
         for reply in replies:
             cls, n = reply.arrays[PROTO_CLASSES], reply.arrays[PROTO_COUNTS].to(torch.float64)
             sums.index_add_(0, cls, reply.arrays[PROTOS].to(torch.float64) * n[:, None])
@@ -134,8 +135,9 @@ class FedProtoClient(ClientLogic):
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
         set_arrays(ctx.model, {k: v for k, v in msg.arrays.items() if not k.startswith("proto.")})
         num_classes = ctx.data.num_classes
-        prototypes = torch.zeros(num_classes, ctx.model.feature_dim)
-        known = torch.zeros(num_classes, dtype=torch.bool)
+        dev = ctx.data.device
+        prototypes = torch.zeros(num_classes, ctx.model.feature_dim, device=dev)
+        known = torch.zeros(num_classes, dtype=torch.bool, device=dev)
         if PROTO_CLASSES in msg.arrays:
             prototypes[msg.arrays[PROTO_CLASSES]] = msg.arrays[PROTOS]
             known[msg.arrays[PROTO_CLASSES]] = True

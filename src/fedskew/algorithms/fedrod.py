@@ -108,7 +108,7 @@ def personal_accuracy(
 ) -> float:
     """Accuracy of body + g + p on a test set shaped like the client's labels."""
     result = evaluate(_Personalised(model, weight, bias), test_x, test_y, len(counts))
-    return client_distribution_accuracy(result.per_class_accuracy, counts.numpy()[None, :])
+    return client_distribution_accuracy(result.per_class_accuracy, counts.cpu().numpy()[None, :])
 
 
 class FedRODServer(ServerLogic):
@@ -141,8 +141,9 @@ class FedRODClient(ClientLogic):
         state = ctx.state.arrays
         if PHEAD_WEIGHT not in state:
             num_classes, dim = ctx.data.num_classes, ctx.model.feature_dim
-            weight = torch.zeros(num_classes, dim)
-            bias = torch.zeros(num_classes)
+            dev = ctx.data.device
+            weight = torch.zeros(num_classes, dim, device=dev)
+            bias = torch.zeros(num_classes, device=dev)
             if self.params.phead_init == "generic":
                 head = dict(ctx.model.head.state_dict())
                 weight = head["weight"].detach().clone()

@@ -53,19 +53,23 @@ def make_optimizer(model: torch.nn.Module, cfg: LocalTrainConfig) -> torch.optim
 
 
 def augment_batch(x: torch.Tensor, gen: torch.Generator, pad: int = 4) -> torch.Tensor:
-    """Random crop with zero padding and horizontal flip, whole batch at once."""
+    """Random crop with zero padding and horizontal flip, whole batch at once.
+
+    The offsets and flips are drawn with ``gen`` (an addressed CPU generator, so that they
+    are the same on every device) and moved to the batch's device."""
     if x.dim() != 4:
         return x
     n, _, h, w = x.shape
+    dev = x.device
     padded = F.pad(x, (pad, pad, pad, pad))
-    dy = torch.randint(0, 2 * pad + 1, (n,), generator=gen)
-    dx = torch.randint(0, 2 * pad + 1, (n,), generator=gen)
-    rows = (dy[:, None] + torch.arange(h)[None, :])[:, None, :, None]
-    cols = (dx[:, None] + torch.arange(w)[None, :])[:, None, None, :]
-    batch = torch.arange(n)[:, None, None, None]
-    chan = torch.arange(x.shape[1])[None, :, None, None]
+    dy = torch.randint(0, 2 * pad + 1, (n,), generator=gen, device=gen.device).to(dev)
+    dx = torch.randint(0, 2 * pad + 1, (n,), generator=gen, device=gen.device).to(dev)
+    rows = (dy[:, None] + torch.arange(h, device=dev)[None, :])[:, None, :, None]
+    cols = (dx[:, None] + torch.arange(w, device=dev)[None, :])[:, None, None, :]
+    batch = torch.arange(n, device=dev)[:, None, None, None]
+    chan = torch.arange(x.shape[1], device=dev)[None, :, None, None]
     out = padded[batch, chan, rows, cols]
-    flip = torch.rand(n, generator=gen) < 0.5
+    flip = (torch.rand(n, generator=gen, device=gen.device) < 0.5).to(dev)
     out[flip] = out[flip].flip(-1)
     return out
 
@@ -97,16 +101,19 @@ def local_train(
     for all clients, which keeps the loop at bare-PyTorch speed. Under ``cfg.precision``
     "bf16" the loss function and plug-in terms run under bf16 autocast; parameters,
     gradients and the optimizer's state stay fp32.
+
+    On a GPU the data and model live there; the epoch's permutation is drawn with the
+    addressed CPU generator (the same order on every device) and moved once per epoch.
     """
     model.train()
     opt = optimizer if optimizer is not None else make_optimizer(model, cfg)
     n = len(data)
     n_epochs = cfg.epochs if epochs is None else epochs
     steps = 0
-    loss_sum = torch.zeros(())
+    loss_sum = torch.zeros((), device=data.device)
     bounds = batch_bounds(n, cfg.batch_size)
     for _ in range(n_epochs):
-        perm = torch.randperm(n, generator=gen)
+        perm = torch.randperm(n, generator=gen, device=gen.device).to(data.device)
         for start, stop in bounds:
             xb, yb = data.batch(perm[start:stop])
             if cfg.augment:
@@ -165,6 +172,30 @@ def train_client(
     )
 
 
+@dataclass
+class PlainTraining:
+    """A handler split around its local training, when that training is plain:
+    ``train_client(ctx)`` with the shared loss (cross-entropy), the context's optimiser
+    settings and no hooks, for ``epochs`` (None: the configured ones) with the generator of
+    ``purpose``. ``finish`` builds the reply from the trained model and the TrainResult.
+
+    An algorithm whose handler ``on_<kind>`` is ``run_plain(self.plain_<kind>(msg, ctx), ctx)``
+    lets an engine train several clients' plain local steps together
+    (``fedskew.engine.together``): the engine calls ``plain_<kind>`` per client (which loads
+    the model and may compute what it needs before training), trains them all at once, loads
+    each client's trained weights and calls its ``finish``. One after another, ``run_plain``
+    does exactly what the unsplit handler did."""
+
+    finish: Callable[[TrainResult], Message]
+    epochs: int | None = None
+    purpose: str = "train"
+
+
+def run_plain(plan: PlainTraining, ctx: ClientContext) -> Message:
+    """Train one client as ``plan`` says and return its reply."""
+    return plan.finish(train_client(ctx, epochs=plan.epochs, purpose=plan.purpose))
+
+
 def trained_reply(
     ctx: ClientContext,
     loss: float,
@@ -202,7 +233,8 @@ def weighted_average(
     """
     if not states:
         raise ValueError("nothing to average")
-    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
+    # Host numbers: the weights are read back as Python floats.
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float64, device="cpu")
     if float(w.sum()) <= 0:
         raise ValueError("aggregation weights sum to zero")
     w = w / w.sum()
@@ -241,19 +273,20 @@ def class_feature_sums(
     (or the given rows of it), in eval mode, every sample counted exactly once."""
     was_training = model.training
     model.eval()
-    positions = torch.arange(len(data)) if rows is None else rows
+    dev = data.device
+    positions = torch.arange(len(data), device=dev) if rows is None else rows.to(dev)
     sums: torch.Tensor | None = None
-    counts = torch.zeros(num_classes, dtype=torch.int64)
+    counts = torch.zeros(num_classes, dtype=torch.int64, device=dev)
     for start in range(0, len(positions), batch_size):
         xb, yb = data.batch(positions[start : start + batch_size])
         feats = model.body(xb).float()
         if sums is None:
-            sums = torch.zeros(num_classes, feats.shape[1])
+            sums = torch.zeros(num_classes, feats.shape[1], device=feats.device)
         sums.index_add_(0, yb, feats)
         counts += torch.bincount(yb, minlength=num_classes)
     model.train(was_training)
     if sums is None:
-        sums = torch.zeros(num_classes, getattr(model, "feature_dim", 0))
+        sums = torch.zeros(num_classes, getattr(model, "feature_dim", 0), device=dev)
     return sums, counts
 
 

@@ -1,4 +1,8 @@
-"""FederatedData: the dataset's tensors held once, plus one index array per client."""
+"""FederatedData: the dataset's tensors held once, plus one index array per client.
+
+The tensors and the clients' index tensors live on the run's device (``fedskew.building``
+puts them there once); a batch is gathered there, with no copy from host memory per step.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +28,11 @@ class ClientData:
         return int(self.indices.numel())
 
     @property
+    def device(self) -> torch.device:
+        """Where this client's data (and so its batches) live."""
+        return self.indices.device
+
+    @property
     def labels(self) -> torch.Tensor:
         if self._labels is None:
             self._labels = self.y.index_select(0, self.indices)
@@ -33,8 +42,11 @@ class ClientData:
         return torch.bincount(self.labels, minlength=self.num_classes)
 
     def batch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and labels of the given positions (0..len-1) of this client's data."""
-        idx = self.indices.index_select(0, rows)
+        """Inputs and labels of the given positions (0..len-1) of this client's data.
+
+        ``rows`` may be in host memory (a permutation drawn by an addressed CPU generator):
+        it is moved to the data's device first (nothing happens when it is there already)."""
+        idx = self.indices.index_select(0, rows.to(self.indices.device))
         # Advanced indexing keeps the inputs' memory format (channels_last); index_select
         # would silently return the default layout.
         return self.x[idx], self.y.index_select(0, idx)
@@ -62,12 +74,13 @@ class FederatedData:
         data = self._clients.get(cid)
         if data is None:
             idx = torch.from_numpy(np.ascontiguousarray(self.partition[cid], dtype=np.int64))
+            idx = idx.to(self.x.device)
             data = self._clients[cid] = ClientData(self.x, self.y, idx, self.num_classes)
         return data
 
     def class_counts(self) -> np.ndarray:
         """(clients, classes) matrix of training samples."""
-        labels = self.y.numpy()
+        labels = self.y.cpu().numpy()
         counts = np.zeros((self.num_clients, self.num_classes), dtype=np.int64)
         for k, idx in enumerate(self.partition):
             counts[k] = np.bincount(labels[idx], minlength=self.num_classes)

@@ -50,6 +50,11 @@ class Engine(Protocol):
     # Client worker processes this engine runs (0: none, clients run in this process or
     # elsewhere); recorded in the run folder.
     worker_count: int
+    # The devices of those workers when they differ from the run's (one GPU each), else ().
+    worker_devices: tuple[str, ...]
+    # How the clients of an exchange are trained: "off" (one after another) or "vmap"
+    # (together, where the algorithm allows it; see engine.together).
+    clients_together: str
     traffic: TrafficCounter
 
     def begin_round(self, rnd: int) -> None:
@@ -86,6 +91,8 @@ class ServerSideClientStates:
 
     may_lose_replies = False
     worker_count = 0
+    worker_devices: tuple[str, ...] = ()
+    clients_together = "off"
 
     def __init__(self) -> None:
         self._states: dict[int, ClientState] = {}

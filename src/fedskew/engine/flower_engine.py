@@ -31,6 +31,8 @@ class FlowerEngine:
 
     may_lose_replies = True
     worker_count = 0  # the clients run on the federation's nodes
+    worker_devices: tuple[str, ...] = ()  # each node chooses its own (its --device)
+    clients_together = "off"  # a node answers for one client at a time
 
     def __init__(
         self,

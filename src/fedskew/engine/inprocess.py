@@ -32,12 +32,21 @@ class InProcessEngine(ClientRuntime, ServerSideClientStates):
         train: LocalTrainConfig,
         seed: int,
         test: tuple[torch.Tensor, torch.Tensor] | None = None,
+        clients_together: str = "off",
     ) -> None:
-        ClientRuntime.__init__(self, client_logic, data, model, train, seed, test)
+        ClientRuntime.__init__(self, client_logic, data, model, train, seed, test, clients_together)
         ServerSideClientStates.__init__(self)
 
     def exchange(self, messages: Mapping[int, Message]) -> dict[int, Message]:
         self.traffic.exchanges += 1
+        if self.clients_together == "vmap" and len(messages) > 1:
+            states = {cid: self.state_of(cid) for cid in messages}
+            together = self.handle_together(self.round, messages, states)
+            if together is not None:
+                for cid, msg in messages.items():
+                    self.traffic.bytes_down += msg.nbytes()
+                    self.traffic.bytes_up += together[cid].nbytes()
+                return together
         replies: dict[int, Message] = {}
         for cid, msg in messages.items():
             self.traffic.bytes_down += msg.nbytes()

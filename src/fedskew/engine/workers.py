@@ -14,6 +14,10 @@ are started with ``spawn`` (forking a process whose torch already runs threads c
 deadlock), ignore Ctrl-C (the parent ends them), and take tasks one at a time: a free
 worker gets the next client of the exchange.
 
+On CUDA each worker takes one GPU (worker i: cuda:i mod the visible GPUs), so N workers
+spread a round's clients over the machine's GPUs; messages and states cross the pipes as
+host arrays, and each worker's client runtime moves them to its GPU and back.
+
 Wire format, both ways, no pickle: an 8-byte little-endian header length, a JSON header
 (envelope, message kind, numbers, strings, and for each array its name, dtype, shape and
 storage order), then the raw bytes of each array in header order. Arrays keep their
@@ -38,8 +42,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedskew.building import prepare
+from fedskew.building import execution_settings, prepare
 from fedskew.config import ExperimentConfig, build_config, normalise_keys
+from fedskew.device import apply_settings, cuda_count
 from fedskew.engine.base import ServerSideClientStates
 from fedskew.engine.client_runtime import ClientRuntime
 from fedskew.errors import FedskewError
@@ -210,7 +215,18 @@ def _build_runtime(config_json: str) -> ClientRuntime:
     """What a worker builds once per run: data, partition, scratch model, client logic."""
     raw = json.loads(config_json)
     cfg = build_config(normalise_keys(raw, "worker configuration"), {})
+    apply_settings(execution_settings(cfg))  # for the worker's lifetime, before any CUDA work
     return ClientRuntime.from_prepared(prepare(cfg))
+
+
+def worker_device(spec: str, index: int) -> str:
+    """The device option of worker ``index`` for the run's ``spec``: with CUDA (cuda, or
+    auto where a GPU is visible) worker i gets cuda:i mod the number of visible GPUs, so
+    that N workers spread over the GPUs; cpu and cuda:N are kept as they are."""
+    count = cuda_count()
+    if spec in ("auto", "cuda") and count > 0:
+        return f"cuda:{index % count}"
+    return spec
 
 
 def _leave() -> None:
@@ -316,14 +332,22 @@ class WorkerPoolEngine(ServerSideClientStates):
         self.conns: list[Connection] = []
         self._busy: dict[int, int] = {}  # worker index -> client it is working on
         self._closed = False
-        config = {**cfg.to_dict(), "workers": 0, "engine": "inprocess", "quiet": True}
+        # A worker answers for one client at a time: nothing to train together.
+        config = {
+            **cfg.to_dict(), "workers": 0, "engine": "inprocess", "quiet": True,
+            "clients_together": "off",
+        }  # fmt: skip
+        devices = [worker_device(cfg.device, index) for index in range(count)]
+        if any(d.startswith("cuda") for d in devices):
+            self.worker_devices = tuple(devices)
         context = mp.get_context("spawn")
         try:
             for index in range(count):
                 parent_end, child_end = context.Pipe(duplex=True)
+                worker_config = {**config, "device": devices[index]}
                 process = context.Process(
                     target=worker_main,
-                    args=(child_end, json.dumps(config)),
+                    args=(child_end, json.dumps(worker_config)),
                     name=f"fedskew-worker-{index}",
                     daemon=True,  # never outlive the parent, even if close() is skipped
                 )

@@ -31,12 +31,14 @@ def evaluate(
     """Accuracy, mean loss and per-class accuracy in one batched pass without autograd.
 
     The forward pass runs under ``precision`` (see fedskew.precision); the loss, the
-    arg-max and the per-class counts are taken from the logits in fp32.
+    arg-max and the per-class counts are taken from the logits in fp32. The model and the
+    test tensors share a device; the counts are made there (integer counts: deterministic
+    on CUDA too) and read back once.
     """
     was_training = model.training
     model.eval()
-    correct = torch.zeros(num_classes, dtype=torch.int64)
-    total = torch.zeros(num_classes, dtype=torch.int64)
+    correct = torch.zeros(num_classes, dtype=torch.int64, device=y.device)
+    total = torch.zeros(num_classes, dtype=torch.int64, device=y.device)
     loss_sum = 0.0
     for start in range(0, len(y), batch_size):
         xb, yb = x[start : start + batch_size], y[start : start + batch_size]
@@ -44,14 +46,14 @@ def evaluate(
             logits = model(xb)
         logits = logits.float()  # a no-op in fp32
         loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
-        hit = (logits.argmax(dim=1) == yb).to(torch.int64)
-        correct += torch.bincount(yb, weights=hit, minlength=num_classes).to(torch.int64)
+        hit = logits.argmax(dim=1) == yb
+        correct += torch.bincount(yb[hit], minlength=num_classes)
         total += torch.bincount(yb, minlength=num_classes)
     model.train(was_training)
     n = int(total.sum())
-    counts = total.numpy()
+    counts = total.cpu().numpy()
     with np.errstate(invalid="ignore", divide="ignore"):
-        per_class = np.where(counts > 0, correct.numpy() / np.maximum(counts, 1), np.nan)
+        per_class = np.where(counts > 0, correct.cpu().numpy() / np.maximum(counts, 1), np.nan)
     return EvalResult(
         accuracy=float(correct.sum()) / max(n, 1),
         loss=loss_sum / max(n, 1),

@@ -26,6 +26,21 @@ def _norm_factory(norm: str) -> NormFactory:
     return lambda channels: nn.GroupNorm(2, channels)
 
 
+class GlobalAvgPool(nn.AdaptiveAvgPool2d):
+    """Global average pooling: ``nn.AdaptiveAvgPool2d(1)``, except on CUDA under
+    ``torch.use_deterministic_algorithms``, where that layer's backward has no deterministic
+    kernel (PyTorch refuses it): there the mean over height and width, the same value up to
+    rounding. No parameters either way, so the state dict is unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and torch.are_deterministic_algorithms_enabled():
+            return x.mean(dim=(2, 3), keepdim=True)
+        return super().forward(x)
+
+
 class BasicBlock(nn.Module):
     """Two 3x3 convolutions with an identity (or 1x1 projection) shortcut."""
 
@@ -96,7 +111,7 @@ def build_resnet18(
             stage.append(BasicBlock(channels, width, stride, norm_factory))
             channels = width
         layers[f"layer{index + 1}"] = nn.Sequential(*stage)
-    layers["pool"] = nn.AdaptiveAvgPool2d(1)
+    layers["pool"] = GlobalAvgPool()
     layers["flatten"] = nn.Flatten()
     return BodyHeadModel(
         nn.Sequential(layers), nn.Linear(channels, num_classes, bias=bias), channels

@@ -1,0 +1,307 @@
+"""The device option and the device path (issue 12).
+
+This machine may have no GPU. Two kinds of checks stand in for CUDA here:
+
+* Device-correctness on the CPU: every algorithm's client handlers, its server round and the
+  evaluation run under ``torch.device("meta")`` as the default device, while the model, the
+  data and the messages are real CPU tensors. A tensor factory that forgets its device
+  (``torch.zeros(n)`` where ``torch.zeros(n, device=x.device)`` is meant) then makes a meta
+  tensor, which fails when it meets a CPU tensor, or yields garbage that the exact comparison
+  with a plain run catches. That is the bug that would mix CPU and CUDA tensors on a GPU.
+  It does not cover host-side indices used on device tensors (those are moved explicitly:
+  ``ClientData.batch``, the epoch permutation, augmentation and mixup draws).
+* Device-parametrised tests run on ``cpu`` and on ``cuda``; without CUDA the latter are
+  skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_bn import NAME as TINY_BN
+
+from fedskew.algorithms import ALGORITHMS
+from fedskew.building import new_model, prepare
+from fedskew.cli import main
+from fedskew.config import ExperimentConfig, build_config, config_hash
+from fedskew.device import (
+    ExecutionSettings,
+    check_device_spec,
+    cuda_count,
+    resolve_device,
+    settings_applied,
+)
+from fedskew.engine.client_runtime import ClientRuntime
+from fedskew.engine.inprocess import InProcessEngine
+from fedskew.errors import UsageError
+from fedskew.experiment import RunState, evaluate_global_model, play_round, run, server_setup
+from fedskew.protocol import ClientState, Message
+
+HAS_CUDA = cuda_count() > 0
+NO_CUDA = "no CUDA device here (CPU-only torch or no GPU): benchmarks/gpu_check.sh runs these"
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)),
+]
+
+
+# ---------------------------------------------------------------------------- the option
+
+
+@pytest.mark.parametrize("spec", ["auto", "cpu", "cuda", "cuda:0", "cuda:12", " CPU "])
+def test_device_spellings_are_accepted(spec: str) -> None:
+    assert check_device_spec(spec) == spec.strip().lower()
+
+
+@pytest.mark.parametrize("spec", ["gpu", "cuda:", "cuda:x", "mps", "", 3, None])
+def test_other_device_spellings_are_one_line_errors(spec: object) -> None:
+    with pytest.raises(UsageError, match="device must be auto, cpu, cuda or cuda:N"):
+        check_device_spec(spec)
+
+
+def test_cpu_and_auto_resolve_here() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    expected = "cuda" if HAS_CUDA else "cpu"
+    assert resolve_device("auto").type == expected
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CUDA is available: the error cannot be shown")
+@pytest.mark.parametrize("spec", ["cuda", "cuda:0", "cuda:3"])
+def test_cuda_without_cuda_is_a_one_line_error(spec: str) -> None:
+    with pytest.raises(UsageError, match="no CUDA device is available") as err:
+        resolve_device(spec)
+    assert "\n" not in str(err.value)
+    with pytest.raises(UsageError, match=f"device {spec}: no CUDA device"):
+        build_config({}, {"device": spec})
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CUDA is available: the error cannot be shown")
+def test_cli_device_cuda_without_cuda(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code = main(["run", "--device", "cuda", "-r", "1", "-q", "-o", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "no CUDA device is available" in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_cli_options_reach_the_config(tmp_path: Path) -> None:
+    cfg = build_config(
+        {}, {"device": "cpu", "tf32": "on", "deterministic": True, "clients_together": "vmap"}
+    )
+    assert (cfg.device, cfg.tf32, cfg.deterministic, cfg.clients_together) == (
+        "cpu", True, True, "vmap",
+    )  # fmt: skip
+    with pytest.raises(UsageError, match="clients-together must be one of auto, off, vmap"):
+        build_config({}, {"clients_together": "streams"})
+
+
+def test_execution_options_leave_the_config_hash_alone() -> None:
+    """device, tf32, deterministic and clients_together change rounding, not the experiment:
+    a run may be resumed on another device (see EXECUTION_ONLY)."""
+    base = ExperimentConfig()
+    other = ExperimentConfig(device="cpu", tf32=True, deterministic=True, clients_together="vmap")
+    assert config_hash(base) == config_hash(other)
+
+
+def test_execution_settings_are_put_back() -> None:
+    before = ExecutionSettings.current()
+    with settings_applied(ExecutionSettings(tf32=not before.tf32, deterministic=True)):
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.backends.cuda.matmul.allow_tf32 is (not before.tf32)
+    assert ExecutionSettings.current() == before
+
+
+def test_run_folder_records_the_device(tmp_path: Path) -> None:
+    cfg = ExperimentConfig(
+        rounds=1, num_clients=4, clients_per_round=2, local_epochs=1, out_dir=str(tmp_path),
+        name="dev", quiet=True, workers=0, device="cpu", deterministic=True,
+    )  # fmt: skip
+    before = torch.are_deterministic_algorithms_enabled()
+    folder, summary = run(cfg)
+    assert torch.are_deterministic_algorithms_enabled() == before
+    process = json.loads((folder / "processes.jsonl").read_text().splitlines()[0])
+    assert process["device"] == "cpu" and process["device_name"] == "cpu"
+    assert process["deterministic"] is True and process["tf32"] is False
+    assert process["clients_together"] == "off"
+    resolved = json.loads((folder / "config.json").read_text())["resolved"]
+    assert resolved["device"] == "cpu"
+    assert summary["final_accuracy"] is not None
+
+
+# ---------------------------------------------------------------------------- meta default
+
+# Every registered algorithm, the feature-matching plug-in on a few, the multi-exchange
+# variants of FedCME, FedACD without mixup, and the loop's augmentation and clipping.
+CASES: dict[str, dict] = {name: {"algorithm": name} for name in ALGORITHMS}
+CASES["fedfm"]["params"] = {"lam": 5, "start_round": 1}
+CASES["fedfm-lite"]["params"] = {"lam": 5, "start_round": 1, "a": 2}
+CASES["creff"]["params"] = {"match_epochs": 3, "crt_epochs": 5}
+CASES["fedfm-uniform-l2"] = {
+    "algorithm": "fedfm",
+    "params": {"lam": 5, "start_round": 0, "fm_loss": "l2", "anchor_agg": "uniform"},
+}
+for inner in ("fedavg", "scaffold", "fedcme"):
+    CASES[f"{inner}+fm"] = {
+        "algorithm": inner, "feature_matching": True, "params": {"lam": 5, "start_round": 1},
+    }  # fmt: skip
+CASES["fedcme-e2"] = {"algorithm": "fedcme", "local_epochs": 2}
+CASES["fedcme-many-e2"] = {
+    "algorithm": "fedcme", "local_epochs": 2, "params": {"matching": "many-to-one"},
+}  # fmt: skip
+CASES["fedacd-nomix"] = {"algorithm": "fedacd", "params": {"mixup": False}}
+CASES["fedrod-eval"] = {"algorithm": "fedrod", "params": {"phead_init": "generic"}}
+# BatchNorm buffers, the loop's augmentation, clipping and bf16 autocast.
+CASES["fedavg-bn-augment-clip-bf16"] = {
+    "algorithm": "fedavg", "model": TINY_BN, "augment": True, "grad_clip": 1.0,
+    "precision": "bf16",
+}  # fmt: skip
+for name in ("scaffold", "moon", "fedrod", "fednh"):
+    CASES[f"{name}-bn"] = {**CASES[name], "model": TINY_BN}
+
+
+def _state(options: dict) -> RunState:
+    options = {"local_epochs": 1, **options}
+    cfg = ExperimentConfig(
+        rounds=2, num_clients=6, clients_per_round=3, workers=0, quiet=True, device="cpu",
+        **options,
+    )  # fmt: skip
+    prep = prepare(cfg)
+    model, eval_model = new_model(prep), new_model(prep)
+    setup = server_setup(prep, model)
+    server = prep.algorithm.Server(prep.params, setup)
+    engine = InProcessEngine.from_prepared(prep, prep.algorithm.Client(prep.params), model)
+    return RunState(prep, setup, server, engine, eval_model, cfg.per_round())
+
+
+def _two_rounds(options: dict, meta_round: int | None) -> tuple[list[dict], RunState]:
+    state = _state(options)
+    records = []
+    for rnd in range(2):
+        where = torch.device("meta") if rnd == meta_round else torch.device("cpu")
+        with where:
+            record = play_round(state, rnd)
+            record.update(evaluate_global_model(state))
+        record.pop("seconds")
+        records.append(record)
+    return records, state
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_algorithm_is_device_correct(case: str) -> None:
+    """Round 2 (with the client state round 1 left: SCAFFOLD's c_k, MOON's previous model,
+    FedCME's vectors, FedROD's head, ...) under a meta default device equals a plain run."""
+    options = CASES[case]
+    expected, plain = _two_rounds(options, None)
+    got, meta = _two_rounds(options, 1)
+    assert got == expected
+    for name, value in plain.server.global_arrays.items():
+        assert torch.equal(meta.server.global_arrays[name], value), name
+    for cid, client_state in plain.engine.client_states.items():
+        other = meta.engine.client_states[cid]
+        assert other.scalars == client_state.scalars
+        for name, value in client_state.arrays.items():
+            assert other.arrays[name].device.type == "cpu"
+            assert torch.equal(other.arrays[name], value), (cid, name)
+
+
+# ---------------------------------------------------------------------------- per device
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_runtime_keeps_messages_and_state_device_free(device: str) -> None:
+    """The client runtime is the device boundary: replies and state come back in host
+    memory, whatever the device the client trained on."""
+    cfg = ExperimentConfig(
+        algorithm="scaffold", num_clients=4, clients_per_round=2, local_epochs=1, workers=0,
+        device=device,
+    )  # fmt: skip
+    prep = prepare(cfg)
+    runtime = ClientRuntime.from_prepared(prep)
+    assert runtime.model.head.weight.device.type == device
+    assert prep.fed.x.device.type == device and prep.fed.client(0).indices.device.type == device
+    arrays = {k: v.cpu() for k, v in new_model(prep).state_dict().items()}
+    c = {f"c/{k}": torch.zeros_like(v) for k, v in arrays.items() if v.is_floating_point()}
+    state = ClientState()
+    for rnd in range(2):
+        reply = runtime.handle(0, rnd, Message("train", arrays={**arrays, **c}), state)
+        assert {t.device.type for t in reply.arrays.values()} == {"cpu"}
+        assert state.arrays and {t.device.type for t in state.arrays.values()} == {"cpu"}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_device_and_settings_give_the_same_metrics(device: str, tmp_path: Path) -> None:
+    def once(name: str) -> list[dict]:
+        cfg = ExperimentConfig(
+            algorithm="fedprox", rounds=2, num_clients=4, clients_per_round=2, local_epochs=1,
+            out_dir=str(tmp_path), name=name, quiet=True, workers=0, device=device,
+            deterministic=True,
+        )  # fmt: skip
+        folder, _ = run(cfg)
+        lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+        for line in lines:
+            line.pop("seconds"), line.pop("eval_seconds")
+        return lines
+
+    assert once("a") == once("b")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_cuda_curve_matches_the_cpu_curve(algorithm: str, tmp_path: Path) -> None:
+    """fp32, 3 rounds: accuracy within 0.02 and loss within 2 % of the CPU run's (the
+    tolerance the README states; benchmarks/gpu_check.sh reports the measured gaps)."""
+    params = dict(CASES[algorithm].get("params", {}))
+    curves = {}
+    for device in ("cpu", "cuda"):
+        cfg = ExperimentConfig(
+            algorithm=algorithm, params=params, rounds=3, num_clients=6, clients_per_round=3,
+            local_epochs=1, out_dir=str(tmp_path), name=device, quiet=True, workers=0,
+            device=device, clients_together="off",
+        )  # fmt: skip
+        folder, _ = run(cfg)
+        curves[device] = [
+            json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()
+        ]
+    for cpu, cuda in zip(curves["cpu"], curves["cuda"], strict=True):
+        assert abs(cpu["accuracy"] - cuda["accuracy"]) <= 0.02
+        assert abs(cpu["loss"] - cuda["loss"]) <= 0.02 * abs(cpu["loss"]) + 1e-4
+
+
+# ---------------------------------------------------------------------------- several GPUs
+
+
+def test_workers_spread_over_the_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fedskew.config as config
+    import fedskew.engine.workers as workers
+
+    monkeypatch.setattr(workers, "cuda_count", lambda: 2)
+    assert [workers.worker_device("cuda", i) for i in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]
+    assert workers.worker_device("auto", 3) == "cuda:1"
+    assert workers.worker_device("cuda:1", 0) == "cuda:1"  # one named GPU for all
+    assert workers.worker_device("cpu", 1) == "cpu"
+    monkeypatch.setattr(config, "cuda_count", lambda: 4)
+    assert config.effective_workers(ExperimentConfig(device="cuda", clients_per_round=8)) == 4
+    assert config.effective_workers(ExperimentConfig(device="auto", clients_per_round=3)) == 3
+    assert config.effective_workers(ExperimentConfig(device="cuda:1", clients_per_round=8)) == 0
+    assert config.effective_workers(ExperimentConfig(device="cuda", workers=2)) == 2
+    monkeypatch.setattr(config, "cuda_count", lambda: 1)
+    assert config.effective_workers(ExperimentConfig(device="cuda", clients_per_round=8)) == 0
+
+
+def test_flower_simulation_gives_each_client_a_gpu_fraction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    flower_app = pytest.importorskip("fedskew.flower_app")
+    assert flower_app.simulation_gpus_per_client(ExperimentConfig(device="cpu")) == 0.0
+    with pytest.raises(UsageError, match="use --device cuda or auto"):
+        flower_app.simulation_gpus_per_client(ExperimentConfig(device="cuda:1"))
+    monkeypatch.setattr(flower_app, "resolve_device", lambda spec: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cfg = ExperimentConfig(device="cuda", num_clients=20, clients_per_round=8)
+    assert flower_app.simulation_gpus_per_client(cfg) == 1 / 8
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 16)
+    assert flower_app.simulation_gpus_per_client(cfg) == 1.0
+

@@ -1,0 +1,170 @@
+"""Clients trained together (``--clients-together vmap``, engine/together.py) against one after
+another: the same metrics and models within fp32 tolerance, each client's batches from its
+own generator, BatchNorm buffers, momentum, weight decay and clipping included; algorithms
+whose local step is not plain fall back with the reason logged."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from tiny_bn import NAME as TINY_BN
+
+from fedskew.algorithm_interface import ClientContext, LocalTrainConfig
+from fedskew.algorithms.fedavg import FedAvgClient
+from fedskew.algorithms.local import local_train, set_arrays
+from fedskew.building import new_model, prepare
+from fedskew.config import ExperimentConfig
+from fedskew.device import cuda_count
+from fedskew.engine.inprocess import InProcessEngine
+from fedskew.engine.together import plain_handler, resolve_mode, train_together
+from fedskew.experiment import RunState, evaluate_global_model, play_round, server_setup
+from fedskew.protocol import Message
+from fedskew.rng import torch_rng
+
+NO_CUDA = "no CUDA device here (CPU-only torch or no GPU): benchmarks/gpu_check.sh runs these"
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(cuda_count() == 0, reason=NO_CUDA)),
+]
+# In float64 the stacked loop is the one-client loop up to rounding (measured: 1e-15). In
+# fp32 a batched kernel's different summation order changes the last bits, and training
+# amplifies them: after 40 momentum steps a weight may move by 3e-4 (the fp32 one-client
+# loop is that far from its own float64 run too). The metrics agree far closer than that.
+F64 = {"rtol": 1e-9, "atol": 1e-12}
+F32_WEIGHTS = {"rtol": 0.0, "atol": 5e-3}
+
+
+def _rounds(
+    mode: str, rounds: int = 2, device: str = "cpu", dtype: torch.dtype = torch.float32, **options
+) -> tuple[list, RunState]:
+    options = {
+        "local_epochs": 2, "batch_size": 16, "momentum": 0.9, "weight_decay": 1e-3,
+        **options,
+    }  # fmt: skip
+    cfg = ExperimentConfig(
+        rounds=rounds, num_clients=6, clients_per_round=4, workers=0, quiet=True,
+        clients_together=mode, device=device, **options,
+    )  # fmt: skip
+    prep = prepare(cfg)
+    if dtype != torch.float32:  # data and every model in dtype, before any client exists
+        prep.fed.x = prep.fed.x.to(dtype)
+        prep.test = (prep.x_test.to(dtype), prep.y_test)
+    model, eval_model = new_model(prep).to(dtype), new_model(prep).to(dtype)
+    setup = server_setup(prep, model)
+    server = prep.algorithm.Server(prep.params, setup)
+    engine = InProcessEngine.from_prepared(prep, prep.algorithm.Client(prep.params), model)
+    state = RunState(prep, setup, server, engine, eval_model, cfg.per_round())
+    records = []
+    for rnd in range(rounds):
+        record = play_round(state, rnd)
+        record.update(evaluate_global_model(state))
+        record.pop("seconds")
+        records.append(record)
+    return records, state
+
+
+CASES = {
+    "fedavg-mlp": {},
+    "fedavg-bn-augment-clip": {"model": TINY_BN, "augment": True, "grad_clip": 0.5},
+    "fednh-bn": {"algorithm": "fednh", "model": TINY_BN},
+    "creff": {"algorithm": "creff", "params": {"match_epochs": 3, "crt_epochs": 5}},
+}
+EXACT = ("fedavg-mlp", "fedavg-bn-augment-clip")  # run in float64 below (FedNH's means: fp32)
+
+
+def _compare(expected: list, alone: RunState, got: list, together: RunState, tol: dict) -> None:
+    for a, b in zip(expected, got, strict=True):
+        assert a["clients"] == b["clients"] and a["bytes_up"] == b["bytes_up"]
+        for key in ("train_loss", "loss", "accuracy"):
+            assert b[key] == pytest.approx(a[key], rel=tol["metrics"], abs=tol["metrics"]), key
+    for name, value in alone.server.global_arrays.items():
+        other = together.server.global_arrays[name]
+        if value.is_floating_point():
+            torch.testing.assert_close(other, value, rtol=tol["rtol"], atol=tol["atol"], msg=name)
+        else:  # BatchNorm's batch counter: the same number of steps
+            assert torch.equal(other, value), name
+
+
+@pytest.mark.parametrize("case", EXACT)
+def test_vmap_is_one_after_another_in_float64(case: str) -> None:
+    """The same arithmetic: batches, masks, BatchNorm statistics and buffers, momentum,
+    weight decay, clipping and each client's generator (augmentation included)."""
+    expected, alone = _rounds("off", dtype=torch.float64, **CASES[case])
+    got, together = _rounds("vmap", dtype=torch.float64, **CASES[case])
+    # train_loss is summed in a float32 accumulator by both loops: 1e-7 apart.
+    _compare(expected, alone, got, together, {**F64, "metrics": 1e-6})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_vmap_matches_one_after_another_in_fp32(case: str, device: str) -> None:
+    options = CASES[case]
+    expected, alone = _rounds("off", device=device, **options)
+    got, together = _rounds("vmap", device=device, **options)
+    assert together.engine.clients_together == "vmap"
+    _compare(expected, alone, got, together, {**F32_WEIGHTS, "metrics": 1e-3})
+
+
+def test_each_client_trains_as_alone() -> None:
+    """Per client, not only on average: ragged sizes (a last batch of one joins the one
+    before it), clients with fewer steps that stop early, their own generators."""
+    cfg = ExperimentConfig(model=TINY_BN, num_clients=4, workers=0, device="cpu")
+    prep = prepare(cfg)
+    train = LocalTrainConfig(epochs=2, batch_size=8, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    sizes = [33, 9, 20, 2]  # 33 = 4 x 8 + 1: a merged last batch; 2: one step per epoch
+    datas = []
+    for k, size in enumerate(sizes):
+        data = prep.fed.client(k)
+        data.indices = data.indices[:size]
+        datas.append(data)
+    model = new_model(prep)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    gens = [torch_rng(7, 0, k, "train") for k in range(4)]
+    results, finals = train_together(model, datas, train, gens, [start] * 4, [2] * 4)
+    for k, data in enumerate(datas):
+        set_arrays(model, start)
+        alone = local_train(model, data, train, torch_rng(7, 0, k, "train"))
+        assert (results[k].steps, results[k].samples) == (alone.steps, alone.samples)
+        assert results[k].mean_loss == pytest.approx(alone.mean_loss, rel=1e-4)
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(finals[k][name], value, **F32_WEIGHTS, msg=name)
+
+
+@pytest.mark.parametrize(
+    "options, reason",
+    [
+        ({"algorithm": "moon"}, "MoonClient's 'train' handler's local step is not plain"),
+        (
+            {"algorithm": "fedavg", "feature_matching": True, "params": {"start_round": 0}},
+            "routes its messages itself",
+        ),
+        ({"model": TINY_BN, "precision": "bf16"}, "bf16 autocast does not reach kernels"),
+    ],
+)
+def test_other_algorithms_fall_back_with_the_reason(
+    options: dict, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    expected, _ = _rounds("off", rounds=1, **options)
+    with caplog.at_level(logging.INFO, logger="fedskew"):
+        got, _ = _rounds("vmap", rounds=1, **options)
+    assert got == expected  # one after another: identical
+    assert reason in caplog.text and "one after another" in caplog.text
+
+
+def test_a_subclass_overriding_the_handler_is_not_bypassed() -> None:
+    class Custom(FedAvgClient):
+        def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+            raise NotImplementedError
+
+    split, reason = plain_handler(Custom(None), "train")
+    assert split is None and "overrides on_train" in reason
+    split, _ = plain_handler(FedAvgClient(None), "train")
+    assert split is not None
+
+
+def test_auto_is_one_after_another_on_the_cpu() -> None:
+    assert resolve_mode("auto", torch.device("cpu")) == "off"
+    assert resolve_mode("auto", torch.device("cuda", 0)) == "vmap"
+    assert resolve_mode("vmap", torch.device("cpu")) == "vmap"

@@ -266,7 +266,7 @@ def cli_values(args: argparse.Namespace) -> dict[str, Any]:
 def load_config(args: argparse.Namespace):
     from fedskew.config import build_config, read_config_file
 
-    file_values = read_config_file(args.config) if args.config else {}
+    file_values = read_config_file(args.config) if args.config is not None else {}
     if getattr(args, "participation", None) is not None:
         file_values.pop("clients_per_round", None)
     if getattr(args, "clients_per_round", None) is not None:
@@ -279,7 +279,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fedskew.progress import RoundProgress
 
     resume = None
-    if args.resume:
+    if args.resume is not None:  # also --resume "": an error, never a new run
         cfg, resume = resume_config(args)
         if cfg.engine == "flower":
             raise UsageError(
@@ -331,7 +331,7 @@ def resume_config(args: argparse.Namespace):
 
     values = {k: v for k, v in cli_values(args).items() if v is not None}
     given = sorted(k for k in values if k not in RESUME_MAY_CHANGE)
-    if given or args.config:
+    if given or args.config is not None:
         names = ", ".join(given) or "config"
         raise UsageError(f"--resume takes its configuration from the run folder; drop: {names}")
     folder = RunFolder.reopen(Path(args.resume))
@@ -415,10 +415,10 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
     cfg = load_config(args)
     check_names(cfg)
-    if args.plot:
-        _check_output_file(Path(args.plot))
-    if args.save:
-        _check_output_file(Path(args.save))
+    if args.plot is not None:  # also "": an error, never silently no plot
+        _check_output_file(args.plot)
+    if args.save is not None:
+        _check_output_file(args.save)
     dataset = load_experiment_data(cfg)
     partition = build_partition(cfg, dataset)
     counts = partition_stats(partition, dataset.y_train.numpy(), dataset.num_classes)
@@ -438,13 +438,13 @@ def cmd_partition(args: argparse.Namespace) -> int:
         print(header)
         for k, row in enumerate(counts):
             print(f"{k:>6} " + " ".join(f"{v:>5}" for v in row) + f"  {row.sum():>5}")
-    if args.plot:
+    if args.plot is not None:
         from fedskew.report.partition_plot import plot_partition
 
         title = f"{cfg.dataset}: {cfg.partition} {cfg.partition_params or ''}, seed {cfg.seed}"
         plot_partition(counts, Path(args.plot), title=title, class_names=dataset.class_names)
         print(f"  plot written to {args.plot}")
-    if args.save:
+    if args.save is not None:
         save_partition(
             Path(args.save), partition, {"scheme": cfg.partition, **cfg.partition_params}
         )
@@ -452,7 +452,12 @@ def cmd_partition(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_output_file(path: Path) -> None:
+def _check_output_file(text: str) -> None:
+    if not text or "\0" in text:
+        raise UsageError(f"cannot write {text!r}: not a file name")
+    path = Path(text)
+    if path.is_dir():
+        raise UsageError(f"cannot write {path}: it is a folder")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise FedskewError(f"cannot write {path}: folder {parent} does not exist")
@@ -596,6 +601,12 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(message: str) -> str:
+    """An error message as one printable line: the names, values and paths it quotes come
+    from the user and may hold newlines or other control characters (escaped here)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
@@ -606,20 +617,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except UsageError as exc:
-        print(f"fedskew: error: {exc}", file=sys.stderr)
+        print(f"fedskew: error: {one_line(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except FedskewError as exc:
-        print(f"fedskew: error: {exc}", file=sys.stderr)
+        print(f"fedskew: error: {one_line(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:
         # A run that has a folder says which one to resume (fedskew.experiment.RunInterrupted).
-        print(f"fedskew: {exc}" if str(exc) else "fedskew: interrupted", file=sys.stderr)
+        text = one_line(str(exc))
+        print(f"fedskew: {text}" if text else "fedskew: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader (e.g. `| head`) went away: stop quietly, as command-line tools do.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
+    except OSError as exc:
+        # The file system refused a path or a write (name too long, no permission, disk
+        # full, ...) wherever it happened: one line naming the file. A run folder stays
+        # resumable, as after a kill.
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"fedskew: error: {one_line(where + (exc.strerror or str(exc)))}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -105,8 +105,8 @@ class ExperimentConfig:
             )
         for key in FINITE:
             value = getattr(self, key)
-            if value is not None and not math.isfinite(value):
-                raise UsageError(f"{key.replace('_', '-')} must be a finite number, got {value}")
+            if value is not None and not is_finite_float32(value):
+                raise UsageError(f"{key.replace('_', '-')} must be {FINITE_TEXT}, got {value}")
         if self.lr <= 0:
             raise UsageError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
@@ -185,6 +185,17 @@ FINITE = (
 EXECUTION_ONLY = ("quiet", "workers", "data_dir", "download", "out_dir", "name", "engine",
                   "reply_timeout", "partition_file", "device", "tf32", "deterministic",
                   "clients_together")  # fmt: skip
+
+
+# Values that reach float32 tensors (learning rates, coefficients) must convert to them:
+# beyond float32, torch fails with "value cannot be converted to type float without
+# overflow" in the middle of a round.
+FLOAT32_MAX = 3.4028234663852886e38
+FINITE_TEXT = "a finite number of magnitude at most 3.4e38"
+
+
+def is_finite_float32(value: float) -> bool:
+    return math.isfinite(value) and abs(value) <= FLOAT32_MAX
 
 
 def check_run_name(name: str) -> None:
@@ -292,6 +303,8 @@ def _typed(key: str, value: Any) -> Any:
     default = f.default if f.default is not dataclasses.MISSING else None
     if key in TABLES:
         return value
+    if isinstance(value, str) and "\0" in value:  # no path or name holds one
+        raise UsageError(f"{key.replace('_', '-')} contains a NUL character: {value!r}")
     if default is None and key not in {"participation", "clients_per_round"}:
         if not isinstance(value, str):  # data_dir, name: text or nothing
             raise UsageError(f"{key.replace('_', '-')} expects text, got {value!r}")
@@ -404,6 +417,9 @@ def params_from_values(
             valid = ", ".join(fields) or "none"
             raise UsageError(f"{where} has no parameter '{key}' (valid: {valid})")
         kwargs[name] = coerce(raw, fields[name], owner)
+        value = kwargs[name]
+        if isinstance(value, float) and not is_finite_float32(value):
+            raise UsageError(f"{owner}: parameter '{name}' must be {FINITE_TEXT}, got {value}")
     params = params_type(**kwargs)
     check = getattr(params, "validate", None)
     if check is not None:

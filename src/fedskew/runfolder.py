@@ -107,7 +107,7 @@ class RunFolder:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 row = None
-            if not isinstance(row, dict) or row.get("round") != number:
+            if not is_round_record(row, number):
                 raise FedskewError(
                     f"{path}: line {number} is not the metrics record of round {number}"
                 )
@@ -145,16 +145,41 @@ class RunFolder:
         return final
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_round_record(row: Any, number: int) -> bool:
+    """Whether ``row`` is round ``number``'s metrics line with the fields that a resumed run
+    adds up in its summary (a line that parses but lost or changed one of them is damaged)."""
+    if not isinstance(row, dict) or row.get("round") != number or isinstance(row["round"], bool):
+        return False
+    clients = row.get("clients")
+    if not isinstance(clients, list) or not all(_number(c) for c in clients):
+        return False
+    if not all(_number(row.get(k)) for k in ("bytes_down", "bytes_up", "seconds")):
+        return False
+    if any(k in row and not _number(row[k]) for k in ("samples", "eval_seconds")):
+        return False
+    if "accuracy" in row:  # an evaluated round: a resume continues from its values
+        scores = ("accuracy", "loss", "client_dist_accuracy")
+        if not all(k in row and (row[k] is None or _number(row[k])) for k in scores):
+            return False
+        if not isinstance(row.get("per_class_accuracy"), list):
+            return False
+    return True
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The rows of a JSON-lines file up to the first line that does not parse (one cut by a
     kill mid-write, or being written now); none if the file does not exist."""
     if not path.exists():
         return []
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_bytes().split(b"\n"):
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+            rows.append(json.loads(line.decode("utf-8")))
+        except (UnicodeDecodeError, json.JSONDecodeError):
             break
     return rows
 

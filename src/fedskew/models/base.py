@@ -83,8 +83,11 @@ def option_positive_int(model: str, name: str, value: object) -> int:
     # bool is an int subclass; hidden=True is surely a mistake, not 1.
     if isinstance(value, int) and not isinstance(value, bool):
         result = value
-    elif isinstance(value, str) and value.strip().isdigit():
-        result = int(value.strip())
+    elif isinstance(value, str):
+        try:  # not str.isdigit(): it holds for '²', which int() refuses
+            result = int(value.strip())
+        except ValueError:
+            result = None
     if result is None or result < 1:
         raise UsageError(
             f"model '{model}': option {name} must be a positive integer, got {value!r}"

@@ -215,8 +215,10 @@ def open_folder(state: RunState, resume: Path | None) -> None:
     cfg, prep = state.cfg, state.prep
     if resume is None:
         folder = RunFolder.create(Path(cfg.out_dir), default_run_name(cfg))
-        folder.write_config({**cfg.to_dict(), "resolved": resolved_facts(prep, state.per_round)})
+        # config.json makes the folder resumable (RunFolder.reopen), so it comes last: a
+        # kill before it leaves a folder that says so, never one without its partition.
         folder.write_partition(prep.partition, partition_meta(cfg))
+        folder.write_config({**cfg.to_dict(), "resolved": resolved_facts(prep, state.per_round)})
     else:
         folder = RunFolder.reopen(resume)
         if not partitions_equal(folder.read_partition(), prep.partition):

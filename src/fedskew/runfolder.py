@@ -60,6 +60,8 @@ class RunFolder:
             raise FedskewError(f"{path} is not an unfinished run folder (*{INCOMPLETE})")
         if not (path / "config.json").is_file():
             raise FedskewError(f"{path} has no config.json; cannot resume it")
+        for stale in path.glob("*.tmp"):  # a durable write cut by a kill, never put in place
+            stale.unlink(missing_ok=True)
         folder = cls(path.parent, path.name[: -len(INCOMPLETE)])
         return folder
 

@@ -9,7 +9,13 @@ engine (Ray). Real SuperLink/SuperNode deployments are in test_flower_deployment
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
+import subprocess
+import threading
+import time
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -23,6 +29,7 @@ from flwr.app import Message as FlowerMessage  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
+import fedskew.flower_app as flower_app  # noqa: E402
 from fedskew.config import ExperimentConfig, build_config  # noqa: E402
 from fedskew.engine.flower_codec import (  # noqa: E402
     ARRAYS,
@@ -32,12 +39,21 @@ from fedskew.engine.flower_codec import (  # noqa: E402
     decode,
     encode,
 )
-from fedskew.errors import UsageError  # noqa: E402
+from fedskew.errors import FedskewError, UsageError  # noqa: E402
 from fedskew.experiment import run  # noqa: E402
 from fedskew.flower_app import (  # noqa: E402
+    OUTPUT_ROOT_VARIABLE,
+    _server_main,
     client_app,
     config_from_run_config,
+    end_processes,
+    output_root,
+    path_in_root,
+    resumed_config,
     serve,
+    server_options,
+    setup_limit,
+    tagged_processes,
 )
 from fedskew.protocol import Message  # noqa: E402
 
@@ -46,10 +62,12 @@ class LocalGrid(Grid):
     """Delivers messages to the ClientApp in this process, one Context per node.
 
     ``drop`` lists (round, partition id) pairs whose reply is lost (round -1 is the setup);
-    ``corrupt`` maps such pairs to a function applied to the reply content.
+    ``corrupt`` maps such pairs to a function applied to the reply content;
+    ``setup_delay`` maps partition ids to the seconds their setup reply takes to come back
+    (``math.inf``: never).
     """
 
-    def __init__(self, num_nodes: int, drop=(), corrupt=None) -> None:
+    def __init__(self, num_nodes: int, drop=(), corrupt=None, setup_delay=None) -> None:
         # What Flower's runtime sets in a ServerApp process before messages are made.
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
         self.contexts = {
@@ -64,7 +82,9 @@ class LocalGrid(Grid):
         }
         self.drop = set(drop)
         self.corrupt = dict(corrupt or {})
+        self.setup_delay = dict(setup_delay or {})
         self.sent_to: list[int] = []
+        self.pushed: dict[str, tuple[float, FlowerMessage | None]] = {}
 
     def set_run(self, run) -> None:  # pragma: no cover - not used by fedskew
         raise NotImplementedError
@@ -79,26 +99,38 @@ class LocalGrid(Grid):
     def get_node_ids(self) -> Iterable[int]:
         return list(self.contexts)
 
-    def push_messages(self, messages):  # pragma: no cover
-        raise NotImplementedError
+    def deliver(self, msg: FlowerMessage) -> FlowerMessage | None:
+        """The ClientApp's reply to ``msg``, or None when it is lost."""
+        node = msg.metadata.dst_node_id
+        self.sent_to.append(node)
+        reply = client_app(msg, self.contexts[node])
+        key = (int(msg.metadata.group_id or -1), node - 1000)
+        if key in self.drop:
+            return None
+        if key in self.corrupt:
+            self.corrupt[key](reply.content)
+        return reply
 
-    def pull_messages(self, message_ids):  # pragma: no cover
-        raise NotImplementedError
+    def push_messages(self, messages):
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = msg_id = uuid.uuid4().hex
+            delay = self.setup_delay.get(msg.metadata.dst_node_id - 1000, 0.0)
+            self.pushed[msg_id] = (time.monotonic() + delay, self.deliver(msg))
+            ids.append(msg_id)
+        return ids
+
+    def pull_messages(self, message_ids):
+        now, replies = time.monotonic(), []
+        for msg_id in message_ids:
+            ready, reply = self.pushed.get(msg_id, (math.inf, None))
+            if reply is not None and ready <= now:
+                replies.append(reply)
+                del self.pushed[msg_id]
+        return replies
 
     def send_and_receive(self, messages, *, timeout=None) -> Iterable[FlowerMessage]:
-        replies = []
-        for msg in messages:
-            node = msg.metadata.dst_node_id
-            self.sent_to.append(node)
-            context = self.contexts[node]
-            reply = client_app(msg, context)
-            key = (int(msg.metadata.group_id or -1), node - 1000)
-            if key in self.drop:
-                continue
-            if key in self.corrupt:
-                self.corrupt[key](reply.content)
-            replies.append(reply)
-        return replies
+        return [r for r in map(self.deliver, messages) if r is not None]
 
 
 def digits_cfg(tmp_path: Path, algorithm: str, **extra) -> ExperimentConfig:
@@ -167,25 +199,115 @@ def test_check_reply_rejects_bad_shapes_dtypes_and_non_finite_values():
 
 
 def test_run_config_maps_to_experiment_config(tmp_path):
-    cfg_file = tmp_path / "exp.toml"
+    root = tmp_path.resolve()
+    cfg_file = root / "exp.toml"
     cfg_file.write_text('algorithm = "fedprox"\nrounds = 7\n[params]\nmu = 0.1\n')
     cfg = config_from_run_config(
         {
-            "config-file": str(cfg_file),
+            "config-file": "exp.toml",  # relative to the output root
             "num-clients": 5,
             "clients-per-round": "",
             "params": "mu=0.5",
             "partition-params": "beta=0.3",
             "name": "",
-        }
+        },
+        root,
     )
     assert cfg.algorithm == "fedprox" and cfg.rounds == 7 and cfg.num_clients == 5
     assert cfg.params == {"mu": 0.5} and cfg.partition_params == {"beta": 0.3}
     assert cfg.engine == "flower" and cfg.name is None
+    assert cfg.out_dir == str(root)  # no out-dir: the root itself
     with pytest.raises(UsageError):
-        config_from_run_config({"params": "mu"})
+        config_from_run_config({"params": "mu"}, root)
     with pytest.raises(UsageError):
-        config_from_run_config({"no-such-key": 1})
+        config_from_run_config({"no-such-key": 1}, root)
+
+
+# --------------------------------------------------------------------------- output root
+
+
+def test_output_root_is_the_operators_and_must_exist(tmp_path, monkeypatch):
+    monkeypatch.delenv(OUTPUT_ROOT_VARIABLE, raising=False)
+    with pytest.raises(UsageError, match=f"{OUTPUT_ROOT_VARIABLE} is not set"):
+        output_root()
+    monkeypatch.setenv(OUTPUT_ROOT_VARIABLE, "relative/runs")
+    with pytest.raises(UsageError, match="absolute"):
+        output_root()
+    monkeypatch.setenv(OUTPUT_ROOT_VARIABLE, str(tmp_path / "missing"))
+    with pytest.raises(UsageError, match="not a folder"):
+        output_root()
+    assert not (tmp_path / "missing").exists()
+    monkeypatch.setenv(OUTPUT_ROOT_VARIABLE, str(tmp_path))
+    assert output_root() == tmp_path.resolve()
+
+
+def test_run_config_paths_stay_inside_the_output_root(tmp_path):
+    root = (tmp_path / "root").resolve()
+    (root / "ok").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (root / "escape").symlink_to(tmp_path / "outside")
+    assert path_in_root(root, "team/a", "out-dir") == root / "team" / "a"
+    for bad in ("/tmp/x", str(root / "ok"), "../x", "ok/../../x", "escape", "escape/y", "a\0b"):
+        with pytest.raises(UsageError):
+            path_in_root(root, bad, "out-dir")
+    # resume alone may be absolute, when it lies inside the root
+    assert path_in_root(root, str(root / "ok"), "resume", absolute_ok=True) == root / "ok"
+    with pytest.raises(UsageError, match="outside"):
+        path_in_root(root, str(tmp_path / "outside"), "resume", absolute_ok=True)
+
+    def cfg(**run_config):
+        return config_from_run_config(run_config, root)
+
+    assert cfg(**{"out-dir": "team"}).out_dir == str(root / "team")
+    for key, value in [
+        ("out-dir", "/srv/elsewhere"),
+        ("out-dir", "../elsewhere"),
+        ("config-file", str(tmp_path / "exp.toml")),
+        ("config-file", "../exp.toml"),
+        ("partition-file", "/etc/passwd"),
+        ("data-dir", "/data"),
+        ("name", "../x"),
+        ("name", "a/b"),
+    ]:
+        with pytest.raises(UsageError):
+            cfg(**{key: value}).validate()
+    # A config file (itself inside the root) cannot lead outside either.
+    for line in ('out_dir = "/srv/elsewhere"', 'data_dir = "/data"', 'partition_file = "/x.npz"'):
+        (root / "exp.toml").write_text(line + "\n")
+        with pytest.raises(UsageError):
+            cfg(**{"config-file": "exp.toml"})
+    (root / "exp.toml").write_text('out_dir = "from-file"\n')
+    assert cfg(**{"config-file": "exp.toml"}).out_dir == str(root / "from-file")
+    # resume names an unfinished run folder inside the root, never the root itself
+    for bad in ("/tmp", "..", ".", str(root)):
+        with pytest.raises(UsageError):
+            resumed_config(bad, root)
+    assert not list((tmp_path / "outside").iterdir())
+
+
+def test_deployed_server_writes_only_under_the_output_root(tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    root.mkdir()
+    monkeypatch.setenv(OUTPUT_ROOT_VARIABLE, str(root))
+    small = {"num-clients": 2, "clients-per-round": 2, "rounds": 1, "local-epochs": 1}
+
+    def server_main(**run_config):
+        context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                          run_config={**small, "quiet": True, **run_config})  # fmt: skip
+        _server_main(LocalGrid(2), context)
+
+    server_main(**{"out-dir": "team", "name": "r1"})
+    assert (root / "team" / "r1" / "summary.json").is_file()
+    elsewhere = str(tmp_path / "elsewhere")
+    for bad in ({"out-dir": elsewhere}, {"out-dir": "../elsewhere"}, {"name": "../elsewhere"},
+                {"resume": elsewhere + ".incomplete"}):  # fmt: skip
+        with pytest.raises(UsageError):
+            server_main(**bad)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
+    monkeypatch.delenv(OUTPUT_ROOT_VARIABLE)
+    with pytest.raises(UsageError, match=OUTPUT_ROOT_VARIABLE):
+        server_main(name="r2")
+    assert not (root / "r2").exists()
 
 
 # --------------------------------------------------------------------------- equivalence
@@ -297,6 +419,88 @@ def test_two_nodes_claiming_one_partition_is_an_error(tmp_path):
         serve(grid, cfg)
 
 
+# --------------------------------------------------------------------------- setup
+
+
+def test_slow_setup_says_which_partitions_are_still_starting(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(flower_app, "PROGRESS_SECONDS", 0.3)
+    monkeypatch.setattr(flower_app, "POLL_SECONDS", 0.05)
+    cfg = digits_cfg(tmp_path, "fedavg", clients_per_round=4, rounds=1)
+    grid = LocalGrid(4, setup_delay={2: 1.0, 3: 1.0})
+    with caplog.at_level(logging.WARNING, logger="fedskew"):
+        folder, _ = serve(grid, cfg, setup_timeout=30.0)
+    progress = [r.getMessage() for r in caplog.records if "Flower setup" in r.getMessage()]
+    assert progress and "2 of 4 nodes ready" in progress[0]
+    assert "partitions still starting: 2-3" in progress[0]
+    assert metrics(folder)[0]["missing_replies"] == []  # slow, not lost: all four trained
+
+
+def test_setup_gives_up_only_after_no_answer_for_the_limit(tmp_path, monkeypatch):
+    monkeypatch.setattr(flower_app, "POLL_SECONDS", 0.05)
+    # Answers keep coming (one every 0.3 s): a 0.5 s limit without an answer is not reached,
+    # though the whole setup takes longer than that.
+    cfg = digits_cfg(tmp_path / "a", "fedavg", clients_per_round=4, rounds=1)
+    grid = LocalGrid(4, setup_delay={0: 0.3, 1: 0.6, 2: 0.9, 3: 1.2})
+    folder, _ = serve(grid, cfg, setup_timeout=0.5)
+    assert metrics(folder)[0]["missing_replies"] == []
+    # A node that never answers: the run goes on without its partition after the limit.
+    cfg = digits_cfg(tmp_path / "b", "fedavg", clients_per_round=4, rounds=1)
+    folder, _ = serve(LocalGrid(4, setup_delay={3: math.inf}), cfg, setup_timeout=0.3)
+    assert metrics(folder)[0]["missing_replies"] == [3]
+    # None answers: one line that names the partitions.
+    cfg = digits_cfg(tmp_path / "c", "fedavg", clients_per_round=4, rounds=1)
+    silent = LocalGrid(4, setup_delay=dict.fromkeys(range(4), math.inf))
+    with pytest.raises(FedskewError, match=r"partitions 0-3 still starting"):
+        serve(silent, cfg, setup_timeout=0.3)
+
+
+def test_setup_limit_grows_with_the_load(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.5, 0.5))
+    assert setup_limit(None) == flower_app.SETUP_TIMEOUT_SECONDS  # idle: the base
+    monkeypatch.setattr(os, "getloadavg", lambda: (4.0, 4.0, 4.0))
+    assert setup_limit(None) == 2 * flower_app.SETUP_TIMEOUT_SECONDS  # load 4 on 2 cores
+    assert setup_limit(30.0) == 30.0  # setup-timeout wins
+
+
+def test_server_options_from_the_run_config():
+    assert server_options({}) == {"node_wait": 120.0, "setup_timeout": None}
+    got = server_options({"node-wait": 5, "setup-timeout": 600.0, "rounds": 3})
+    assert got == {"node_wait": 5.0, "setup_timeout": 600.0}
+    assert server_options({"setup-timeout": 0}) == {"node_wait": 120.0, "setup_timeout": None}
+    for bad in ({"node-wait": -1}, {"setup-timeout": math.nan}, {"setup-timeout": "x"},
+                {"node-wait": True}):  # fmt: skip
+        with pytest.raises(UsageError):
+            server_options(bad)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def orphan_sleeper(env: dict[str, str]) -> int:
+    """A process whose parent has exited (as a Ray worker whose raylet was shut down)."""
+    out = subprocess.run(["sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"], env=env,
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    return int(out.stdout)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc")
+def test_only_processes_tagged_by_the_run_are_ended():
+    tag = uuid.uuid4().hex
+    mine = orphan_sleeper({**os.environ, "FEDSKEW_SIMULATION_TAG": tag})
+    other = orphan_sleeper({**os.environ, "FEDSKEW_SIMULATION_TAG": "another run"})
+    try:
+        found = tagged_processes("FEDSKEW_SIMULATION_TAG", tag)
+        assert [pid for pid, _ in found] == [mine]
+        assert end_processes(found, grace=2.0) == [mine]
+        assert tagged_processes("FEDSKEW_SIMULATION_TAG", tag) == []
+        assert tagged_processes("FEDSKEW_SIMULATION_TAG", "another run")  # left alone
+        # A pid whose start time differs is another process by now: never signalled.
+        assert end_processes([(other, -1)]) == []
+    finally:
+        os.kill(other, 9)
+
+
 # --------------------------------------------------------------------------- Ray
 
 
@@ -339,13 +543,49 @@ def test_ray_simulation_equals_inprocess(tmp_path):
         assert_same_curves(metrics(folder_ip), metrics(folders[algorithm]))
 
 
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc")
+def test_failed_simulation_leaves_no_process(tmp_path, monkeypatch):
+    """A Flower simulation that fails at the setup ends every process it started: Ray's,
+    and one left without its parent (as a ClientAppActor still starting when a busy
+    machine's run failed outlived it before)."""
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv("FEDSKEW_TEST_MARK", mark)  # inherited by whatever the run starts
+    orphans: list[int] = []
+
+    def fail_at_setup(grid, wanted, timeout):
+        orphans.append(orphan_sleeper(dict(os.environ)))
+        raise FedskewError("setup failed")
+
+    monkeypatch.setattr(flower_app, "wait_for_nodes", fail_at_setup)
+    seen: set[int] = set()
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            seen.update(pid for pid, _ in tagged_processes("FEDSKEW_TEST_MARK", mark))
+            time.sleep(0.2)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    cfg = digits_cfg(tmp_path, "fedavg", num_clients=2, clients_per_round=2, rounds=1)
+    try:
+        with pytest.raises(FedskewError, match="setup failed"):
+            flower_app.run_simulation(cfg)
+    finally:
+        done.set()
+        sampler.join()
+    left = tagged_processes("FEDSKEW_TEST_MARK", mark)
+    end_processes(left)  # so that a failure here leaves nothing behind either
+    assert orphans and set(orphans) < seen  # Ray's processes were there too
+    assert left == []
+
+
 # --------------------------------------------------------------------------- resume
 
 
-def test_deployed_run_resumes_through_the_run_config(tmp_path):
+def test_deployed_run_resumes_through_the_run_config(tmp_path, monkeypatch):
     """A deployed run killed after round 2 continues with `--run-config resume=DIR` and
     ends with the same curve as an uninterrupted in-process run."""
-    from fedskew.flower_app import _server_main
 
     class Killed(Exception):
         pass
@@ -361,8 +601,9 @@ def test_deployed_run_resumes_through_the_run_config(tmp_path):
     unfinished = tmp_path / "fl" / "dep.incomplete"
     assert len(metrics(unfinished)) == 2
 
+    monkeypatch.setenv(OUTPUT_ROOT_VARIABLE, str(tmp_path / "fl"))
     context = Context(run_id=2, node_id=0, node_config={}, state=RecordDict(),
-                      run_config={"resume": str(unfinished), "rounds": 99})  # fmt: skip
+                      run_config={"resume": "dep.incomplete", "rounds": 99})  # fmt: skip
     _server_main(LocalGrid(4), context)
     finished = tmp_path / "fl" / "dep"
     reference, _ = run(digits_cfg(tmp_path / "ip", "fedavg", rounds=4))

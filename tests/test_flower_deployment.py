@@ -34,13 +34,15 @@ pytest.importorskip("flwr")
 
 from fedskew.checkpoint import load_checkpoint  # noqa: E402
 from fedskew.cli import main as fedskew_main  # noqa: E402
+from fedskew.flower_app import machine_load  # noqa: E402
 from fedskew.runfolder import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 APP_DIR = REPO / "flower"
 BIN = Path(sys.executable).parent  # flower-superlink spawns flwr-serverapp etc. by name
 START_SECONDS = 60.0  # until a process listens on its port
-RUN_SECONDS = 300.0  # one `flwr run`, start to end (a round is ~15 s on 2 busy cores)
+# One `flwr run`, start to end (a round is ~15 s on 2 cores), longer on a busier machine.
+RUN_SECONDS = 300.0 * machine_load()
 # Config keys that legitimately differ between the deployed run and the in-process one.
 NOT_COMPARED = {"engine", "name", "out_dir", "quiet", "reply_timeout"}
 
@@ -158,6 +160,7 @@ class Federation:
 
     def env(self, home: str) -> dict[str, str]:
         env = dict(os.environ)
+        env.pop("FEDSKEW_OUTPUT_ROOT", None)  # only the SuperLink gets one, in start()
         flwr_home = self.root / "homes" / home
         flwr_home.mkdir(parents=True, exist_ok=True)
         env["FLWR_HOME"] = str(flwr_home)
@@ -168,7 +171,13 @@ class Federation:
         env.pop("NO_COLOR", None)
         return env
 
-    def spawn(self, name: str, args: list[str], home: str | None = None) -> subprocess.Popen:
+    def spawn(
+        self,
+        name: str,
+        args: list[str],
+        home: str | None = None,
+        extra_env: dict[str, str] | None = None,
+    ) -> subprocess.Popen:
         log = self.logs / f"{name}.log"
         with open(log, "wb") as fh:
             proc = subprocess.Popen(
@@ -176,7 +185,7 @@ class Federation:
                 stdout=fh,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self.env(home or name),
+                env={**self.env(home or name), **(extra_env or {})},
                 cwd=self.root,
                 start_new_session=True,  # its own process group, killed as one
             )
@@ -184,8 +193,11 @@ class Federation:
         self.log_files[name] = log
         return proc
 
-    def start(self, nodes: int, tls: dict[str, Path] | None = None) -> None:
+    def start(self, nodes: int, output_root: Path, tls: dict[str, Path] | None = None) -> None:
+        """The SuperLink (its ServerApp writes under ``output_root``, the operator's
+        FEDSKEW_OUTPUT_ROOT) and ``nodes`` SuperNodes."""
         self.tls = tls
+        output_root.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         # The app's dependencies are the installed fedskew: no `uv sync` on the SuperLink.
         link_args = [
@@ -201,7 +213,11 @@ class Federation:
                 f"--ssl-certfile={tls['cert']}",
                 f"--ssl-keyfile={tls['key']}",
             ]
-        self.spawn("superlink", [str(BIN / "flower-superlink"), *link_args])
+        self.spawn(
+            "superlink",
+            [str(BIN / "flower-superlink"), *link_args],
+            extra_env={"FEDSKEW_OUTPUT_ROOT": str(output_root)},
+        )
         self.wait_listening("superlink", self.port)
         trust = ["--insecure"] if tls is None else [f"--root-certificates={tls['ca']}"]
         node_ports = [free_port() for _ in range(nodes)]
@@ -318,8 +334,9 @@ def compared_config(folder: Path) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k not in NOT_COMPARED}
 
 
-def run_config(out_dir: Path, name: str, **options: Any) -> dict[str, Any]:
-    return {**options, "out-dir": str(out_dir), "name": name}
+def run_config(name: str, **options: Any) -> dict[str, Any]:
+    """No out-dir: run folders go straight into the SuperLink's output root."""
+    return {**options, "name": name}
 
 
 # ---------------------------------------------------------------------------- tests
@@ -331,8 +348,8 @@ def test_deployment_trains_every_node_like_in_process(
     federation: Federation, tmp_path: Path
 ) -> None:
     out = tmp_path / "runs"
-    federation.start(nodes=3)
-    proc = federation.run_app(run_config(out, "deployed", dataset="digits", **OPTIONS_A))
+    federation.start(nodes=3, output_root=out)
+    proc = federation.run_app(run_config("deployed", dataset="digits", **OPTIONS_A))
     assert federation.wait_app(proc) == 0, federation.report()
     deployed = finished_run(out, "deployed", federation)
 
@@ -357,11 +374,12 @@ def test_killed_node_is_missing_and_no_round_is_lost(
 ) -> None:
     out = tmp_path / "runs"
     rounds = 3
-    federation.start(nodes=3)
+    federation.start(nodes=3, output_root=out)
     # The timeout bounds a round with a dead node (the SuperLink notices a dead node only
-    # after ~60 s of missing heartbeats); a live client replies in ~10-20 s here.
-    options = {**OPTIONS_A, "rounds": rounds, "reply-timeout": 30.0}
-    proc = federation.run_app(run_config(out, "fault", dataset="digits", **options))
+    # after ~60 s of missing heartbeats); a live client replies in ~10-20 s on 2 idle cores,
+    # and takes longer in proportion on a busy machine (load 9 on 2 cores: over 30 s).
+    options = {**OPTIONS_A, "rounds": rounds, "reply-timeout": 30.0 * machine_load()}
+    proc = federation.run_app(run_config("fault", dataset="digits", **options))
     metrics = out / "fault.incomplete" / "metrics.jsonl"
     deadline = time.monotonic() + RUN_SECONDS
     while not read_metrics(metrics):
@@ -396,6 +414,23 @@ def test_killed_node_is_missing_and_no_round_is_lost(
     assert all(math.isfinite(r["accuracy"]) and math.isfinite(r["loss"]) for r in rows)
     assert (folder / "checkpoint.npz").is_file()
     assert load_checkpoint(folder / "checkpoint.npz")[0] == rounds
+
+
+def test_serverapp_writes_only_under_the_operators_output_root(
+    federation: Federation, tmp_path: Path
+) -> None:
+    """The SuperLink's FEDSKEW_OUTPUT_ROOT reaches the ServerApp; a run config that names a
+    folder outside it is refused before anything is written."""
+    out = tmp_path / "runs"
+    elsewhere = tmp_path / "elsewhere"
+    federation.start(nodes=1, output_root=out)
+    options = {"num-clients": 1, "clients-per-round": 1, "rounds": 1, "local-epochs": 1}
+    proc = federation.run_app({**options, "out-dir": str(elsewhere), "name": "escape"})
+    federation.wait_app(proc)
+    log = federation.log_files["flwr-run"].read_text(errors="replace")
+    assert "must be a path relative to the output root" in log, federation.report()
+    assert not elsewhere.exists()
+    assert list(out.iterdir()) == []
 
 
 # ---------------------------------------------------------------------------- TLS
@@ -480,13 +515,13 @@ def test_deployment_over_tls(federation: Federation, tmp_path: Path) -> None:
     tls = make_certificates(tmp_path / "certs")
     options = {"num-clients": 2, "clients-per-round": 2, "rounds": 1, "local-epochs": 1}
     out = tmp_path / "runs"
-    federation.start(nodes=2, tls=tls)
+    federation.start(nodes=2, output_root=out, tls=tls)
     # The SuperLink really speaks TLS, with the certificate the CA signed for 127.0.0.1.
     context = ssl.create_default_context(cafile=str(tls["ca"]))
     with socket.create_connection(("127.0.0.1", federation.port), timeout=5) as raw:
         with context.wrap_socket(raw, server_hostname="127.0.0.1") as conn:
             assert conn.version() is not None
-    proc = federation.run_app(run_config(out, "tls", dataset="digits", **options))
+    proc = federation.run_app(run_config("tls", dataset="digits", **options))
     assert federation.wait_app(proc) == 0, federation.report()
     deployed = finished_run(out, "tls", federation)
 

@@ -12,6 +12,13 @@ from whatever runs have finished and says how many seeds each row has.
 
 Presets fix the setting of the project's comparison issues: Fashion-MNIST, simple-cnn,
 20 clients, Dirichlet beta 0.1, 8 clients per round, 5 local epochs, batch 64, lr 0.01.
+
+The same presets are compare files for `fedskew compare`, with the same run names and
+settings, so either continues the other's runs: configs/compare/methods.toml and
+configs/compare/baselines.toml (`fedskew compare -c configs/compare/methods.toml
+--report-only` writes results/runs/methods/comparison.md and .csv; `fedskew report
+benchmarks/results/runs/methods` the full report). This script stays for its
+results/compare_*.md reports, which the findings files quote.
 """
 
 from __future__ import annotations

@@ -305,3 +305,13 @@ def test_flower_simulation_gives_each_client_a_gpu_fraction(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 16)
     assert flower_app.simulation_gpus_per_client(cfg) == 1.0
 
+
+def test_gpu_check_fails_fast_without_cuda() -> None:
+    import subprocess
+
+    if HAS_CUDA:
+        pytest.skip("CUDA is available: gpu_check.sh would run its checks")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+    done = subprocess.run([str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "no CUDA device" in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -68,6 +68,7 @@ from fedskew.config import (
     config_hash,
     normalise_keys,
 )
+from fedskew.data.sources import load_dataset
 from fedskew.durable import write_bytes_durably
 from fedskew.errors import FedskewError, UsageError
 from fedskew.report.document import Block, Heading, Para, write_report
@@ -493,6 +494,26 @@ def run_one(
     return Outcome(run, status, detail, seconds)
 
 
+def prefetch(runs: list[PlannedRun], print_line: Callable[[str], None]) -> None:
+    """Find (or download) each dataset once here, before runs start side by side: parallel
+    runs would otherwise all download, or all decode into the cache, at once. A dataset that
+    cannot be had stops nothing here: its runs fail with the reason."""
+    seen = set()
+    for r in runs:
+        cfg = r.cfg
+        key = (cfg.dataset, cfg.data_dir, cfg.download)
+        if key in seen or cfg.dataset in ("digits", "synthetic"):
+            continue
+        seen.add(key)
+        print_line(f"data: {cfg.dataset} ...")
+        try:
+            data = load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download)
+        except Exception as exc:  # noqa: BLE001 - each run reports its own failure
+            print_line(f"data: {cfg.dataset}: {str(exc).splitlines()[0] if str(exc) else exc!r}")
+            continue
+        print_line(f"data: {cfg.dataset}: {data.source}")
+
+
 def run_grid(
     grid: Grid,
     runs: list[PlannedRun],
@@ -504,6 +525,7 @@ def run_grid(
     threads = threads_per_run(grid.jobs, grid.threads, cores)
     root = grid.out_dir.resolve()
     root.mkdir(parents=True, exist_ok=True)
+    prefetch([r for r in runs if not (root / r.folder / "summary.json").is_file()], print_line)
     stop = threading.Event()
     outcomes: list[Outcome] = []
     pool = ThreadPoolExecutor(max_workers=grid.jobs)

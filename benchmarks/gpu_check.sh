@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Issue 12's GPU checks on one CUDA GPU, in under 8 minutes:
+#   1. the CUDA cases of tests/test_device.py and tests/test_together.py (the CPU/CUDA
+#      curve test is left to step 2, which reports its numbers);
+#   2. CPU/CUDA equivalence per algorithm (fp32, 3 rounds, stated tolerance) and
+#   3. the throughput table (one after another, together, bare loop, Flower's simulation)
+#      on issue 12's experiment (FedAvg, fedavg-cnn, Fashion-MNIST, 20 clients, Dir 0.1,
+#      8 per round, E=5, b=64),
+# written to benchmarks/results/gpu_check.md (and .json) with the device's name.
+#
+# Without CUDA it stops at once, saying so (exit 2). The Python half runs on a CPU as a dry
+# run: python benchmarks/gpu_check.py --device cpu
+#
+# Fashion-MNIST is looked for by fedskew's loader (data/, $FEDSKEW_DATA,
+# /usr/share/datasets/fashion-mnist, ../shared/data); GPU_CHECK_DATA_DIR names a folder.
+# PYTHON chooses the interpreter (default: .venv/bin/python, else python3); fedskew is
+# imported from src/ when it is not installed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+started=$(date +%s)
+
+"$PY" - <<'PYEOF' || exit 2
+import importlib.util, sys
+try:
+    import torch
+except ImportError:
+    sys.exit("gpu_check: torch is not installed for this Python (see README: Install)")
+if not torch.cuda.is_available():
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    sys.exit(f"gpu_check: no CUDA device: torch {torch.__version__} ({build}) sees no GPU. "
+             "Run it on a machine with an NVIDIA GPU and a CUDA build of torch; "
+             "the dry run on a CPU is: python benchmarks/gpu_check.py --device cpu")
+missing = [m for m in ("numpy", "sklearn", "pytest") if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"gpu_check: missing Python packages: {', '.join(missing)} (pip install -e '.[dev]')")
+print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+      f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s)")
+PYEOF
+
+flower=()
+if "$PY" -c "import flwr, ray" 2>/dev/null; then flower=(--flower); else
+    echo "gpu_check: flwr/ray not installed: the throughput table leaves Flower out"; fi
+data=()
+if [ -n "${GPU_CHECK_DATA_DIR:-}" ]; then data=(--data-dir "$GPU_CHECK_DATA_DIR"); fi
+
+log=$(mktemp /tmp/gpu_check_tests.XXXXXX)
+echo "gpu_check: 1/3 CUDA tests"
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_device.py tests/test_together.py \
+    -k "cuda and not cuda_curve" >"$log" 2>&1
+tests_rc=$?
+tail -n 3 "$log"
+
+echo "gpu_check: 2-3/3 equivalence and throughput"
+timeout 270 "$PY" benchmarks/gpu_check.py --device cuda --tests-log "$log" --tests-rc "$tests_rc" \
+    "${flower[@]}" "${data[@]}"
+check_rc=$?
+echo "gpu_check: $(( $(date +%s) - started )) s; tests exit $tests_rc, checks exit $check_rc"
+[ "$tests_rc" -eq 0 ] && [ "$check_rc" -eq 0 ]

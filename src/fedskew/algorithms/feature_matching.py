@@ -205,7 +205,9 @@ def with_feature_matching(cls: type[Algorithm]) -> type[Algorithm]:
             msg = self._fm_unwrap(msg, ctx)
             term = None
             if ctx.state.scalars.get(_STATE_ROUND) == float(ctx.round):
-                term = matching_term(ctx.state.arrays[_STATE_ANCHORS], settings_of(self.params))
+                term = matching_term(
+                    ctx.state.arrays[_STATE_ANCHORS], settings_of(self.params), ctx.round
+                )
             with loss_term_installed(ctx, term):
                 return super().handle(msg, ctx)
 

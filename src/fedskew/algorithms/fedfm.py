@@ -29,8 +29,14 @@ Anchor aggregation:
 
 Parameters: ``lam`` (lambda, 50), ``cg_tau`` (the CG temperature alpha, 0.1; not ``tau``,
 which MOON already uses), ``start_round`` (T_s, 20), ``fm_loss`` (cg|l2), ``anchor_agg``
-(weighted|uniform), and FedAvg's ``server_lr`` (1.0). The defaults are the official code's,
-which the paper's sweeps found best.
+(weighted|uniform), ``lam_warmup`` (0: off) and FedAvg's ``server_lr`` (1.0). The defaults
+are the official code's, which the paper's sweeps found best.
+
+``lam_warmup`` = W > 0 is not in the paper: a remedy for the launching round, where the full
+lam x l_FM arrives at once and, with a normalisation-free feature path, can drive the local
+models to NaN (REPRODUCTION.md, FedFM's stability). lam then grows linearly over the W rounds
+from the launching round on: lam x (r - T_s + 1) / W in round r, the full lam from round
+T_s + W - 1 on. Off by default, so the paper's behaviour is what runs unless asked.
 
 Choices the paper leaves open, marked [PROPOSAL]:
 - An anchor is *undefined* while it is all zero (a class no sampled client has held yet; the
@@ -113,6 +119,7 @@ class FeatureMatchingParams:
     start_round: int = 20
     fm_loss: str = "cg"
     anchor_agg: str = "weighted"
+    lam_warmup: int = 0
 
     def validate(self) -> None:
         settings_of(self).validate()
@@ -136,6 +143,13 @@ class FMSettings:
     start_round: int
     loss: str
     agg: str
+    warmup: int = 0
+
+    def lam_in(self, rnd: int) -> float:
+        """lam in round ``rnd`` (0-based): the full lam, or its share of the warm-up."""
+        if self.warmup <= 0:
+            return self.lam
+        return self.lam * min(1.0, max(0, rnd - self.start_round + 1) / self.warmup)
 
     def validate(self, names: Mapping[str, str] | None = None) -> None:
         """``names`` maps a parameter to the name the user sees (the plug-in renames)."""
@@ -151,6 +165,10 @@ class FMSettings:
         if self.start_round < 0:
             raise UsageError(
                 f"feature matching: {name('start_round')} must be >= 0, got {self.start_round}"
+            )
+        if self.warmup < 0:
+            raise UsageError(
+                f"feature matching: {name('lam_warmup')} must be >= 0 rounds, got {self.warmup}"
             )
         check_one_of("feature matching", name("fm_loss"), self.loss, FM_LOSSES)
         check_one_of("feature matching", name("anchor_agg"), self.agg, ANCHOR_AGGS)
@@ -170,6 +188,7 @@ def settings_of(params: Any) -> FMSettings:
         start_round=int(get("start_round")),
         loss=str(get("fm_loss")),
         agg=str(get("anchor_agg")),
+        warmup=int(get("lam_warmup")),
     )
 
 
@@ -257,12 +276,13 @@ def l2_loss(features: torch.Tensor, y: torch.Tensor, anchors: torch.Tensor) -> t
     return per_sample.sum() / y.numel()
 
 
-def matching_term(anchors: torch.Tensor, settings: FMSettings) -> LossTerm | None:
-    """The ``(features, logits, y) -> lam * l_FM`` loss term, or None when it would be void."""
-    if settings.lam == 0 or not bool(defined_rows(anchors).any()):
+def matching_term(anchors: torch.Tensor, settings: FMSettings, rnd: int) -> LossTerm | None:
+    """The ``(features, logits, y) -> lam * l_FM`` loss term of round ``rnd``, or None when it
+    would be void."""
+    lam, tau = settings.lam_in(rnd), settings.tau
+    if lam == 0 or not bool(defined_rows(anchors).any()):
         return None
     target = anchors.detach()
-    lam, tau = settings.lam, settings.tau
 
     if settings.loss == "cg":
 
@@ -293,11 +313,11 @@ def loss_term_installed(ctx: ClientContext, term: LossTerm | None) -> Iterator[N
         ctx.loss_terms.remove(term)
 
 
-def received_anchor_term(msg: Message, params: Any) -> LossTerm | None:
+def received_anchor_term(msg: Message, params: Any, rnd: int) -> LossTerm | None:
     """The matching term for the global anchors ``msg`` carries (None without anchors)."""
     if ANCHORS not in msg.arrays:
         return None  # before the launching round
-    return matching_term(msg.arrays[ANCHORS], settings_of(params))
+    return matching_term(msg.arrays[ANCHORS], settings_of(params), rnd)
 
 
 # --- the anchor exchange (step 1) -----------------------------------------------------------
@@ -392,7 +412,7 @@ class FedFMClient(ClientLogic):
                 "round's anchor exchange"
             )
         set_arrays(ctx.model, model)
-        with loss_term_installed(ctx, received_anchor_term(msg, self.params)):
+        with loss_term_installed(ctx, received_anchor_term(msg, self.params, ctx.round)):
             result = train_client(ctx)
         return trained_reply(ctx, result.mean_loss)
 

@@ -138,7 +138,7 @@ class FedFMLiteClient(ClientLogic):
         set_arrays(ctx.model, model)
         for key in [k for k in state.arrays if k.startswith(_KEPT)]:
             del state.arrays[key]
-        with loss_term_installed(ctx, received_anchor_term(msg, self.params)):
+        with loss_term_installed(ctx, received_anchor_term(msg, self.params, ctx.round)):
             result = train_client(ctx)
         arrays = local_anchor_arrays(ctx.model, ctx, s.agg)
         scalars = {"loss": result.mean_loss}

@@ -32,7 +32,8 @@ MODELS: dict[str, ModelInfo] = {
         ),
         ModelInfo(
             "simple-cnn",
-            "MOON/FedCME simple CNN: 2 conv5 + 2 FC (84-d features); images >= 16x16",
+            "MOON/FedCME simple CNN: 2 conv5 + 2 FC (84-d features); images >= 16x16; "
+            "options: norm=none|bn|gn",
             build_simple_cnn,
         ),
         ModelInfo(
@@ -49,8 +50,8 @@ MODELS: dict[str, ModelInfo] = {
         ),
         ModelInfo(
             "resnet18",
-            "ResNet-18 (512-d features); options: stem=cifar|imagenet, norm=bn|gn, "
-            "head_bias=true|false",
+            "ResNet-18 (8 x width features, 512 by default); options: stem=cifar|imagenet, "
+            "norm=bn|gn, head_bias=true|false, width=64",
             build_resnet18,
         ),
     )

@@ -8,7 +8,13 @@ from collections import OrderedDict
 from torch import nn
 
 from fedskew.errors import UsageError
-from fedskew.models.base import BodyHeadModel, conv_out, image_shape, option_positive_int
+from fedskew.models.base import (
+    BodyHeadModel,
+    conv_out,
+    image_shape,
+    option_choice,
+    option_positive_int,
+)
 
 
 def build_mlp(
@@ -51,33 +57,59 @@ def _two_conv_flat_size(
     return channels, out_channels * sizes[0] * sizes[1]
 
 
+NORMS = ("none", "bn", "gn")
+
+
+def _norm_layer(norm: str, channels: int, conv: bool) -> nn.Module | None:
+    """The normalisation after a layer, before its ReLU (None: the papers' plain CNNs)."""
+    if norm == "bn":
+        return nn.BatchNorm2d(channels) if conv else nn.BatchNorm1d(channels)
+    if norm == "gn":
+        # Two groups as in resnet18's gn; GroupNorm(2, C) on (N, C) normalises each half of a
+        # feature vector over itself, with no running statistics to average across clients.
+        return nn.GroupNorm(2, channels)
+    return None
+
+
 def _two_conv_body(
-    channels: int, flat: int, convs: tuple[int, int], fcs: tuple[int, ...]
+    channels: int, flat: int, convs: tuple[int, int], fcs: tuple[int, ...], norm: str = "none"
 ) -> nn.Module:
     """conv5-ReLU-pool2 twice, then ReLU fully connected layers: the shape the papers' small
-    CNNs share; only the widths and the number of fully connected layers differ."""
+    CNNs share; only the widths and the number of fully connected layers differ. ``norm``
+    puts a normalisation before every ReLU (the feature path of a normalised network)."""
     c1, c2 = convs
-    layers: OrderedDict[str, nn.Module] = OrderedDict(
-        conv1=nn.Conv2d(channels, c1, 5),
-        relu1=nn.ReLU(),
-        pool1=nn.MaxPool2d(2),
-        conv2=nn.Conv2d(c1, c2, 5),
-        relu2=nn.ReLU(),
-        pool2=nn.MaxPool2d(2),
-        flatten=nn.Flatten(),
-    )
+    layers: OrderedDict[str, nn.Module] = OrderedDict()
+
+    def add(name: str, layer: nn.Module, out: int, conv: bool, relu: str) -> None:
+        layers[name] = layer
+        normalise = _norm_layer(norm, out, conv)
+        if normalise is not None:
+            layers[f"norm_{name}"] = normalise
+        layers[relu] = nn.ReLU()
+
+    add("conv1", nn.Conv2d(channels, c1, 5), c1, True, "relu1")
+    layers["pool1"] = nn.MaxPool2d(2)
+    add("conv2", nn.Conv2d(c1, c2, 5), c2, True, "relu2")
+    layers["pool2"] = nn.MaxPool2d(2)
+    layers["flatten"] = nn.Flatten()
     width = flat
     for i, out in enumerate(fcs):
-        layers[f"fc{i + 1}"] = nn.Linear(width, out)
-        layers[f"relu{i + 3}"] = nn.ReLU()
+        add(f"fc{i + 1}", nn.Linear(width, out), out, False, f"relu{i + 3}")
         width = out
     return nn.Sequential(layers)
 
 
-def build_simple_cnn(input_shape: tuple[int, ...], num_classes: int) -> BodyHeadModel:
-    """The LeNet-style "simple-cnn" of MOON and FedCME (84-d features)."""
+def build_simple_cnn(
+    input_shape: tuple[int, ...], num_classes: int, *, norm: str = "none"
+) -> BodyHeadModel:
+    """The LeNet-style "simple-cnn" of MOON and FedCME (84-d features).
+
+    ``norm`` = bn or gn is not in those papers: it adds BatchNorm or GroupNorm before every
+    ReLU, a normalised feature path at simple-cnn's cost (FedFM's claim is made on
+    ResNet-18 with BatchNorm)."""
     channels, flat = _two_conv_flat_size("simple-cnn", input_shape, 16)
-    body = _two_conv_body(channels, flat, (6, 16), (120, 84))
+    norm = option_choice("simple-cnn", "norm", norm, NORMS)
+    body = _two_conv_body(channels, flat, (6, 16), (120, 84), norm)
     return BodyHeadModel(body, nn.Linear(84, num_classes), 84)
 
 

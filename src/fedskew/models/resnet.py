@@ -8,13 +8,20 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fedskew.models.base import BodyHeadModel, image_shape, option_bool, option_choice
+from fedskew.errors import UsageError
+from fedskew.models.base import (
+    BodyHeadModel,
+    image_shape,
+    option_bool,
+    option_choice,
+    option_positive_int,
+)
 
 NormFactory = Callable[[int], nn.Module]
 
 STEMS = ("cifar", "imagenet")
 NORMS = ("bn", "gn")
-WIDTHS = (64, 128, 256, 512)
+STAGE_MULTIPLES = (1, 2, 4, 8)
 BLOCKS_PER_STAGE = (2, 2, 2, 2)
 
 
@@ -65,20 +72,20 @@ class BasicBlock(nn.Module):
         return self.relu(out + self.shortcut(x))
 
 
-def _stem(in_channels: int, stem: str, norm: NormFactory) -> nn.Sequential:
+def _stem(in_channels: int, stem: str, norm: NormFactory, width: int) -> nn.Sequential:
     if stem == "cifar":
         # Small images lose too much resolution to a strided 7x7 conv and a max pool.
         return nn.Sequential(
             OrderedDict(
-                conv=nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False),
-                norm=norm(64),
+                conv=nn.Conv2d(in_channels, width, 3, 1, 1, bias=False),
+                norm=norm(width),
                 relu=nn.ReLU(),
             )
         )
     return nn.Sequential(
         OrderedDict(
-            conv=nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False),
-            norm=norm(64),
+            conv=nn.Conv2d(in_channels, width, 7, 2, 3, bias=False),
+            norm=norm(width),
             relu=nn.ReLU(),
             pool=nn.MaxPool2d(3, 2, 1),
         )
@@ -92,24 +99,33 @@ def build_resnet18(
     stem: str = "cifar",
     norm: str = "bn",
     head_bias: bool | str = True,
+    width: int | str = 64,
 ) -> BodyHeadModel:
     """ResNet-18 whose body ends in global average pooling (512-d, post-ReLU features).
 
-    Adaptive pooling makes any input of at least 1x1 valid, e.g. 8x8 digits.
+    Adaptive pooling makes any input of at least 1x1 valid, e.g. 8x8 digits. ``width`` is
+    the first stage's channel count (64 in the paper; the stages have width x 1, 2, 4, 8):
+    a smaller one keeps the architecture, normalisation included, at a fraction of the cost
+    (features are 8 x width wide). With GroupNorm the width must be even.
     """
     in_channels, _, _ = image_shape("resnet18", input_shape)
     stem = option_choice("resnet18", "stem", stem, STEMS)
     norm_factory = _norm_factory(option_choice("resnet18", "norm", norm, NORMS))
     bias = option_bool("resnet18", "head_bias", head_bias)
+    base = option_positive_int("resnet18", "width", width)
+    if norm == "gn" and base % 2:
+        raise UsageError(f"model 'resnet18': width must be even with norm=gn, got {base}")
 
-    layers: OrderedDict[str, nn.Module] = OrderedDict(stem=_stem(in_channels, stem, norm_factory))
-    channels = 64
-    for index, (width, blocks) in enumerate(zip(WIDTHS, BLOCKS_PER_STAGE, strict=True)):
+    layers: OrderedDict[str, nn.Module] = OrderedDict(
+        stem=_stem(in_channels, stem, norm_factory, base)
+    )
+    channels = base
+    for index, (multiple, blocks) in enumerate(zip(STAGE_MULTIPLES, BLOCKS_PER_STAGE, strict=True)):
         stage = []
         for block in range(blocks):
             stride = 2 if index > 0 and block == 0 else 1
-            stage.append(BasicBlock(channels, width, stride, norm_factory))
-            channels = width
+            stage.append(BasicBlock(channels, base * multiple, stride, norm_factory))
+            channels = base * multiple
         layers[f"layer{index + 1}"] = nn.Sequential(*stage)
     layers["pool"] = GlobalAvgPool()
     layers["flatten"] = nn.Flatten()

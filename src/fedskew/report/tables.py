@@ -313,8 +313,7 @@ def per_run_table(records: list[RunRecord], options: Options) -> Table:
 
 
 def provenance_table(records: list[RunRecord]) -> Table:
-    keys = list(provenance(records[0])) if records else []
-    keys.remove("machine")
+    keys = [k for k in (provenance(records[0]) if records else {}) if k != "machine"]
     body = []
     for rec in records:
         p = provenance(rec)

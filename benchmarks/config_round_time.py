@@ -424,6 +424,8 @@ def main() -> None:
     facts = machine_facts()
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     entries, measured = [], {}
+    result: dict[str, Any] = {"machine": facts, "threads": args.threads, "started": started,
+                              "finished": started, "entries": entries, "check": None}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fedskew-round-time-") as tmp:
         scratch = Path(tmp)
         for file in args.configs:
@@ -450,16 +452,13 @@ def main() -> None:
                     entry["methods"][method] = measured[key]
                 file_entries.append(entry)
             entries += file_entries
-        check = None if args.no_check else check_full_round(scratch, args.threads)
-    result = {
-        "machine": facts,
-        "threads": args.threads,
-        "started": started,
-        "finished": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "entries": entries,
-        "check": check,
-    }
-    write_results(result, out)
+            result["entries"] = entries
+            result["finished"] = time.strftime("%Y-%m-%d %H:%M %Z")
+            write_results(result, out)  # after every file: a killed run keeps what it measured
+        if not args.no_check:
+            result["check"] = check_full_round(scratch, args.threads)
+            result["finished"] = time.strftime("%Y-%m-%d %H:%M %Z")
+            write_results(result, out)
 
 
 def write_results(result: dict, out: Path) -> None:

@@ -116,7 +116,8 @@ def test_cg_loss_is_cross_entropy_of_cosine_over_temperature():
         expected += -(s[y[i]] - math.log(np.exp(s).sum()))
     expected /= 6
     assert cg_loss(h, y, a, tau).item() == pytest.approx(expected, rel=1e-5)
-    term = matching_term(a, FMSettings(lam=50.0, tau=tau, start_round=0, loss="cg", agg="weighted"))
+    s = FMSettings(lam=50.0, tau=tau, start_round=0, loss="cg", agg="weighted")
+    term = matching_term(a, s, 0)
     assert term(h, torch.zeros(6, 3), y).item() == pytest.approx(50 * expected, rel=1e-5)
 
 
@@ -150,14 +151,27 @@ def test_l2_loss_is_mse_between_normalised_feature_and_anchor():
     diffs = [hn[i] / np.linalg.norm(hn[i]) - an[y[i]] / np.linalg.norm(an[y[i]]) for i in range(5)]
     expected = float(np.mean(np.square(diffs)))  # F.mse_loss: mean over batch x dimension
     assert l2_loss(h, y, a).item() == pytest.approx(expected, rel=1e-5)
-    term = matching_term(a, FMSettings(lam=3.0, tau=0.1, start_round=0, loss="l2", agg="uniform"))
+    s = FMSettings(lam=3.0, tau=0.1, start_round=0, loss="l2", agg="uniform")
+    term = matching_term(a, s, 0)
     assert term(h, torch.zeros(5, 3), y).item() == pytest.approx(3 * expected, rel=1e-5)
 
 
 def test_no_term_without_any_defined_anchor_or_with_lam_zero():
     s = FMSettings(lam=50.0, tau=0.1, start_round=0, loss="cg", agg="weighted")
-    assert matching_term(torch.zeros(3, 4), s) is None
-    assert matching_term(torch.ones(3, 4), dataclasses.replace(s, lam=0.0)) is None
+    assert matching_term(torch.zeros(3, 4), s, 0) is None
+    assert matching_term(torch.ones(3, 4), dataclasses.replace(s, lam=0.0), 0) is None
+
+
+def test_lam_warmup_grows_lam_linearly_from_the_launching_round():
+    s = FMSettings(lam=50.0, tau=0.1, start_round=3, loss="cg", agg="weighted", warmup=4)
+    assert [s.lam_in(r) for r in range(2, 9)] == [0.0, 12.5, 25.0, 37.5, 50.0, 50.0, 50.0]
+    off = dataclasses.replace(s, warmup=0)
+    assert [off.lam_in(r) for r in (0, 3, 9)] == [50.0, 50.0, 50.0]
+    torch.manual_seed(0)
+    h, y, a = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2]), torch.randn(3, 4)
+    full = matching_term(a, off, 4)(h, torch.zeros(6, 3), y).item()
+    share = matching_term(a, s, 4)(h, torch.zeros(6, 3), y).item()
+    assert share == pytest.approx(full / 2, rel=1e-6)  # round 4 = 2 of the 4 warm-up rounds
 
 
 # --- anchors come from the global model, before training ---------------------------------------
@@ -369,7 +383,10 @@ def test_plugin_combines_params_renames_clashes_and_delegates_adapt_model():
     wrapped = with_feature_matching(Toy)
     assert wrapped.name == "toy+fm" and wrapped is with_feature_matching(Toy)
     names = [f.name for f in dataclasses.fields(wrapped.Params)]
-    assert names == ["server_lr", "lam", "fm_lam", "cg_tau", "start_round", "fm_loss", "anchor_agg"]
+    assert names == [
+        "server_lr", "lam", "fm_lam", "cg_tau", "start_round", "fm_loss", "anchor_agg",
+        "lam_warmup",
+    ]  # fmt: skip
     p = wrapped.make_params({"lam": 2, "fm_lam": "7", "fm_loss": "l2"})
     assert (p.lam, p.fm_lam, p.fm_loss, p.start_round) == (2.0, 7.0, "l2", 20)
     assert isinstance(p, ToyParams)
@@ -463,6 +480,8 @@ def test_channel_counts_a_diverged_model_as_delivered():
         ["-a", "fedavg", "--feature-matching"],
         ["-a", "fedfm-lite", "-p", "a=2"],
         ["-a", "fedfm-lite", "-p", "a=2", "-p", "fm_loss=l2", "-p", "anchor_agg=uniform"],
+        ["-a", "fedfm", "-p", "lam_warmup=2"],
+        ["-a", "fedprox", "--feature-matching", "-p", "lam_warmup=2"],
     ],
     ids=lambda a: " ".join(a),
 )
@@ -473,6 +492,19 @@ def test_cli_runs_every_switch(tmp_path, args):
     assert rows[-1]["fm_active"] == 1.0
 
 
+def test_lam_warmup_of_one_round_is_the_paper_and_longer_warmups_change_the_run(tmp_path):
+    base = ["-a", "fedfm", "-p", "start_round=1", "-p", "lam=50"]
+    paper = run_cli(tmp_path, "paper", *base)
+    one = run_cli(tmp_path, "one", *base, "-p", "lam_warmup=1")
+    three = run_cli(tmp_path, "three", *base, "-p", "lam_warmup=3")
+    keys = ("accuracy", "train_loss", "loss")
+    assert [[r[k] for k in keys] for r in one] == [[r[k] for k in keys] for r in paper]
+    assert three[0]["accuracy"] == paper[0]["accuracy"]  # before the launching round
+    assert three[1]["train_loss"] < paper[1]["train_loss"]  # a third of lam 50 in round 2
+
+
 def test_cli_rejects_bad_fm_values(tmp_path, capsys):
     assert main(["run", "-o", str(tmp_path), *FAST, "-a", "fedfm", "-p", "fm_loss=kl"]) == 2
     assert "fm_loss must be one of cg, l2" in capsys.readouterr().err
+    assert main(["run", "-o", str(tmp_path), *FAST, "-a", "fedfm", "-p", "lam_warmup=-1"]) == 2
+    assert "lam_warmup must be >= 0 rounds" in capsys.readouterr().err

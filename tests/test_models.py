@@ -18,6 +18,10 @@ CASES = [
     ("mlp", (1, 8, 8), {}, 200),
     ("simple-cnn", (1, 28, 28), {}, 84),
     ("simple-cnn", (3, 32, 32), {}, 84),
+    ("simple-cnn", (3, 32, 32), {"norm": "bn"}, 84),
+    ("simple-cnn", (1, 28, 28), {"norm": "gn"}, 84),
+    ("resnet18", (3, 32, 32), {"width": 16}, 128),
+    ("resnet18", (3, 32, 32), {"width": 8, "norm": "gn"}, 64),
     ("cnn-cifar", (3, 32, 32), {}, 192),
     ("fedavg-cnn", (1, 28, 28), {}, 512),
     ("fedavg-cnn", (3, 32, 32), {}, 512),
@@ -153,6 +157,37 @@ def test_resnet18_parameter_count_and_options() -> None:
     assert isinstance(imagenet.body.stem.pool, nn.MaxPool2d)
 
 
+def test_simple_cnn_norm_puts_a_normalisation_before_every_relu() -> None:
+    plain = build_model("simple-cnn", (3, 32, 32), 10)
+    assert list(plain.body._modules) == [
+        "conv1", "relu1", "pool1", "conv2", "relu2", "pool2", "flatten", "fc1", "relu3", "fc2",
+        "relu4",
+    ]  # fmt: skip
+    for norm, kinds in (("bn", (nn.BatchNorm2d, nn.BatchNorm1d)), ("gn", (nn.GroupNorm,))):
+        model = build_model("simple-cnn", (3, 32, 32), 10, norm=norm)
+        layers = list(model.body._modules.items())
+        relus = [i for i, (_, m) in enumerate(layers) if isinstance(m, nn.ReLU)]
+        assert len(relus) == 4
+        assert all(isinstance(layers[i - 1][1], kinds) for i in relus)
+        # one affine pair per normalised layer: 2 x (6 + 16 + 120 + 84) more parameters
+        assert _count(model) == _count(plain) + 2 * (6 + 16 + 120 + 84)
+    with pytest.raises(UsageError, match="norm"):
+        build_model("simple-cnn", (3, 32, 32), 10, norm="ln")
+
+
+def test_resnet18_width_scales_every_stage() -> None:
+    assert _count(build_model("resnet18", (3, 32, 32), 10, width=64)) == 11_173_962
+    small = build_model("resnet18", (3, 32, 32), 10, width=16)
+    assert small.body.stem.conv.out_channels == 16
+    assert [small.body._modules[f"layer{i}"][0].conv1.out_channels for i in (1, 2, 3, 4)] == [
+        16, 32, 64, 128,
+    ]  # fmt: skip
+    with pytest.raises(UsageError, match="width must be even"):
+        build_model("resnet18", (3, 32, 32), 10, width=9, norm="gn")
+    with pytest.raises(UsageError, match="width"):
+        build_model("resnet18", (3, 32, 32), 10, width=0)
+
+
 def test_resnet18_small_inputs_via_adaptive_pooling() -> None:
     model = build_model("resnet18", (1, 8, 8), 10).eval()
     with torch.no_grad():
@@ -186,8 +221,10 @@ def test_unknown_model_lists_choices() -> None:
 def test_unknown_option() -> None:
     with pytest.raises(UsageError, match="no option depth"):
         build_model("resnet18", (3, 32, 32), 10, depth=34)
-    with pytest.raises(UsageError, match="takes no options"):
+    with pytest.raises(UsageError, match="no option hidden"):
         build_model("simple-cnn", (3, 32, 32), 10, hidden=5)
+    with pytest.raises(UsageError, match="takes no options"):
+        build_model("cnn-cifar", (3, 32, 32), 10, hidden=5)
 
 
 @pytest.mark.parametrize(

@@ -617,3 +617,27 @@ def test_deployed_run_resumes_through_the_run_config(tmp_path, monkeypatch):
     with pytest.raises(Killed):
         serve(LocalGrid(4), cfg2, on_round=kill_after_two)
     assert main(["run", "--resume", str(tmp_path / "fl2" / "dep2.incomplete"), "-q"]) == 2
+
+
+def test_the_flower_app_config_declares_fedskew_keys_with_fedskew_defaults(tmp_path):
+    """flwr refuses --run-config keys the app does not declare: each declared key must be
+    one the ServerApp understands, and leaving it as declared must run fedskew's defaults
+    (only the app's small default federation differs)."""
+    import dataclasses
+    import tomllib
+
+    declared = tomllib.loads(
+        (Path(__file__).resolve().parents[1] / "flower" / "pyproject.toml").read_text(
+            encoding="utf-8"
+        )
+    )
+    declared = declared["tool"]["flwr"]["app"]["config"]
+    experiment = {k: v for k, v in declared.items() if k not in flower_app.SERVER_KEYS}
+    cfg = flower_app.config_from_run_config(experiment, tmp_path)
+    default = ExperimentConfig()
+    differs = {
+        f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(default, f.name)
+    }
+    assert differs == {"num_clients", "rounds", "engine", "out_dir"}
+    for key in ("grad-clip", "precision", "on-divergence", "partition-file", "local-risk-every"):
+        assert key in declared

@@ -23,6 +23,7 @@ from fedskew.algorithms.fedfm import (
     FedFM,
     FMSettings,
     aggregate_anchors,
+    anchor_metrics,
     cg_loss,
     l2_loss,
     matching_term,
@@ -160,6 +161,19 @@ def test_no_term_without_any_defined_anchor_or_with_lam_zero():
     s = FMSettings(lam=50.0, tau=0.1, start_round=0, loss="cg", agg="weighted")
     assert matching_term(torch.zeros(3, 4), s, 0) is None
     assert matching_term(torch.ones(3, 4), dataclasses.replace(s, lam=0.0), 0) is None
+
+
+def test_anchor_metrics_measure_how_far_apart_the_anchors_are():
+    orthogonal = anchor_metrics(True, torch.eye(4) * 3, tau=0.1)
+    assert orthogonal["fm_anchor_classes"] == 4.0
+    assert orthogonal["fm_anchor_cos_max"] == pytest.approx(0.0, abs=1e-6)
+    # on its own anchor: cos 1 against 0 for the three others, over tau = 0.1
+    assert orthogonal["fm_cg_floor"] == pytest.approx(math.log(1 + 3 * math.exp(-10)), rel=1e-3)
+    same = anchor_metrics(True, torch.ones(4, 5), tau=0.1)
+    assert same["fm_anchor_cos_max"] == pytest.approx(1.0)
+    assert same["fm_cg_floor"] == pytest.approx(math.log(4), rel=1e-5)
+    one = anchor_metrics(False, torch.tensor([[1.0, 0.0], [0.0, 0.0]]), tau=0.1)
+    assert one == {"fm_active": 0.0, "fm_anchor_classes": 1.0}  # nothing to compare with
 
 
 def test_lam_warmup_grows_lam_linearly_from_the_launching_round():

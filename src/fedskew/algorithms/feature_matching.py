@@ -191,7 +191,7 @@ def with_feature_matching(cls: type[Algorithm]) -> type[Algorithm]:
                 channel, delivered, clients, self.fm_anchors if active else None
             )
             metrics = dict(super().round(rnd, clients, wrapped))
-            metrics.update(anchor_metrics(active, self.fm_anchors))
+            metrics.update(anchor_metrics(active, self.fm_anchors, s.tau))
             return metrics
 
     class FMClient(cls.Client):  # type: ignore[name-defined, misc]

@@ -245,9 +245,22 @@ def aggregate_anchors(
     return uniform_anchors(anchors, previous)
 
 
-def anchor_metrics(active: bool, anchors: torch.Tensor) -> dict[str, float]:
-    """The round's FM metrics: whether the term was on, how many anchors are defined."""
-    return {"fm_active": float(active), "fm_anchor_classes": float(defined_rows(anchors).sum())}
+def anchor_metrics(active: bool, anchors: torch.Tensor, tau: float) -> dict[str, float]:
+    """The round's FM metrics: whether the term was on, how many anchors are defined, and
+    how well the global anchors can be told apart: the largest cosine between two of them
+    and the CG floor, the mean CG loss of a feature lying exactly on its own class's anchor
+    (0 for well separated anchors; log(classes) when they all point the same way). A high
+    floor means lam x CG cannot shrink without moving features off their anchors."""
+    valid = defined_rows(anchors)
+    out = {"fm_active": float(active), "fm_anchor_classes": float(valid.sum())}
+    if int(valid.sum()) >= 2:
+        a = F.normalize(anchors[valid].float(), dim=1)
+        cos = a @ a.t()
+        cos.fill_diagonal_(-1.0)
+        out["fm_anchor_cos_max"] = float(cos.max())
+        classes = torch.nonzero(valid).flatten()
+        out["fm_cg_floor"] = float(cg_loss(anchors[valid].float(), classes, anchors.float(), tau))
+    return out
 
 
 # --- the matching loss ----------------------------------------------------------------------
@@ -394,7 +407,7 @@ class FedFMServer(ServerLogic):
         )
         return {
             "train_loss": self.mean_train_loss(replies, clients),
-            **anchor_metrics(active, self.fm_anchors),
+            **anchor_metrics(active, self.fm_anchors, p.cg_tau),
         }
 
 

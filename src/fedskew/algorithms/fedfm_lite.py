@@ -118,7 +118,7 @@ class FedFMLiteServer(ServerLogic):
             self.model_version += 1
         return {
             "train_loss": self.mean_train_loss(replies, clients),
-            **anchor_metrics(active, self.fm_anchors),
+            **anchor_metrics(active, self.fm_anchors, s.tau),
             "model_round": float(sync),
             "models_sent": float(models_sent),
         }

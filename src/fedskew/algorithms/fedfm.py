@@ -32,11 +32,13 @@ which MOON already uses), ``start_round`` (T_s, 20), ``fm_loss`` (cg|l2), ``anch
 (weighted|uniform), ``lam_warmup`` (0: off) and FedAvg's ``server_lr`` (1.0). The defaults
 are the official code's, which the paper's sweeps found best.
 
-``lam_warmup`` = W > 0 is not in the paper: a remedy for the launching round, where the full
-lam x l_FM arrives at once and, with a normalisation-free feature path, can drive the local
-models to NaN (REPRODUCTION.md, FedFM's stability). lam then grows linearly over the W rounds
-from the launching round on: lam x (r - T_s + 1) / W in round r, the full lam from round
-T_s + W - 1 on. Off by default, so the paper's behaviour is what runs unless asked.
+``lam_warmup`` = W > 0 is not in the paper: a candidate remedy for the launching round,
+where the full lam x l_FM arrives at once and, with a normalisation-free feature path, can
+drive the local models to NaN (REPRODUCTION.md, FedFM's stability). lam then grows linearly
+over the W rounds from the launching round on: lam x (r - T_s + 1) / W in round r, the full
+lam from round T_s + W - 1 on. Off by default, so the paper's behaviour is what runs unless
+asked. Whether it helps is measured in REPRODUCTION.md's stability table (on simple-cnn it
+did not; there --grad-clip kept the launch from collapsing).
 
 Choices the paper leaves open, marked [PROPOSAL]:
 - An anchor is *undefined* while it is all zero (a class no sampled client has held yet; the
@@ -252,8 +254,9 @@ def anchor_metrics(active: bool, anchors: torch.Tensor, tau: float) -> dict[str,
     (0 for well separated anchors; log(classes) when they all point the same way). A high
     floor means lam x CG cannot shrink without moving features off their anchors."""
     valid = defined_rows(anchors)
-    out = {"fm_active": float(active), "fm_anchor_classes": float(valid.sum())}
-    if int(valid.sum()) >= 2:
+    defined = int(valid.sum())
+    out = {"fm_active": float(active), "fm_anchor_classes": float(defined)}
+    if defined >= 2:
         a = F.normalize(anchors[valid].float(), dim=1)
         cos = a @ a.t()
         cos.fill_diagonal_(-1.0)

@@ -715,6 +715,27 @@ def provenance_section(grids: dict[str, Grid]) -> list[str]:
     )  # fmt: skip
 
 
+VERDICTS = ("reproduced", "partly", "not reproduced", "pending")
+
+
+def summary_section(outcomes: list[tuple[Claim, Outcome]]) -> list[str]:
+    """How many claims of each paper got each verdict, counted from the table below."""
+    counts: dict[str, dict[str, int]] = {}
+    for claim, o in outcomes:
+        verdict = next(v for v in VERDICTS if o.verdict.startswith(v))
+        row = counts.setdefault(claim.paper, dict.fromkeys(VERDICTS, 0))
+        row[verdict] += 1
+    return [
+        "Claims per paper by verdict (counted from the table below; a verdict on fewer "
+        "seeds than planned says so in its row):",
+        "",
+        *table(
+            ["paper", *VERDICTS],
+            [[paper, *(str(n) for n in row.values())] for paper, row in counts.items()],
+        ),
+    ]
+
+
 def build(grids: dict[str, Grid]) -> str:
     lines = [
         "# Reproduction study",
@@ -751,9 +772,11 @@ def build(grids: dict[str, Grid]) -> str:
         "for a gap; nothing here tests which of them it is.",
         "",
     ]
+    outcomes = [(claim, judge(claim, grids.get(claim.grid))) for claim in CLAIMS]
+    lines += summary_section(outcomes)
+    lines.append("")
     rows = []
-    for claim in CLAIMS:
-        o = judge(claim, grids.get(claim.grid))
+    for claim, o in outcomes:
         where = f"{claim.grid}" + (f" / {claim.setting}" if claim.setting else "")
         rows.append(
             [claim.paper, claim.text, f"{claim.quoted} (paper)", where, o.ours, o.theirs,

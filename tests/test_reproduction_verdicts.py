@@ -1,0 +1,132 @@
+"""The verdict rule of reproduction/make_report.py: REPRODUCTION.md's conclusions are
+computed by it, so its cases (ahead on every seed, on some, diverged runs, a risk where
+lower is better, "alike" claims) are pinned here on made-up run records."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedskew.report.runs import RunRecord
+
+SCRIPT = Path(__file__).resolve().parents[1] / "reproduction" / "make_report.py"
+
+
+@pytest.fixture(scope="module")
+def mr():
+    spec = importlib.util.spec_from_file_location("make_report_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def record(method: str, seed: int, accs: list[float] | None, key: str = "accuracy") -> RunRecord:
+    """A finished run whose last rounds have ``accs`` (None: an unfinished one)."""
+    rows = [{"round": i + 1, key: a} for i, a in enumerate(accs or [0.1])]
+    return RunRecord(
+        folder=Path(f"/nonexistent/{method}-s{seed}"),
+        setting="",
+        method=method,
+        seed=seed,
+        config={"rounds": len(rows)},
+        resolved={},
+        metrics=rows,
+        summary={} if accs is not None else None,
+        processes=[],
+    )
+
+
+def grid(mr, tmp_path, monkeypatch, records, diverged=()):
+    """A grid named "g" over seeds 0-2; ``diverged`` lists (method, seed) whose compare log
+    says the run diverged."""
+    monkeypatch.setattr(mr, "RUNS", tmp_path)
+    logs = tmp_path / "g" / "logs"
+    logs.mkdir(parents=True)
+    for method, seed in diverged:
+        (logs / f"{method}-s{seed}.log").write_text(
+            "fedskew: error: round 4: client 7 diverged (NaN or Inf in its reply)"
+        )
+    return mr.Grid("g", {"seeds": [0, 1, 2], "last": 1}, records)
+
+
+def claim(mr, method="a", against=("b",), **kw):
+    return mr.Claim("P", "a above b", "-", "g", "", method, list(against), **kw)
+
+
+def test_ahead_on_every_seed_is_reproduced(mr, tmp_path, monkeypatch):
+    recs = [record("a", s, [0.5 + s / 100]) for s in range(3)]
+    recs += [record("b", s, [0.4]) for s in range(3)]
+    out = mr.judge(claim(mr), grid(mr, tmp_path, monkeypatch, recs))
+    assert out.verdict.startswith("reproduced (ahead on 3 of 3 seeds)")
+    assert out.seeds == "3 of 3"
+    assert out.difference.startswith("+11.00")
+
+
+def test_ahead_on_average_but_not_on_every_seed_is_partly(mr, tmp_path, monkeypatch):
+    recs = [record("a", 0, [0.9]), record("a", 1, [0.3]), record("a", 2, [0.5])]
+    recs += [record("b", s, [0.4]) for s in range(3)]
+    out = mr.judge(claim(mr), grid(mr, tmp_path, monkeypatch, recs))
+    assert out.verdict.startswith("partly (ahead on 2 of 3 seeds)")
+
+
+def test_behind_everywhere_is_not_reproduced_and_missing_seeds_are_pending(
+    mr, tmp_path, monkeypatch
+):
+    recs = [record("a", 0, [0.3]), record("b", 0, [0.4]), record("b", 1, [0.4])]
+    out = mr.judge(claim(mr), grid(mr, tmp_path, monkeypatch, recs))
+    assert out.verdict == "not reproduced (ahead on 0 of 1 seeds); 2 seed(s) pending"
+
+
+def test_a_diverged_run_decides_its_seed(mr, tmp_path, monkeypatch):
+    # Seed 0: both finished, a ahead. Seed 1: b diverged, a finished -> won.
+    # Seed 2: a diverged -> lost, whatever b did.
+    recs = [record("a", 0, [0.5]), record("b", 0, [0.4]), record("a", 1, [0.5])]
+    recs += [record("b", 2, [0.4])]
+    g = grid(mr, tmp_path, monkeypatch, recs, diverged=[("b", 1), ("a", 2)])
+    out = mr.judge(claim(mr), g)
+    assert out.seeds == "1 of 3 (+2 decided by a divergence)"
+    assert out.verdict.startswith("partly (ahead on 2 of 3 seeds)")
+    assert "b seed 1: diverged (NaN) in round 4" in out.verdict
+
+
+def test_an_unrun_claimed_method_does_not_win_by_the_others_divergence(mr, tmp_path, monkeypatch):
+    g = grid(mr, tmp_path, monkeypatch, [], diverged=[("b", 0)])
+    out = mr.judge(claim(mr), g)
+    assert out.verdict.startswith("pending")
+
+
+def test_best_of_several_needs_the_claimed_method_above_each(mr, tmp_path, monkeypatch):
+    recs = []
+    for s in range(3):
+        recs += [record("a", s, [0.5]), record("b", s, [0.4]), record("c", s, [0.45 + s / 20])]
+    out = mr.judge(
+        claim(mr, against=("b", "c"), kind="best"), grid(mr, tmp_path, monkeypatch, recs)
+    )
+    # c beats a on seeds 1 (0.50 = 0.50, not above) and 2 (0.55).
+    assert out.verdict.startswith("partly (ahead on 1 of 3 seeds)")
+
+
+def test_lower_is_better_reads_a_lower_value_as_ahead(mr, tmp_path, monkeypatch):
+    recs = [record("a", s, [0.70], key="local_risk") for s in range(3)]
+    recs += [record("b", s, [0.80], key="local_risk") for s in range(3)]
+    c = claim(mr, metric="local_risk", lower_is_better=True)
+    out = mr.judge(c, grid(mr, tmp_path, monkeypatch, recs))
+    assert out.verdict.startswith("reproduced (ahead on 3 of 3 seeds)")
+    assert out.ours == "a: 70.00 ± 0.00"  # shown as measured, not negated
+    assert out.difference.startswith("-10.00")
+
+
+def test_alike_within_the_limit(mr, tmp_path, monkeypatch):
+    recs = [record("a", s, [0.500]) for s in range(3)]
+    recs += [record("b", s, [0.495]) for s in range(3)]
+    out = mr.judge(claim(mr, kind="similar"), grid(mr, tmp_path, monkeypatch, recs))
+    assert out.verdict.startswith("reproduced (mean difference +0.50")
+    recs = [record("a", s, [0.50]) for s in range(3)]
+    recs += [record("b", s, [0.45]) for s in range(3)]
+    out = mr.judge(claim(mr, kind="similar"), mr.Grid("g", {"seeds": [0, 1, 2], "last": 1}, recs))
+    assert out.verdict.startswith("not reproduced (mean difference +5.00")

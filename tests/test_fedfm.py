@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fedskew.algorithm_interface import ClientContext, ClientLogic, ServerSetup
 from fedskew.algorithms import get_algorithm
@@ -27,6 +28,7 @@ from fedskew.algorithms.fedfm import (
     cg_loss,
     l2_loss,
     matching_term,
+    pre_relu_cross_entropy,
     uniform_anchors,
     weighted_anchors,
 )
@@ -522,3 +524,69 @@ def test_cli_rejects_bad_fm_values(tmp_path, capsys):
     assert "fm_loss must be one of cg, l2" in capsys.readouterr().err
     assert main(["run", "-o", str(tmp_path), *FAST, "-a", "fedfm", "-p", "lam_warmup=-1"]) == 2
     assert "lam_warmup must be >= 0 rounds" in capsys.readouterr().err
+
+
+# --- match_on = pre_relu: anchors and matching before the body's last ReLU --------------------
+
+
+def _pre_relu_class_means(arrays, prep, clients) -> torch.Tensor:
+    """Class means of the body's output before its last ReLU, computed layer by layer."""
+    model = new_model(prep)
+    model.load_state_dict(arrays)
+    model.eval()
+    idx = np.concatenate([prep.partition[c] for c in clients])
+    layers = list(model.body)
+    assert isinstance(layers[-1], torch.nn.ReLU)
+    with torch.no_grad():
+        z = prep.dataset.x_train[idx]
+        for layer in layers[:-1]:
+            z = layer(z)
+    labels = prep.dataset.y_train[idx]
+    return torch.stack([z[labels == c].mean(dim=0) for c in range(C)])
+
+
+def test_pre_relu_anchors_are_class_means_before_the_last_relu():
+    prep, server, engine = _setup(
+        algorithm="fedfm", params={"start_round": 0, "match_on": "pre_relu"}
+    )
+    initial = {k: v.clone() for k, v in server.global_arrays.items()}
+    clients = sample_clients(0, 0, len(prep.partition), 8)
+    engine.begin_round(0)
+    server.round(0, clients, engine)
+    union = np.concatenate([prep.partition[c] for c in clients])
+    held = torch.bincount(prep.dataset.y_train[union], minlength=C) > 0
+    expected = _pre_relu_class_means(initial, prep, clients)
+    assert torch.allclose(server.fm_anchors[held], expected[held], atol=1e-5)
+    assert (server.fm_anchors[held] < 0).any()  # not post-ReLU means, which are all >= 0
+    post = _class_means(initial, prep, clients)
+    assert not torch.allclose(server.fm_anchors[held], post[held], atol=1e-3)
+
+
+def test_pre_relu_loss_keeps_the_network_and_hands_pre_relu_features_to_the_term():
+    prep = prepare(ExperimentConfig())
+    model = new_model(prep)
+    x, y = prep.dataset.x_train[:16], prep.dataset.y_train[:16]
+    out = pre_relu_cross_entropy(model, x, y)
+    assert torch.allclose(out.logits, model(x), atol=1e-6)  # the same network
+    assert torch.allclose(torch.relu(out.features), model.body(x), atol=1e-6)
+    assert (out.features < 0).any()
+    assert out.loss.item() == pytest.approx(F.cross_entropy(model(x), y).item(), rel=1e-6)
+
+
+def test_pre_relu_matches_features_before_the_launching_round_and_differs_after(tmp_path):
+    base = ["-a", "fedfm", "-p", "start_round=1", "-p", "lam=5"]
+    post = run_cli(tmp_path, "post", *base)
+    pre = run_cli(tmp_path, "pre", *base, "-p", "match_on=pre_relu")
+    assert _same(pre[0], post[0])  # round 1: plain cross-entropy either way
+    assert pre[1]["train_loss"] != post[1]["train_loss"]
+    assert pre[1]["fm_anchor_cos_max"] < post[1]["fm_anchor_cos_max"]
+
+
+def test_pre_relu_is_refused_where_the_body_does_not_end_with_a_relu(tmp_path, capsys):
+    args = ["run", "-o", str(tmp_path), *FAST, "-a", "fedfm", "-p", "match_on=pre_relu"]
+    assert main([*args, "-m", "resnet18", "--model-option", "width=2"]) == 2
+    err = capsys.readouterr().err
+    assert "match_on=pre_relu needs a model whose body ends with a ReLU" in err
+    assert "Traceback" not in err
+    assert main(["run", "-o", str(tmp_path), *FAST, "-a", "fedfm", "-p", "match_on=x"]) == 2
+    assert "match_on must be one of features, pre_relu" in capsys.readouterr().err

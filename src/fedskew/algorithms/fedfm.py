@@ -29,8 +29,18 @@ Anchor aggregation:
 
 Parameters: ``lam`` (lambda, 50), ``cg_tau`` (the CG temperature alpha, 0.1; not ``tau``,
 which MOON already uses), ``start_round`` (T_s, 20), ``fm_loss`` (cg|l2), ``anchor_agg``
-(weighted|uniform), ``lam_warmup`` (0: off) and FedAvg's ``server_lr`` (1.0). The defaults
-are the official code's, which the paper's sweeps found best.
+(weighted|uniform), ``lam_warmup`` (0: off), ``match_on`` (features|pre_relu; FedFM only)
+and FedAvg's ``server_lr`` (1.0). The defaults are the official code's, which the paper's
+sweeps found best.
+
+``match_on`` = pre_relu is not in the paper either: the second candidate remedy. The
+anchors and the matching term then use the body's output before its last ReLU (after the
+normalisation, on a model with ``norm=bn``) instead of the features the head reads; the
+network and its cross-entropy are unchanged. Post-ReLU features all lie in the positive
+orthant, so their class means point in similar directions (largest anchor cosine 0.97-0.998
+at the launching round in REPRODUCTION.md) and the CG loss keeps a high floor; before the
+ReLU they can point anywhere. It needs a body that ends with a ReLU (simple-cnn, cnn-cifar,
+fedavg-cnn, mlp; not resnet18, whose body ends in pooling).
 
 ``lam_warmup`` = W > 0 is not in the paper: a candidate remedy for the launching round,
 where the full lam x l_FM arrives at once and, with a normalisation-free feature path, can
@@ -85,9 +95,12 @@ from fedskew.algorithm_interface import (
 )
 from fedskew.algorithms.fedavg import FedAvgParams
 from fedskew.algorithms.local import (
+    FeatureFn,
+    LossOutput,
     LossTerm,
     apply_server_lr,
     class_feature_means,
+    cross_entropy_loss,
     set_arrays,
     train_client,
     trained_reply,
@@ -104,6 +117,7 @@ COUNTS = "fm.counts"  # message array: (C,) int64 class counts (up, weighted agg
 REUSED = "fm.reused"  # message string: "*" (or names): arrays step 1 delivered, not sent again
 
 FM_LOSSES = ("cg", "l2")
+MATCH_ON = ("features", "pre_relu")
 ANCHOR_AGGS = ("weighted", "uniform")
 
 _KEPT = "fm.kept/"  # client state prefix: the arrays of step 1 until step 2 loads them
@@ -132,10 +146,12 @@ class FedFMParams(FeatureMatchingParams, FedAvgParams):
     """FedAvg's ``server_lr`` first, then the feature-matching parameters."""
 
     algorithm: ClassVar[str] = "fedfm"
+    match_on: str = "features"
 
     def validate(self) -> None:
         FedAvgParams.validate(self)
         FeatureMatchingParams.validate(self)
+        check_one_of("fedfm", "match_on", self.match_on, MATCH_ON)
 
 
 @dataclass(frozen=True)
@@ -203,10 +219,11 @@ def defined_rows(anchors: torch.Tensor) -> torch.Tensor:
 
 
 def local_anchor_arrays(
-    model: torch.nn.Module, ctx: ClientContext, agg: str
+    model: torch.nn.Module, ctx: ClientContext, agg: str, features: FeatureFn | None = None
 ) -> dict[str, torch.Tensor]:
-    """A client's upload: its class means under ``model`` and, when weighting, its counts."""
-    means, counts = class_feature_means(model, ctx.data, ctx.data.num_classes)
+    """A client's upload: its class means under ``model`` (of ``features``, default the body
+    output) and, when weighting, its counts."""
+    means, counts = class_feature_means(model, ctx.data, ctx.data.num_classes, features=features)
     if agg == "weighted":
         return {ANCHORS: means, COUNTS: counts}
     return {ANCHORS: means}
@@ -355,13 +372,46 @@ def anchor_exchange(
     return clients, aggregate_anchors([replies[c] for c in clients], previous, agg)
 
 
-def reply_local_anchors(msg: Message, ctx: ClientContext, agg: str) -> Message:
+def reply_local_anchors(
+    msg: Message, ctx: ClientContext, agg: str, features: FeatureFn | None = None
+) -> Message:
     """Client side of step 1: load the received model's own entries, keep everything that
     was received for step 2, and reply with the local anchors under the received model."""
     model_keys = ctx.model.state_dict().keys()
     set_arrays(ctx.model, {k: v for k, v in msg.arrays.items() if k in model_keys})
     keep_received(ctx.state, msg.arrays)
-    return Message(LOCAL_ANCHOR_KIND, arrays=local_anchor_arrays(ctx.model, ctx, agg))
+    return Message(LOCAL_ANCHOR_KIND, arrays=local_anchor_arrays(ctx.model, ctx, agg, features))
+
+
+# --- matching before the last ReLU (match_on = pre_relu) -------------------------------------
+
+
+def pre_relu_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The body's layers up to (without) its final ReLU, or a one-line UsageError."""
+    body = getattr(model, "body", None)
+    layers = list(body) if isinstance(body, torch.nn.Sequential) else []
+    if not layers or not isinstance(layers[-1], torch.nn.ReLU):
+        last = type(layers[-1]).__name__ if layers else type(body).__name__
+        raise UsageError(
+            "fedfm: match_on=pre_relu needs a model whose body ends with a ReLU (simple-cnn, "
+            f"cnn-cifar, fedavg-cnn, mlp); this model's body ends with {last}"
+        )
+    return layers[:-1]
+
+
+def pre_relu_features(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The body's output before its final ReLU: what the head reads is relu() of it."""
+    for layer in pre_relu_layers(model):
+        x = layer(x)
+    return x
+
+
+def pre_relu_cross_entropy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
+    """The plain cross-entropy of the unchanged network, handing the pre-ReLU features to the
+    matching term."""
+    z = pre_relu_features(model, x)
+    logits = model.head(F.relu(z))
+    return LossOutput(F.cross_entropy(logits, y), z, logits)
 
 
 def keep_received(state: ClientState, arrays: Mapping[str, torch.Tensor]) -> None:
@@ -417,7 +467,14 @@ class FedFMServer(ServerLogic):
 class FedFMClient(ClientLogic):
     def on_fm_anchors(self, msg: Message, ctx: ClientContext) -> Message:
         """Step 1: the local anchors under the global model, which is kept for step 2."""
-        return reply_local_anchors(msg, ctx, self.params.anchor_agg)
+        features = None
+        if self.params.match_on == "pre_relu":
+            model = ctx.model
+
+            def features(x: torch.Tensor) -> torch.Tensor:
+                return pre_relu_features(model, x)
+
+        return reply_local_anchors(msg, ctx, self.params.anchor_agg, features)
 
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
         """Step 2: E epochs of CE + lam * l_FM from the model of step 1; FedAvg's reply."""
@@ -428,8 +485,10 @@ class FedFMClient(ClientLogic):
                 "round's anchor exchange"
             )
         set_arrays(ctx.model, model)
+        pre_relu = self.params.match_on == "pre_relu"
+        loss_fn = pre_relu_cross_entropy if pre_relu else cross_entropy_loss
         with loss_term_installed(ctx, received_anchor_term(msg, self.params, ctx.round)):
-            result = train_client(ctx)
+            result = train_client(ctx, loss_fn=loss_fn)
         return trained_reply(ctx, result.mean_loss)
 
 
@@ -440,3 +499,11 @@ class FedFM(Algorithm):
     Server = FedFMServer
     Client = FedFMClient
     feature_matching = True  # --feature-matching leaves it as it is
+
+    @classmethod
+    def adapt_model(cls, params: Any, model: torch.nn.Module) -> torch.nn.Module:
+        """The model is unchanged; match_on=pre_relu is refused up front where the body
+        does not end with a ReLU."""
+        if params.match_on == "pre_relu":
+            pre_relu_layers(model)
+        return model

@@ -261,6 +261,10 @@ def apply_server_lr(
     }
 
 
+# features(x) -> (N, d): the representation class means are taken of (default: model.body).
+FeatureFn = Callable[[torch.Tensor], torch.Tensor]
+
+
 @torch.no_grad()
 def class_feature_sums(
     model: torch.nn.Module,
@@ -268,9 +272,12 @@ def class_feature_sums(
     num_classes: int,
     rows: torch.Tensor | None = None,
     batch_size: int = 1024,
+    features: FeatureFn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-class sums of body features and per-class counts over the client's data
-    (or the given rows of it), in eval mode, every sample counted exactly once."""
+    """Per-class sums of body features (or of ``features``, a function of the same model)
+    and per-class counts over the client's data (or the given rows of it), in eval mode,
+    every sample counted exactly once."""
+    feature_fn = model.body if features is None else features
     was_training = model.training
     model.eval()
     dev = data.device
@@ -279,7 +286,7 @@ def class_feature_sums(
     counts = torch.zeros(num_classes, dtype=torch.int64, device=dev)
     for start in range(0, len(positions), batch_size):
         xb, yb = data.batch(positions[start : start + batch_size])
-        feats = model.body(xb).float()
+        feats = feature_fn(xb).float()
         if sums is None:
             sums = torch.zeros(num_classes, feats.shape[1], device=feats.device)
         sums.index_add_(0, yb, feats)
@@ -291,10 +298,14 @@ def class_feature_sums(
 
 
 def class_feature_means(
-    model: torch.nn.Module, data: ClientData, num_classes: int, rows: torch.Tensor | None = None
+    model: torch.nn.Module,
+    data: ClientData,
+    num_classes: int,
+    rows: torch.Tensor | None = None,
+    features: FeatureFn | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(C, d) class means of body features (zero rows for absent classes) and (C,) counts."""
-    sums, counts = class_feature_sums(model, data, num_classes, rows)
+    sums, counts = class_feature_sums(model, data, num_classes, rows, features=features)
     means = sums / counts.clamp(min=1).unsqueeze(1).to(sums.dtype)
     return means, counts
 

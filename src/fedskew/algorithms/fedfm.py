@@ -36,11 +36,13 @@ sweeps found best.
 ``match_on`` = pre_relu is not in the paper either: the second candidate remedy. The
 anchors and the matching term then use the body's output before its last ReLU (after the
 normalisation, on a model with ``norm=bn``) instead of the features the head reads; the
-network and its cross-entropy are unchanged. Post-ReLU features all lie in the positive
-orthant, so their class means point in similar directions (largest anchor cosine 0.97-0.998
-at the launching round in REPRODUCTION.md) and the CG loss keeps a high floor; before the
-ReLU they can point anywhere. It needs a body that ends with a ReLU (simple-cnn, cnn-cifar,
-fedavg-cnn, mlp; not resnet18, whose body ends in pooling).
+network and its cross-entropy are unchanged. The idea under test: post-ReLU features all
+lie in the positive orthant, which could be why the anchors are nearly collinear at the
+launching round and the CG loss keeps a high floor; before the ReLU they may point anywhere.
+REPRODUCTION.md measures both the anchors' spread and the accuracy (on simple-cnn the
+pre-ReLU anchors were no better spread, and the launch still collapsed). It needs a body that
+ends with a ReLU (simple-cnn, cnn-cifar, fedavg-cnn, mlp; not resnet18, whose body ends in
+pooling).
 
 ``lam_warmup`` = W > 0 is not in the paper: a candidate remedy for the launching round,
 where the full lam x l_FM arrives at once and, with a normalisation-free feature path, can

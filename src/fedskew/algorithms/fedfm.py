@@ -40,7 +40,8 @@ network and its cross-entropy are unchanged. The idea under test: post-ReLU feat
 lie in the positive orthant, which could be why the anchors are nearly collinear at the
 launching round and the CG loss keeps a high floor; before the ReLU they may point anywhere.
 REPRODUCTION.md measures both the anchors' spread and the accuracy (on simple-cnn the
-pre-ReLU anchors were no better spread, and the launch still collapsed). It needs a body that
+pre-ReLU anchors were better spread with BatchNorm and about as collinear without it, and
+the launch collapsed either way). It needs a body that
 ends with a ReLU (simple-cnn, cnn-cifar, fedavg-cnn, mlp; not resnet18, whose body ends in
 pooling).
 

@@ -427,17 +427,24 @@ def read_grids() -> dict[str, Grid]:
 DIVERGED = re.compile(r"round (\d+): client (\d+) diverged")
 
 
-def status(grid: Grid, setting: str, method: str, seed: int) -> tuple[str, float | None]:
-    """('done' | 'diverged in round r' | 'unfinished, r of R' | 'not run', last-N accuracy)."""
+def run_state(grid: Grid, setting: str, method: str, seed: int) -> tuple[str, RunRecord | None]:
+    """('done' | 'diverged (NaN) in round r' | 'unfinished, r of R' | 'not run', the finished
+    run's record or None)."""
     record = grid.find(setting, method, seed)
     if record is not None and record.finished:
-        return "done", last_mean(record, "accuracy", grid.last)
+        return "done", record
     found = DIVERGED.search(grid.log(setting, method, seed))
     if found:
         return f"diverged (NaN) in round {found.group(1)}", None
     if record is None:
         return "not run", None
     return f"unfinished, {len(record.metrics)} of {record.rounds_planned} rounds", None
+
+
+def status(grid: Grid, setting: str, method: str, seed: int) -> tuple[str, float | None]:
+    """The run's state (as ``run_state``) and its last-N accuracy when finished."""
+    state, record = run_state(grid, setting, method, seed)
+    return state, None if record is None else last_mean(record, "accuracy", grid.last)
 
 
 def last_mean(record: RunRecord, key: str, last: int) -> float | None:
@@ -487,18 +494,16 @@ def judge(claim: Claim, grid: Grid | None) -> Outcome:
     won_by_divergence: set[int] = set()
     for seed in grid.seeds:
         values = {}
-        states = {m: status(grid, claim.setting, m, seed)[0] for m in methods}
-        for m, state in states.items():
-            if state.startswith("diverged"):
-                diverged.append(f"{m} seed {seed}: {state}")
+        states = {}
+        for m in methods:
+            states[m], rec = run_state(grid, claim.setting, m, seed)
+            if states[m].startswith("diverged"):
+                diverged.append(f"{m} seed {seed}: {states[m]}")
+            v = None if rec is None else last_mean(rec, claim.metric, grid.last)
+            if v is not None:
+                values[m] = -v if claim.lower_is_better else v
         if states[claim.method].startswith("diverged"):
             lost_by_divergence.add(seed)
-        for m in methods:
-            rec = grid.find(claim.setting, m, seed)
-            if rec is not None and rec.finished:
-                v = last_mean(rec, claim.metric, grid.last)
-                if v is not None:
-                    values[m] = -v if claim.lower_is_better else v
         if len(values) == len(methods):
             per_seed[seed] = values
         elif (
@@ -541,16 +546,18 @@ def judge(claim: Claim, grid: Grid | None) -> Outcome:
     if decided == 0:
         verdict = "pending: no seed has all its runs finished"
     else:
-        # The mean is over the seeds with numbers; with none, the seeds' outcomes decide.
-        mean_diff = sum(diffs) / n if n else (1.0 if wins > decided / 2 else -1.0)
+        # The mean is over the seeds with numbers; where no seed has numbers (every seed
+        # decided by a divergence), the seeds' outcomes alone decide.
+        ahead = sum(diffs) / n > 0 if n else wins > decided / 2
         if claim.kind == "similar":
-            close = n > 0 and abs(mean_diff) <= SIMILAR_POINTS and not lost_by_divergence
+            mean_diff = sum(diffs) / n if n else math.inf
+            close = abs(mean_diff) <= SIMILAR_POINTS and not lost_by_divergence
             verdict = "reproduced" if close else "not reproduced"
             if n:
                 verdict += f" (mean difference {mean_diff:+.2f}, limit ±{SIMILAR_POINTS:g})"
-        elif mean_diff > 0 and wins == decided:
+        elif ahead and wins == decided:
             verdict = "reproduced"
-        elif mean_diff > 0 or wins > 0:
+        elif ahead or wins > 0:
             verdict = "partly"
         else:
             verdict = "not reproduced"

@@ -232,3 +232,18 @@ def test_paper_configs_plan(tmp_path):
     for file in files:
         grid = compare.grid_from(compare.read_file(file), str(file), {}, None, {})
         assert compare.plan(grid), file
+
+
+def test_client_state_size_outlives_the_checkpoint(tmp_path):
+    """The summary keeps the largest client state, so the tables still have it when the
+    (gitignored) checkpoint.npz is gone."""
+    cfg = ExperimentConfig(
+        algorithm="scaffold", num_clients=4, clients_per_round=2, rounds=2, out_dir=str(tmp_path)
+    )
+    folder, summary = run(cfg)
+    from_checkpoint = compare.client_state_memory(folder)
+    assert from_checkpoint is not None and from_checkpoint[0] > 0  # SCAFFOLD's c_k
+    assert (summary["client_state_bytes_max"], summary["clients_with_state"]) == from_checkpoint
+    (folder / "checkpoint.npz").unlink()
+    [rec] = compare.collect(folder)
+    assert (rec.client_state_bytes, rec.client_state_clients) == from_checkpoint

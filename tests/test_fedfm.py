@@ -29,6 +29,7 @@ from fedskew.algorithms.fedfm import (
     l2_loss,
     matching_term,
     pre_relu_cross_entropy,
+    pre_relu_layers,
     uniform_anchors,
     weighted_anchors,
 )
@@ -566,7 +567,7 @@ def test_pre_relu_loss_keeps_the_network_and_hands_pre_relu_features_to_the_term
     prep = prepare(ExperimentConfig())
     model = new_model(prep)
     x, y = prep.dataset.x_train[:16], prep.dataset.y_train[:16]
-    out = pre_relu_cross_entropy(model, x, y)
+    out = pre_relu_cross_entropy(pre_relu_layers(model), model, x, y)
     assert torch.allclose(out.logits, model(x), atol=1e-6)  # the same network
     assert torch.allclose(torch.relu(out.features), model.body(x), atol=1e-6)
     assert (out.features < 0).any()

@@ -562,11 +562,23 @@ def client_state_memory(folder: Path) -> tuple[int, int] | None:
     return (max(sizes) if sizes else 0), len(sizes)
 
 
+def recorded_client_state(rec: RunRecord) -> tuple[int, int] | None:
+    """The same pair from the checkpoint, else from the finished run's summary (which keeps
+    it since checkpoints are gitignored and often deleted), else None."""
+    memory = client_state_memory(rec.folder)
+    if memory is not None or rec.summary is None:
+        return memory
+    size, count = rec.summary.get("client_state_bytes_max"), rec.summary.get("clients_with_state")
+    if isinstance(size, int) and isinstance(count, int):
+        return size, count
+    return None
+
+
 def collect(root: Path) -> list[RunRecord]:
     """The grid's run folders read back, with each run's largest client state."""
     records = find_runs(root)
     for rec in records:
-        memory = client_state_memory(rec.folder)
+        memory = recorded_client_state(rec)
         if memory is not None:
             rec.client_state_bytes, rec.client_state_clients = memory
     return records

@@ -41,7 +41,7 @@ from fedskew.checkpoint import (
 from fedskew.config import ExperimentConfig, config_hash, effective_workers
 from fedskew.data.federated import sample_clients
 from fedskew.device import device_facts, settings_applied
-from fedskew.engine.base import Engine
+from fedskew.engine.base import Engine, ServerSideClientStates
 from fedskew.engine.inprocess import InProcessEngine
 from fedskew.engine.workers import WorkerPoolEngine, affordable_workers
 from fedskew.errors import FedskewError, UsageError
@@ -440,9 +440,21 @@ def finish(state: RunState, seconds_this_process: float) -> tuple[Path, dict[str
         state.last_eval,
     )
     summary.update(final_values(state.history))  # final_personal_accuracy and the like
+    summary.update(client_state_size(state.engine))
     summary["wall_seconds_this_process"] = round(seconds_this_process, 3)
     summary["processes"] = folder.read_processes()
     return folder.finish(summary), summary
+
+
+def client_state_size(engine: Engine) -> dict[str, int]:
+    """The largest client's state in bytes and how many clients hold one, at the end of the
+    run: the numbers a report would otherwise read from checkpoint.npz, kept in the summary
+    because checkpoints are often deleted or not shared. Empty where the clients keep their
+    state themselves (Flower), as this process cannot see it."""
+    if not isinstance(engine, ServerSideClientStates):
+        return {}
+    sizes = [s.nbytes() for s in engine.client_states.values()]
+    return {"client_state_bytes_max": max(sizes, default=0), "clients_with_state": len(sizes)}
 
 
 EVAL_KEYS = ("accuracy", "loss", "client_dist_accuracy", "per_class_accuracy")

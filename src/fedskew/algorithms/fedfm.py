@@ -83,6 +83,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -99,6 +100,7 @@ from fedskew.algorithm_interface import (
 from fedskew.algorithms.fedavg import FedAvgParams
 from fedskew.algorithms.local import (
     FeatureFn,
+    LossFn,
     LossOutput,
     LossTerm,
     apply_server_lr,
@@ -402,17 +404,20 @@ def pre_relu_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers[:-1]
 
 
-def pre_relu_features(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The body's output before its final ReLU: what the head reads is relu() of it."""
-    for layer in pre_relu_layers(model):
+def pre_relu_features(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """The body's output before its final ReLU (``layers`` from ``pre_relu_layers``, taken
+    once per handler rather than per batch): what the head reads is relu() of it."""
+    for layer in layers:
         x = layer(x)
     return x
 
 
-def pre_relu_cross_entropy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
+def pre_relu_cross_entropy(
+    layers: Sequence[torch.nn.Module], model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> LossOutput:
     """The plain cross-entropy of the unchanged network, handing the pre-ReLU features to the
-    matching term."""
-    z = pre_relu_features(model, x)
+    matching term. Bind ``layers`` (``pre_relu_layers(model)``) with functools.partial."""
+    z = pre_relu_features(layers, x)
     logits = model.head(F.relu(z))
     return LossOutput(F.cross_entropy(logits, y), z, logits)
 
@@ -472,11 +477,7 @@ class FedFMClient(ClientLogic):
         """Step 1: the local anchors under the global model, which is kept for step 2."""
         features = None
         if self.params.match_on == "pre_relu":
-            model = ctx.model
-
-            def features(x: torch.Tensor) -> torch.Tensor:
-                return pre_relu_features(model, x)
-
+            features = partial(pre_relu_features, pre_relu_layers(ctx.model))
         return reply_local_anchors(msg, ctx, self.params.anchor_agg, features)
 
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
@@ -488,8 +489,9 @@ class FedFMClient(ClientLogic):
                 "round's anchor exchange"
             )
         set_arrays(ctx.model, model)
-        pre_relu = self.params.match_on == "pre_relu"
-        loss_fn = pre_relu_cross_entropy if pre_relu else cross_entropy_loss
+        loss_fn: LossFn = cross_entropy_loss
+        if self.params.match_on == "pre_relu":
+            loss_fn = partial(pre_relu_cross_entropy, pre_relu_layers(ctx.model))
         with loss_term_installed(ctx, received_anchor_term(msg, self.params, ctx.round)):
             result = train_client(ctx, loss_fn=loss_fn)
         return trained_reply(ctx, result.mean_loss)

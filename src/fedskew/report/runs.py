@@ -51,8 +51,8 @@ class RunRecord:
     processes: list[dict[str, Any]]
     partition_digest: str | None = None  # of partition.npz's indices, None when absent
     images: list[Path] = field(default_factory=list)  # t-SNE pictures the run wrote
-    # Largest client state of the last checkpoint (bytes); filled in by whoever may read
-    # checkpoints (fedskew.compare), None when the folder has no checkpoint.
+    # Largest client state at the end (bytes), from the last checkpoint or else the summary;
+    # filled in by whoever may read checkpoints (fedskew.compare), None when neither has it.
     client_state_bytes: int | None = None
     client_state_clients: int | None = None
 

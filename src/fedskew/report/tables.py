@@ -196,13 +196,14 @@ def cost_table(rows: list[MethodRow]) -> Table:
             body.append([row.method] + ["no finished run"] + [""] * 4)
             continue
         states = [v for v in (row.runs[s].client_state_bytes for s in row.seeds) if v is not None]
+        unknown = f"{NOT_RECORDED} (in no checkpoint.npz or summary.json)"
         body.append(
             [
                 row.method,
                 fmt_bytes(row.column("bytes_down").mean()),
                 fmt_bytes(row.column("bytes_up").mean()),
                 fmt_bytes((row.column("bytes_down") + row.column("bytes_up")).mean()),
-                fmt_bytes(max(states)) if states else f"{NOT_RECORDED} (no checkpoint.npz)",
+                fmt_bytes(max(states)) if states else unknown,
                 f"{row.column('seconds').mean():.2f}",
             ]
         )

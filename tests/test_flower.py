@@ -30,6 +30,7 @@ from flwr.serverapp import Grid  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 import fedskew.flower_app as flower_app  # noqa: E402
+from fedskew.algorithms import ALGORITHMS  # noqa: E402
 from fedskew.config import ExperimentConfig, build_config  # noqa: E402
 from fedskew.engine.flower_codec import (  # noqa: E402
     ARRAYS,
@@ -55,7 +56,7 @@ from fedskew.flower_app import (  # noqa: E402
     setup_limit,
     tagged_processes,
 )
-from fedskew.protocol import Message  # noqa: E402
+from fedskew.protocol import ArraySpec, Message  # noqa: E402
 
 
 class LocalGrid(Grid):
@@ -387,6 +388,78 @@ def test_corrupt_reply_is_rejected_never_aggregated(tmp_path):
     cfg_ok = digits_cfg(tmp_path / "ok", "fedavg", clients_per_round=4, rounds=2)
     ok, _ = serve(LocalGrid(4), cfg_ok)
     assert metrics(ok)[0]["loss"] != rows[0]["loss"]
+
+
+# Small enough to run every algorithm in seconds; CReFF's server-side steps shortened.
+FAST_PARAMS = {
+    "creff": {"match_epochs": 2, "crt_epochs": 2, "num_features": 5},
+    "fedfm": {"start_round": 1, "lam": 5},
+    "fedfm-lite": {"start_round": 1, "lam": 5, "a": 2},
+}
+
+
+@pytest.mark.parametrize(
+    "algorithm,feature_matching",
+    [(name, False) for name in sorted(ALGORITHMS)] + [("scaffold", True), ("fedproto", True)],
+)
+def test_every_algorithm_s_replies_fit_what_it_declares(tmp_path, algorithm, feature_matching):
+    """The Flower engine rejects an array no declaration covers, so a real run of each
+    algorithm (and of the plug-in on two with arrays of their own) must lose no reply."""
+    params = dict(FAST_PARAMS.get(algorithm, {}))
+    if feature_matching:
+        params.update(start_round=1, lam=5)
+    cfg = digits_cfg(tmp_path, algorithm, rounds=2, local_epochs=1, params=params,
+                     feature_matching=feature_matching)  # fmt: skip
+    folder, _ = serve(LocalGrid(4), cfg)
+    rows = metrics(folder)
+    assert [r["rejected_replies"] for r in rows] == [[], []]
+    assert [r["missing_replies"] for r in rows] == [[], []]
+
+
+def test_declared_reply_arrays_are_checked_for_shape_dtype_and_class_indices():
+    ref = {"w": torch.zeros(2, 3)}
+    declared = {
+        "means": ArraySpec(("n", 4)),
+        "classes": ArraySpec(("n",), torch.int64, classes=10),
+    }
+    good = {"means": torch.ones(3, 4), "classes": torch.tensor([0, 4, 9])}
+    check_reply(Message("trained", arrays={"w": torch.ones(2, 3), **good}), ref, declared)
+    check_reply(Message("trained", arrays={"means": torch.ones(0, 4),
+                                           "classes": torch.zeros(0, dtype=torch.int64)}),
+                ref, declared)  # fmt: skip  # a client may hold no class
+    bad = {
+        "not declared": {**good, "extra": torch.ones(5)},
+        "fixed size": {**good, "means": torch.ones(3, 5)},
+        "named size disagrees": {**good, "means": torch.ones(2, 4)},
+        "rank": {**good, "classes": torch.tensor([[0, 4, 9]])},
+        "dtype": {**good, "classes": torch.tensor([0.0, 4.0, 9.0])},
+        "class out of range": {**good, "classes": torch.tensor([0, 4, 10])},
+        "negative class": {**good, "classes": torch.tensor([0, -1, 9])},
+        "repeated class": {**good, "classes": torch.tensor([0, 4, 4])},
+        "non-finite": {**good, "means": torch.full((3, 4), math.inf)},
+    }
+    for case, arrays in bad.items():
+        with pytest.raises(RejectedReply):
+            check_reply(Message("trained", arrays=arrays), ref, declared)
+            pytest.fail(case)
+    # An algorithm that declares nothing (None) leaves the arrays its clients add unchecked.
+    check_reply(Message("trained", arrays=bad["not declared"]), ref, None)
+
+
+def test_mis_shaped_anchors_are_rejected_before_aggregation(tmp_path):
+    def cut_anchors(content: RecordDict) -> None:
+        arrays = {k: torch.from_numpy(v.numpy().copy())
+                  for k, v in content.array_records[ARRAYS].items()}  # fmt: skip
+        if "fm.anchors" in arrays:  # the anchor reply, not the trained model
+            arrays["fm.anchors"] = arrays["fm.anchors"][:, :-1]
+            content[ARRAYS] = arrays_record(arrays)
+
+    cfg = digits_cfg(tmp_path, "fedfm", clients_per_round=4, rounds=2,
+                     params={"start_round": 1, "lam": 5})  # fmt: skip
+    folder, summary = serve(LocalGrid(4, corrupt={(0, 2): cut_anchors}), cfg)
+    rows = metrics(folder)
+    assert rows[0]["rejected_replies"] == [2] and rows[1]["rejected_replies"] == []
+    assert math.isfinite(summary["final_accuracy"])
 
 
 def test_round_without_replies_is_skipped_and_state_kept(tmp_path):

@@ -17,7 +17,7 @@ import torch
 from fedskew.config import params_from_values
 from fedskew.data.federated import ClientData
 from fedskew.errors import UsageError
-from fedskew.protocol import Channel, ClientState, Message
+from fedskew.protocol import ArraySpec, Channel, ClientState, Message
 from fedskew.rng import torch_rng
 
 
@@ -146,6 +146,18 @@ class Algorithm:
         FedNH's prototype classifier). Called on every model the engine builds, before
         the initial weights are taken, so server and clients share one architecture."""
         return model
+
+    @classmethod
+    def reply_arrays(
+        cls, params: Any, model: torch.nn.Module, num_classes: int
+    ) -> Mapping[str, ArraySpec] | None:
+        """The arrays a client adds to its replies beyond the model's entries and the arrays
+        it was sent (e.g. FedFM's local anchors), by name; also one sent back under a
+        received array's name with another shape (FedProto's prototypes). An engine whose
+        replies cannot be trusted (Flower) rejects a reply holding any other array or one
+        that does not fit its spec, so an algorithm whose clients add arrays must declare
+        them here; ``None`` leaves such arrays unchecked."""
+        return {}
 
     @classmethod
     def make_params(cls, values: Mapping[str, object]) -> Any:

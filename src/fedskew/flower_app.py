@@ -346,7 +346,8 @@ def serve(
     def engine_factory(
         prep: Prepared, client_logic: ClientLogic, model: torch.nn.Module
     ) -> FlowerEngine:
-        return FlowerEngine(grid, node_of, model.state_dict(), timeout=timeout)
+        declared = prep.algorithm.reply_arrays(prep.params, model, prep.dataset.num_classes)
+        return FlowerEngine(grid, node_of, model.state_dict(), timeout=timeout, declared=declared)
 
     return run(cfg, on_round=on_round, resume=resume, on_start=on_start,
                engine_factory=engine_factory)  # fmt: skip

@@ -21,6 +21,24 @@ from fedskew.errors import FedskewError
 SCALAR_BYTES = 8  # a number travels as a 64-bit value in every engine we support
 
 
+@dataclass(frozen=True)
+class ArraySpec:
+    """What a client may send under one array name beyond the model's entries and the arrays
+    it was sent (``Algorithm.reply_arrays``), so that an engine receiving replies it cannot
+    trust (Flower) can refuse a mis-shaped one before the server aggregates it.
+
+    ``shape``: an int is a fixed size; a string names a size that may differ between replies
+    but must agree wherever the same string appears within one reply (e.g. ``"n"``, the
+    number of classes a client holds). ``classes``: an integer array of distinct class
+    indices, each below this number. ``true_count``: a bool array whose number of True
+    entries is this named size (a mask over classes, of which another array holds rows)."""
+
+    shape: tuple[int | str, ...]
+    dtype: torch.dtype = torch.float32
+    classes: int | None = None
+    true_count: str | None = None
+
+
 @dataclass
 class Message:
     """A flat message: named tensors, named numbers and named short strings."""

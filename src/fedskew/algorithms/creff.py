@@ -59,7 +59,7 @@ from fedskew.algorithms.local import (
 )
 from fedskew.data.federated import ClientData
 from fedskew.errors import UsageError
-from fedskew.protocol import Channel, Message, arrived
+from fedskew.protocol import ArraySpec, Channel, Message, arrived
 from fedskew.rng import torch_rng
 
 DIS_METRICS = ("ours", "mse", "cos")
@@ -332,3 +332,17 @@ class CReFF(Algorithm):
     Params = CReFFParams
     Server = CReFFServer
     Client = CReFFClient
+
+    @classmethod
+    def reply_arrays(
+        cls, params: CReFFParams, model: torch.nn.Module, num_classes: int
+    ) -> dict[str, ArraySpec]:
+        """The classifier's gradients on each of the n classes a client holds."""
+        state = model.state_dict()
+        specs = {
+            GRAD_CLASSES: ArraySpec(("n",), torch.int64, classes=num_classes),
+            GRAD_WEIGHT: ArraySpec(("n", *state[HEAD_WEIGHT].shape)),
+        }
+        if HEAD_BIAS in state:
+            specs[GRAD_BIAS] = ArraySpec(("n", *state[HEAD_BIAS].shape))
+        return specs

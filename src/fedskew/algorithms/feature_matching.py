@@ -50,6 +50,7 @@ from fedskew.algorithms.fedfm import (
     FeatureMatchingParams,
     anchor_exchange,
     anchor_metrics,
+    anchor_reply_arrays,
     cg_loss,
     l2_loss,
     loss_term_installed,
@@ -58,7 +59,7 @@ from fedskew.algorithms.fedfm import (
     settings_of,
     take_received,
 )
-from fedskew.protocol import Channel, Message
+from fedskew.protocol import ArraySpec, Channel, Message
 
 # The plug-in, and FedFM's pieces that callers import from here (re-exported).
 __all__ = [
@@ -248,6 +249,13 @@ def with_feature_matching(cls: type[Algorithm]) -> type[Algorithm]:
         Client = FMClient
         feature_matching: ClassVar[bool] = True
         inner: ClassVar[type[Algorithm]] = cls
+
+        @classmethod
+        def reply_arrays(
+            cls, params: Any, model: torch.nn.Module, num_classes: int
+        ) -> dict[str, ArraySpec] | None:
+            inner = cls.inner.reply_arrays(params, model, num_classes)
+            return None if inner is None else {**inner, **anchor_reply_arrays(model, num_classes)}
 
     WithFM.__name__ = WithFM.__qualname__ = f"{cls.__name__}FM"
     _WRAPPED[cls] = WithFM

@@ -112,7 +112,7 @@ from fedskew.algorithms.local import (
 from fedskew.data.federated import ClientData
 from fedskew.errors import UsageError
 from fedskew.precision import in_fp32
-from fedskew.protocol import Channel, Message, NoReplies, arrived
+from fedskew.protocol import ArraySpec, Channel, Message, NoReplies, arrived
 from fedskew.rng import SERVER, numpy_rng
 
 EPS = 1e-12
@@ -587,3 +587,15 @@ class FedCME(Algorithm):
     Params = FedCMEParams
     Server = FedCMEServer
     Client = FedCMEClient
+
+    @classmethod
+    def reply_arrays(
+        cls, params: FedCMEParams, model: torch.nn.Module, num_classes: int
+    ) -> dict[str, ArraySpec]:
+        """The final upload's class features (rows of the n classes ``present`` marks) and
+        evaluation vector (also the reply to "evaluate")."""
+        return {
+            FEATURES: ArraySpec(("n", model.feature_dim)),
+            PRESENT: ArraySpec((num_classes,), torch.bool, true_count="n"),
+            EVAL_VECTOR: ArraySpec((num_classes,)),
+        }

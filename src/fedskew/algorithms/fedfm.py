@@ -113,7 +113,7 @@ from fedskew.algorithms.local import (
 )
 from fedskew.errors import UsageError
 from fedskew.precision import in_fp32
-from fedskew.protocol import Channel, ClientState, Message, arrived
+from fedskew.protocol import ArraySpec, Channel, ClientState, Message, arrived
 
 ANCHOR_KIND = "fm_anchors"  # step 1, server -> client: the global model
 LOCAL_ANCHOR_KIND = "fm_local_anchors"  # step 1, client -> server
@@ -221,6 +221,14 @@ def settings_of(params: Any) -> FMSettings:
 def defined_rows(anchors: torch.Tensor) -> torch.Tensor:
     """(C,) bool: the anchors that have a direction (not all zero)."""
     return anchors.abs().sum(dim=1) > 0
+
+
+def anchor_reply_arrays(model: torch.nn.Module, num_classes: int) -> dict[str, ArraySpec]:
+    """What ``local_anchor_arrays`` uploads: (C, d) class means and (C,) int64 counts."""
+    return {
+        ANCHORS: ArraySpec((num_classes, model.feature_dim)),
+        COUNTS: ArraySpec((num_classes,), torch.int64),
+    }
 
 
 def local_anchor_arrays(
@@ -512,3 +520,9 @@ class FedFM(Algorithm):
         if params.match_on == "pre_relu":
             pre_relu_layers(model)
         return model
+
+    @classmethod
+    def reply_arrays(
+        cls, params: Any, model: torch.nn.Module, num_classes: int
+    ) -> dict[str, ArraySpec]:
+        return anchor_reply_arrays(model, num_classes)

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from fedskew.algorithm_interface import (
     Algorithm,
     ClientContext,
@@ -46,6 +48,7 @@ from fedskew.algorithms.fedfm import (
     FeatureMatchingParams,
     aggregate_anchors,
     anchor_metrics,
+    anchor_reply_arrays,
     defined_rows,
     local_anchor_arrays,
     loss_term_installed,
@@ -54,7 +57,7 @@ from fedskew.algorithms.fedfm import (
 )
 from fedskew.algorithms.local import get_arrays, set_arrays, train_client, weighted_average
 from fedskew.errors import UsageError
-from fedskew.protocol import Channel, Message, arrived
+from fedskew.protocol import ArraySpec, Channel, Message, arrived
 
 _KEPT = "fmlite.model/"  # client state prefix: the local model between model rounds
 
@@ -158,3 +161,9 @@ class FedFMLite(Algorithm):
     Server = FedFMLiteServer
     Client = FedFMLiteClient
     feature_matching = True  # --feature-matching leaves it as it is
+
+    @classmethod
+    def reply_arrays(
+        cls, params: FedFMLiteParams, model: torch.nn.Module, num_classes: int
+    ) -> dict[str, ArraySpec]:
+        return anchor_reply_arrays(model, num_classes)

@@ -42,7 +42,7 @@ from fedskew.algorithms.local import (
 from fedskew.data.federated import ClientData
 from fedskew.errors import UsageError
 from fedskew.models.resnet import BasicBlock
-from fedskew.protocol import Channel, Message, arrived
+from fedskew.protocol import ArraySpec, Channel, Message, arrived
 
 PROTOTYPES = "head.prototypes"
 SCALE = "head.scale"
@@ -182,6 +182,16 @@ class FedNH(Algorithm):
     Params = FedNHParams
     Server = FedNHServer
     Client = FedNHClient
+
+    @classmethod
+    def reply_arrays(
+        cls, params: FedNHParams, model: nn.Module, num_classes: int
+    ) -> dict[str, ArraySpec]:
+        """The count-scaled means and indices of the n classes a client holds."""
+        return {
+            "proto_classes": ArraySpec(("n",), torch.int64, classes=num_classes),
+            "proto_sums": ArraySpec(("n", model.feature_dim)),
+        }
 
     @classmethod
     def adapt_model(cls, params: FedNHParams, model: nn.Module) -> nn.Module:

@@ -51,7 +51,7 @@ from fedskew.algorithms.local import (
 )
 from fedskew.errors import UsageError
 from fedskew.precision import in_fp32
-from fedskew.protocol import Channel, Message, arrived
+from fedskew.protocol import ArraySpec, Channel, Message, arrived
 
 DISTANCES = ("mse", "sq")
 PROTOS, PROTO_CLASSES, PROTO_COUNTS = "proto.values", "proto.classes", "proto.counts"
@@ -171,3 +171,14 @@ class FedProto(Algorithm):
     Params = FedProtoParams
     Server = FedProtoServer
     Client = FedProtoClient
+
+    @classmethod
+    def reply_arrays(
+        cls, params: FedProtoParams, model: torch.nn.Module, num_classes: int
+    ) -> dict[str, ArraySpec]:
+        """The means, indices and counts of the n classes a client holds."""
+        return {
+            PROTOS: ArraySpec(("n", model.feature_dim)),
+            PROTO_CLASSES: ArraySpec(("n",), torch.int64, classes=num_classes),
+            PROTO_COUNTS: ArraySpec(("n",), torch.int64),
+        }

@@ -76,7 +76,7 @@ from fedskew.algorithms.local import (
     weighted_average,
 )
 from fedskew.errors import UsageError
-from fedskew.protocol import Channel, Message, arrived
+from fedskew.protocol import ArraySpec, Channel, Message, arrived
 
 C_PREFIX = "c/"  # the server's control variate in the "train" message
 DC_PREFIX = "dc/"  # the client's delta c_k in its reply
@@ -170,3 +170,14 @@ class Scaffold(Algorithm):
     Params = ScaffoldParams
     Server = ScaffoldServer
     Client = ScaffoldClient
+
+    @classmethod
+    def reply_arrays(
+        cls, params: ScaffoldParams, model: torch.nn.Module, num_classes: int
+    ) -> dict[str, ArraySpec]:
+        """Delta c_k: one array per trained entry of the model, of its shape."""
+        state = model.state_dict()
+        return {
+            DC_PREFIX + k: ArraySpec(tuple(state[k].shape), state[k].dtype)
+            for k in trained_keys(state)
+        }

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from fedskew.protocol import ClientState, Message
+from fedskew.protocol import ArraySpec, ClientState, Message
 
 ARRAYS = "fedskew.arrays"
 SCALARS = "fedskew.scalars"
@@ -89,19 +89,62 @@ def load_state(records: RecordDict) -> ClientState:
     )
 
 
-def check_reply(reply: Message, reference: Mapping[str, torch.Tensor]) -> None:
-    """Raise RejectedReply unless every number is finite and every array named like a
-    reference array (the global model's, or one the client was sent) has its shape and
-    dtype."""
+def check_reply(
+    reply: Message,
+    reference: Mapping[str, torch.Tensor],
+    declared: Mapping[str, ArraySpec] | None = None,
+) -> None:
+    """Raise RejectedReply unless every number is finite and every array fits: a declared
+    one (``declared``, from ``Algorithm.reply_arrays``) its spec, else one named like a
+    reference array (the global model's, or one the client was sent) that array's shape and
+    dtype. Where the algorithm declares (not ``None``), no other array is accepted; ``None``
+    leaves other arrays unchecked."""
     for name, value in reply.scalars.items():
         if not math.isfinite(value):
             raise RejectedReply(f"scalar '{name}' is {value}")
+    sizes: dict[str, int] = {}  # the named sizes of the declared shapes, as this reply has them
     for name, tensor in reply.arrays.items():
         ref = reference.get(name)
-        if ref is not None and (tensor.shape != ref.shape or tensor.dtype != ref.dtype):
-            raise RejectedReply(
-                f"array '{name}' is {tuple(tensor.shape)} {tensor.dtype}, "
-                f"expected {tuple(ref.shape)} {ref.dtype}"
-            )
+        # A declaration comes first: a client may answer under the name of an array it was
+        # sent with another shape (FedProto: global prototypes down, its own classes' up).
+        if declared is not None and name in declared:
+            check_declared(name, tensor, declared[name], sizes)
+        elif ref is not None:
+            if tensor.shape != ref.shape or tensor.dtype != ref.dtype:
+                raise RejectedReply(
+                    f"array '{name}' is {tuple(tensor.shape)} {tensor.dtype}, "
+                    f"expected {tuple(ref.shape)} {ref.dtype}"
+                )
+        elif declared is not None:
+            raise RejectedReply(f"array '{name}' is not one this algorithm's clients send")
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise RejectedReply(f"array '{name}' has non-finite values")
+
+
+def check_declared(name: str, tensor: torch.Tensor, spec: ArraySpec, sizes: dict[str, int]) -> None:
+    """One declared array against its spec; ``sizes`` binds the spec's named sizes across
+    the arrays of one reply."""
+    shown = "(" + ", ".join(str(d) for d in spec.shape) + ")"
+    if tensor.dtype != spec.dtype or tensor.dim() != len(spec.shape):
+        raise RejectedReply(
+            f"array '{name}' is {tuple(tensor.shape)} {tensor.dtype}, expected {shown} {spec.dtype}"
+        )
+    for got, want in zip(tensor.shape, spec.shape, strict=True):
+        bound = sizes.setdefault(want, got) if isinstance(want, str) else want
+        if got != bound:
+            raise RejectedReply(
+                f"array '{name}' is {tuple(tensor.shape)}, expected {shown} with "
+                f"{', '.join(f'{k}={v}' for k, v in sizes.items()) or 'these sizes'}"
+            )
+    if spec.classes is not None and tensor.numel():
+        if int(tensor.min()) < 0 or int(tensor.max()) >= spec.classes:
+            raise RejectedReply(f"array '{name}' holds a class index outside 0..{spec.classes - 1}")
+        if torch.unique(tensor).numel() != tensor.numel():
+            raise RejectedReply(f"array '{name}' repeats a class index")
+    if spec.true_count is not None:
+        true = int(tensor.sum())
+        if sizes.setdefault(spec.true_count, true) != true:
+            raise RejectedReply(
+                f"array '{name}' marks {true} entries, expected "
+                f"{spec.true_count}={sizes[spec.true_count]}"
+            )

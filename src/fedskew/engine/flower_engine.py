@@ -19,7 +19,7 @@ from flwr.serverapp import Grid
 
 from fedskew.engine.base import ExchangeFaults, TrafficCounter
 from fedskew.engine.flower_codec import RejectedReply, check_reply, decode, encode
-from fedskew.protocol import ClientState, Message
+from fedskew.protocol import ArraySpec, ClientState, Message
 
 log = logging.getLogger("fedskew")
 MESSAGE_TYPE = "train"  # one ClientApp handler routes every fedskew kind
@@ -40,10 +40,12 @@ class FlowerEngine:
         node_of: Mapping[int, int],
         reference: Mapping[str, torch.Tensor],
         timeout: float | None = None,
+        declared: Mapping[str, ArraySpec] | None = None,
     ) -> None:
         self.grid = grid
         self.node_of = dict(node_of)
         self.reference = dict(reference)
+        self.declared = None if declared is None else dict(declared)
         self.timeout = timeout
         self.traffic = TrafficCounter()
         self.round = 0
@@ -100,7 +102,7 @@ class FlowerEngine:
                 continue
             try:
                 decoded, _ = decode(reply.content)
-                check_reply(decoded, {**self.reference, **messages[cid].arrays})
+                check_reply(decoded, {**self.reference, **messages[cid].arrays}, self.declared)
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("round %d: reply of client %d rejected: %s", self.round + 1, cid, exc)
                 if isinstance(exc, RejectedReply):

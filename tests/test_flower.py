@@ -335,6 +335,8 @@ def test_flower_engine_equals_inprocess(tmp_path, algorithm, params):
     assert_same_curves(a, b)
     assert all(r["missing_replies"] == [] and r["rejected_replies"] == [] for r in b)
     assert summary_fl["final_accuracy"] == summary_ip["final_accuracy"]
+    # The client state is measured where the server holds it; on Flower the nodes do.
+    assert "client_state_bytes_max" in summary_ip and "client_state_bytes_max" not in summary_fl
 
 
 def test_feature_matching_plugin_on_flower_equals_inprocess(tmp_path):

@@ -368,7 +368,8 @@ def explanation(options: Options) -> str:
         )
     text += (
         " Bytes are those the engine carried (metrics.jsonl), averaged over rounds; the client "
-        "state is the largest client's state in the run's last checkpoint; seconds are the "
+        "state is the largest client's state at the end of the run (its last checkpoint, or "
+        "its summary.json where the checkpoint is gone); seconds are the "
         "run's own wall time per round on the machine that computed it (see the runs table)."
     )
     return text

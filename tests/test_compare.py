@@ -5,6 +5,7 @@ writes tables whose numbers are those of metrics.jsonl."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 
@@ -245,5 +246,14 @@ def test_client_state_size_outlives_the_checkpoint(tmp_path):
     assert from_checkpoint is not None and from_checkpoint[0] > 0  # SCAFFOLD's c_k
     assert (summary["client_state_bytes_max"], summary["clients_with_state"]) == from_checkpoint
     (folder / "checkpoint.npz").unlink()
+    [rec] = compare.collect(folder)
+    assert (rec.client_state_bytes, rec.client_state_clients) == from_checkpoint
+    # A summary written before the record: the checkpoint, when there is one, still says it.
+    older = folder.parent / "older"
+    folder, _ = run(dataclasses.replace(cfg, out_dir=str(older)))
+    path = folder / "summary.json"
+    kept = json.loads(path.read_text())
+    del kept["client_state_bytes_max"], kept["clients_with_state"]
+    path.write_text(json.dumps(kept))
     [rec] = compare.collect(folder)
     assert (rec.client_state_bytes, rec.client_state_clients) == from_checkpoint

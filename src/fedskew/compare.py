@@ -71,6 +71,7 @@ from fedskew.config import (
 from fedskew.data.sources import load_dataset
 from fedskew.durable import write_bytes_durably
 from fedskew.errors import FedskewError, UsageError
+from fedskew.protocol import largest_state
 from fedskew.report.document import Block, Heading, Para, write_report
 from fedskew.report.runs import (
     INCOMPLETE,
@@ -557,21 +558,18 @@ def client_state_memory(folder: Path) -> tuple[int, int] | None:
     path = folder / "checkpoint.npz"
     if not path.is_file():
         return None
-    clients = read_checkpoint(path).clients
-    sizes = [s.nbytes() for s in clients.values()]
-    return (max(sizes) if sizes else 0), len(sizes)
+    return largest_state(read_checkpoint(path).clients)
 
 
 def recorded_client_state(rec: RunRecord) -> tuple[int, int] | None:
-    """The same pair from the checkpoint, else from the finished run's summary (which keeps
-    it since checkpoints are gitignored and often deleted), else None."""
-    memory = client_state_memory(rec.folder)
-    if memory is not None or rec.summary is None:
-        return memory
-    size, count = rec.summary.get("client_state_bytes_max"), rec.summary.get("clients_with_state")
+    """The same pair from the finished run's summary, which holds it from the end of the run
+    without loading the checkpoint's arrays; else from the checkpoint (runs whose summary
+    predates the record); else None."""
+    summary = rec.summary or {}
+    size, count = summary.get("client_state_bytes_max"), summary.get("clients_with_state")
     if isinstance(size, int) and isinstance(count, int):
         return size, count
-    return None
+    return client_state_memory(rec.folder)
 
 
 def collect(root: Path) -> list[RunRecord]:

@@ -48,7 +48,7 @@ from fedskew.errors import FedskewError, UsageError
 from fedskew.machine import machine_facts, software_facts
 from fedskew.measurements import Measurements, final_values
 from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
-from fedskew.protocol import Message, NoReplies
+from fedskew.protocol import Message, NoReplies, largest_state
 from fedskew.runfolder import RunFolder, check_writable
 
 RoundCallback = Callable[[dict[str, Any]], None]
@@ -453,8 +453,8 @@ def client_state_size(engine: Engine) -> dict[str, int]:
     state themselves (Flower), as this process cannot see it."""
     if not isinstance(engine, ServerSideClientStates):
         return {}
-    sizes = [s.nbytes() for s in engine.client_states.values()]
-    return {"client_state_bytes_max": max(sizes, default=0), "clients_with_state": len(sizes)}
+    largest, holders = largest_state(engine.client_states)
+    return {"client_state_bytes_max": largest, "clients_with_state": holders}
 
 
 EVAL_KEYS = ("accuracy", "loss", "client_dist_accuracy", "per_class_accuracy")

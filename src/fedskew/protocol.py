@@ -92,3 +92,9 @@ class ClientState:
         return sum(t.numel() * t.element_size() for t in self.arrays.values()) + SCALAR_BYTES * len(
             self.scalars
         )
+
+
+def largest_state(states: Mapping[int, ClientState]) -> tuple[int, int]:
+    """(the largest client's state in bytes, 0 when none; how many clients hold a state)."""
+    sizes = [s.nbytes() for s in states.values()]
+    return max(sizes, default=0), len(sizes)

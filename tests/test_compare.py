@@ -167,17 +167,17 @@ feature_matching = true
 [settings.small]
 rounds = 2
 [axes]
-partition = ["dirichlet", "iid"]
+partition = ["dirichlet", "quantity"]
 "partition_params.min_size" = [5, 10]
 """,
         tmp_path,
     )
     assert list(grid.settings) == [
         "small-dirichlet-min_size5", "small-dirichlet-min_size10",
-        "small-iid-min_size5", "small-iid-min_size10",
+        "small-quantity-min_size5", "small-quantity-min_size10",
     ]  # fmt: skip
-    assert grid.settings["small-iid-min_size10"] == {
-        "rounds": 2, "partition": "iid", "partition_params": {"min_size": 10},
+    assert grid.settings["small-quantity-min_size10"] == {
+        "rounds": 2, "partition": "quantity", "partition_params": {"min_size": 10},
     }  # fmt: skip
     runs = compare.plan(grid)
     assert len(runs) == 8 and runs[1].folder == "small-dirichlet-min_size5/fedfm-fm-s0"
@@ -196,11 +196,40 @@ partition = ["dirichlet", "iid"]
         ("[compare]\nfoo = 1\n", "no key 'foo'"),
         ("[experiment]\nlrr = 1\n", "unknown option"),
         ("[methods.'a/b']\nalgorithm = 'fedavg'\n", "names folders"),
+        ("[experiment]\npartition_params = { zeta = 1 }\n[methods.fedavg]\n", "'zeta'"),
     ],
 )
 def test_bad_grids_fail_with_one_line(tmp_path, text, message):
     with pytest.raises(UsageError, match=message):
         compare.plan(_grid(text, tmp_path))
+
+
+def test_a_setting_with_another_partition_drops_the_base_partition_params(tmp_path):
+    """The base's Dirichlet beta was given for Dirichlet: a setting that picks another
+    scheme starts from that scheme's own parameters; one that keeps the scheme keeps it."""
+    grid = _grid(
+        """
+[experiment]
+num_clients = 4
+partition = "dirichlet"
+partition_params = { beta = 0.5, min_size = 3 }
+[methods.fedavg]
+[settings.same]
+partition_params = { min_size = 5 }
+[settings.shards]
+partition = "niid2"
+partition_params = { shard_size = 50 }
+[settings.missing]
+partition = "missing"
+""",
+        tmp_path,
+    )
+    cfgs = {r.setting: r.cfg for r in compare.plan(grid)}
+    assert cfgs["same"].partition_params == {"beta": 0.5, "min_size": 5}
+    assert (cfgs["shards"].partition, cfgs["shards"].partition_params) == (
+        "niid2", {"shard_size": 50},
+    )  # fmt: skip
+    assert (cfgs["missing"].partition, cfgs["missing"].partition_params) == ("missing", {})
 
 
 def test_jobs_times_threads_fit_the_cores():
@@ -227,8 +256,13 @@ def test_benchmark_presets_plan_the_committed_runs(preset):
 
 
 def test_paper_configs_plan(tmp_path):
-    """Every file in configs/ parses and plans (names, models, parameters checked)."""
-    files = sorted((ROOT / "configs").rglob("*.toml")) + sorted((ROOT / "configs").rglob("*.yaml"))
+    """Every file in configs/ and reproduction/ parses and plans (names, models, algorithm
+    and partition parameters checked)."""
+    files = [
+        *sorted((ROOT / "configs").rglob("*.toml")),
+        *sorted((ROOT / "configs").rglob("*.yaml")),
+        *sorted((ROOT / "reproduction").glob("*.toml")),
+    ]
     assert files
     for file in files:
         grid = compare.grid_from(compare.read_file(file), str(file), {}, None, {})

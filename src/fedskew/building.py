@@ -22,6 +22,7 @@ from fedskew.data.partition import (
     check_partition,
     make_partition,
     read_partition_file,
+    resolve_partition_params,
 )
 from fedskew.data.sources import (
     DATASETS,
@@ -80,6 +81,8 @@ def check_names(cfg: ExperimentConfig) -> None:
         raise UsageError(
             f"unknown partition '{cfg.partition}'; choose from: {', '.join(sorted(PARTITIONS))}"
         )
+    if cfg.partition_file is None:
+        resolve_partition_params(cfg.partition, dict(cfg.partition_params))
     if cfg.model != "auto" or cfg.dataset in DATASETS:
         resolve_model_name(cfg)
 

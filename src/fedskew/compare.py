@@ -100,6 +100,8 @@ SHARED_KEYS = (
     "partition_file", "partition_overlap", "seed", "synthetic_alpha", "synthetic_beta",
     "participation", "clients_per_round",
 )  # fmt: skip
+# The scheme a layer without `partition` inherits when no earlier layer names one.
+DEFAULT_PARTITION = ExperimentConfig.partition
 # Set by compare for each run.
 RUN_KEYS = ("seed", "out_dir", "name", "quiet")
 
@@ -194,9 +196,15 @@ def _typed_values(values: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def merge(*layers: dict[str, Any]) -> dict[str, Any]:
-    """Later layers win; tables (params, partition_params, model_options) merge by key."""
+    """Later layers win; tables (params, partition_params, model_options) merge by key,
+    except that a layer which changes the partition scheme starts its partition_params
+    afresh: an earlier layer's parameters were given for another scheme (the base's Dirichlet
+    beta means nothing to a setting's ``niid2``)."""
     merged: dict[str, Any] = {}
     for layer in layers:
+        scheme = layer.get("partition")
+        if scheme is not None and scheme != merged.get("partition", DEFAULT_PARTITION):
+            merged.pop("partition_params", None)
         for key, value in layer.items():
             if value is None:
                 continue

@@ -107,7 +107,7 @@ def _as_beta(scheme: str, value: object) -> float:
     return beta
 
 
-def _resolve_params(scheme: str, params: dict[str, object]) -> dict[str, object]:
+def resolve_partition_params(scheme: str, params: dict[str, object]) -> dict[str, object]:
     info = PARTITIONS[scheme]
     # None means "not given": a CLI can then pass every option it knows without knowing which
     # scheme uses which.
@@ -445,7 +445,7 @@ def make_partition(
     """
     if scheme not in PARTITIONS:
         raise UsageError(f"unknown partition {scheme!r} (choices: {', '.join(PARTITIONS)})")
-    p = _resolve_params(scheme, params)
+    p = resolve_partition_params(scheme, params)
     if scheme == "natural":
         raise UsageError("partition 'natural' needs a dataset with its own clients (synthetic)")
     labels, num_classes = _check_labels(labels, num_classes)

@@ -291,3 +291,18 @@ def test_client_state_size_outlives_the_checkpoint(tmp_path):
     path.write_text(json.dumps(kept))
     [rec] = compare.collect(folder)
     assert (rec.client_state_bytes, rec.client_state_clients) == from_checkpoint
+
+
+def test_a_success_removes_the_failure_log_of_an_earlier_attempt(tmp_path):
+    """A failed attempt leaves logs/<run>.log; once the run finishes that log would claim a
+    failure that is no longer true (reports read failures from it), so it goes."""
+    out = tmp_path / "grid"
+    file = tmp_path / "grid.toml"
+    text = GRID.format(out=out).replace("seeds = [0, 1]", "seeds = [0]")
+    file.write_text(text.split("[methods.prox]")[0])
+    stale = out / "logs" / "fedavg-s0.log"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("$ fedskew run ...\n(exit 1)\nround 1: client 0 diverged\n")
+    assert main(["compare", "-c", str(file), "-q"]) == 0
+    assert (out / "fedavg-s0" / "summary.json").is_file()
+    assert not stale.exists()

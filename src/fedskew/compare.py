@@ -488,15 +488,17 @@ def run_one(
             cmd = [sys.executable, "-m", "fedskew", "run", "-c", str(path)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - started
+    log = logs / (run.folder.replace("/", "__") + ".log")
     if proc.returncode != 0:
         logs.mkdir(parents=True, exist_ok=True)
-        log = logs / (run.folder.replace("/", "__") + ".log")
         log.write_text(
             f"$ {shlex.join(cmd)}\n(exit {proc.returncode})\n{proc.stdout}\n{proc.stderr}",
             encoding="utf-8",
         )
         last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
         return Outcome(run, "failed", f"{last} (log: {log})", seconds)
+    # An earlier attempt's failure log would otherwise outlive the run that succeeded.
+    log.unlink(missing_ok=True)
     summary = json.loads((finished / "summary.json").read_text(encoding="utf-8"))
     acc = summary.get("final_accuracy")
     detail = "" if acc is None else f"final accuracy {100 * acc:.2f} %"

@@ -25,7 +25,13 @@ from fedskew.algorithm_interface import (
     ServerLogic,
     ServerSetup,
 )
-from fedskew.algorithms.local import set_arrays, train_client, trained_reply, weighted_average
+from fedskew.algorithms.local import (
+    set_arrays,
+    train_client,
+    trained_needs,
+    trained_reply,
+    weighted_average,
+)
 from fedskew.errors import UsageError
 from fedskew.protocol import Channel, Message, arrived
 
@@ -52,7 +58,9 @@ class FedAvgMServer(ServerLogic):
 
     def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
         replies = channel.exchange(
-            {c: Message("train", arrays=self.global_arrays) for c in clients}
+            {c: Message("train", arrays=self.global_arrays) for c in clients},
+            # What the average below reads: a reply without it is left out on Flower.
+            trained_needs(self.global_arrays, "num_samples"),
         )
         clients = arrived(clients, replies)  # a real deployment can lose replies
         average = weighted_average(

@@ -64,8 +64,8 @@ class Recorder(InProcessEngine):
         super().__init__(*args, **kwargs)
         self.log: list[tuple[int, Message, Message]] = []
 
-    def exchange(self, messages):
-        replies = super().exchange(messages)
+    def exchange(self, messages, expect=None):
+        replies = super().exchange(messages, expect)
         self.log.extend((c, messages[c], replies[c]) for c in messages)
         return replies
 
@@ -117,7 +117,7 @@ class FixedChannel:
         self.replies = replies
         self.sent: dict[int, Message] = {}
 
-    def exchange(self, messages):
+    def exchange(self, messages, expect=None):
         self.sent.update(messages)
         return {c: self.replies[c] for c in messages}
 

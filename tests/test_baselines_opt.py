@@ -79,7 +79,7 @@ class FixedReplies:
         self.replies = replies
         self.sent: list[dict[int, Message]] = []
 
-    def exchange(self, messages):
+    def exchange(self, messages, expect=None):
         self.sent.append(dict(messages))
         return {c: self.replies[c] for c in messages}
 
@@ -91,8 +91,8 @@ class Recording:
         self.engine = engine
         self.log: list[tuple[dict[int, Message], dict[int, Message]]] = []
 
-    def exchange(self, messages):
-        replies = self.engine.exchange(messages)
+    def exchange(self, messages, expect=None):
+        replies = self.engine.exchange(messages, expect)
         self.log.append((dict(messages), replies))
         return replies
 

@@ -7,16 +7,19 @@ import pytest
 import torch
 
 from fedskew.algorithm_interface import LocalTrainConfig
+from fedskew.algorithms import fedavg
 from fedskew.algorithms.fedavg import FedAvg
 from fedskew.algorithms.local import (
     apply_server_lr,
     local_train,
     weighted_average,
 )
+from fedskew.config import ExperimentConfig
 from fedskew.data.federated import ClientData, sample_clients
-from fedskew.errors import UsageError
+from fedskew.errors import FedskewError, UsageError
+from fedskew.experiment import run
 from fedskew.models import BodyHeadModel
-from fedskew.protocol import Message
+from fedskew.protocol import Message, needs, unmet
 from fedskew.rng import derive_seed, numpy_rng, torch_rng
 
 
@@ -78,7 +81,7 @@ class _RecordingChannel:
     def __init__(self, models: dict[int, dict[str, torch.Tensor]], sizes: dict[int, int]):
         self.models, self.sizes, self.sent = models, sizes, []
 
-    def exchange(self, messages):
+    def exchange(self, messages, expect=None):
         self.sent.append(messages)
         return {
             c: Message(
@@ -137,6 +140,41 @@ def test_local_train_runs_expected_steps_and_learns():
     assert result.steps == 3 * 4  # ceil(100 / 32) batches per epoch, last one partial
     assert result.samples == 300
     assert after < before
+
+
+def test_unmet_names_what_a_reply_lacks_or_its_wrong_kind():
+    expect = {"trained": needs(("w", "b"), ("loss",)), "half": needs()}
+    full = Message("trained", arrays={"w": torch.zeros(1), "b": torch.zeros(1)},
+                   scalars={"loss": 1.0, "extra": 2.0})  # fmt: skip
+    assert unmet(full, expect) is None
+    assert unmet(Message("half"), expect) is None
+    assert unmet(Message("trained", arrays={"w": torch.zeros(1)}, scalars={"loss": 1.0}),
+                 expect) == "lacks the array 'b'"  # fmt: skip
+    assert unmet(Message("trained", arrays=dict(full.arrays)), expect) == (
+        "lacks the number 'loss'"
+    )
+    assert unmet(Message("done"), expect) == "is of kind 'done', expected 'half' or 'trained'"
+
+
+def test_reply_lacking_what_the_server_reads_stops_the_run_naming_the_client(
+    tmp_path, monkeypatch
+):
+    """In one process a client's reply comes from the algorithm's own code: a reply without
+    what its server reads is a fault there, reported as such rather than as a KeyError deep
+    in the aggregation."""
+    honest = fedavg.trained_reply
+
+    def without_count(ctx, loss, arrays=None, scalars=None):
+        reply = honest(ctx, loss, arrays, scalars)
+        del reply.scalars["num_samples"]
+        return reply
+
+    monkeypatch.setattr(fedavg, "trained_reply", without_count)
+    cfg = ExperimentConfig(num_clients=4, clients_per_round=2, rounds=1, local_epochs=1,
+                           out_dir=str(tmp_path), quiet=True)  # fmt: skip
+    with pytest.raises(FedskewError, match=r"round 1: the reply of client \d+ lacks the "
+                       r"number 'num_samples', which the algorithm's server reads"):  # fmt: skip
+        run(cfg)
 
 
 def test_local_train_only_sees_its_own_rows():

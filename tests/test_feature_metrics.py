@@ -161,7 +161,7 @@ class FakeChannel:
     def __init__(self, replies):
         self.replies = replies
 
-    def exchange(self, messages):
+    def exchange(self, messages, expect=None):
         return {c: self.replies[c] for c in messages}
 
 

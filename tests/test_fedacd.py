@@ -316,7 +316,7 @@ class FakeChannel:
         self.replies = replies
         self.sent: list[dict[int, Message]] = []
 
-    def exchange(self, messages):
+    def exchange(self, messages, expect=None):
         self.sent.append(dict(messages))
         return {c: self.replies[c] for c in messages}
 

@@ -50,8 +50,8 @@ class Recorder(InProcessEngine):
         super().__init__(*args, **kwargs)
         self.log: list[tuple[dict[int, Message], dict[int, Message]]] = []
 
-    def exchange(self, messages):
-        replies = super().exchange(messages)
+    def exchange(self, messages, expect=None):
+        replies = super().exchange(messages, expect)
         self.log.append((dict(messages), replies))
         return replies
 

@@ -429,7 +429,7 @@ class _Recorder:
     def __init__(self):
         self.sent = {}
 
-    def exchange(self, messages):
+    def exchange(self, messages, expect=None):
         self.sent = dict(messages)
         return {c: Message("ok") for c in messages}
 

@@ -24,7 +24,7 @@ import torch
 
 pytest.importorskip("flwr")
 
-from flwr.app import Context, RecordDict  # noqa: E402
+from flwr.app import Context, MetricRecord, RecordDict  # noqa: E402
 from flwr.app import Message as FlowerMessage  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
@@ -34,6 +34,7 @@ from fedskew.algorithms import ALGORITHMS  # noqa: E402
 from fedskew.config import ExperimentConfig, build_config  # noqa: E402
 from fedskew.engine.flower_codec import (  # noqa: E402
     ARRAYS,
+    SCALARS,
     RejectedReply,
     arrays_record,
     check_reply,
@@ -398,6 +399,54 @@ FAST_PARAMS = {
     "fedfm": {"start_round": 1, "lam": 5},
     "fedfm-lite": {"start_round": 1, "lam": 5, "a": 2},
 }
+
+
+def _without(content: RecordDict, array: str | None = None, scalar: str | None = None) -> None:
+    """Leave one array or number out of a reply (all of them for "*")."""
+    arrays = {k: torch.from_numpy(v.numpy().copy()) for k, v in content[ARRAYS].items()}
+    scalars = dict(content.metric_records[SCALARS])
+    if array is not None:
+        arrays = {} if array == "*" else {k: v for k, v in arrays.items() if k != array}
+    if scalar is not None:
+        scalars = {} if scalar == "*" else {k: v for k, v in scalars.items() if k != scalar}
+    content[ARRAYS] = arrays_record(arrays)
+    content[SCALARS] = MetricRecord(scalars)
+
+
+@pytest.mark.parametrize("left_out", ["array", "scalar"])
+def test_reply_lacking_what_fedavg_reads_is_rejected_like_a_lost_one(tmp_path, left_out, caplog):
+    if left_out == "array":  # a model entry: the average would fail on it
+        corrupt = {(0, 2): lambda c: _without(c, array="body.fc2.bias")}
+        why = "lacks the array 'body.fc2.bias'"
+    else:  # the sample count: the weights would
+        corrupt = {(0, 2): lambda c: _without(c, scalar="num_samples")}
+        why = "lacks the number 'num_samples'"
+    cfg = digits_cfg(tmp_path / "bad", "fedavg", clients_per_round=4, rounds=2)
+    with caplog.at_level(logging.WARNING, logger="fedskew"):
+        folder, _ = serve(LocalGrid(4, corrupt=corrupt), cfg)
+    warnings = [r.getMessage() for r in caplog.records]
+    rows = metrics(folder)
+    assert rows[0]["rejected_replies"] == [2] and rows[0]["missing_replies"] == [2]
+    assert rows[1]["rejected_replies"] == []
+    assert any(why in w for w in warnings), warnings
+    cfg_lost = digits_cfg(tmp_path / "lost", "fedavg", clients_per_round=4, rounds=2)
+    lost, _ = serve(LocalGrid(4, drop={(0, 2)}), cfg_lost)
+    assert_same_curves(rows, metrics(lost))
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_every_algorithm_survives_an_empty_reply(tmp_path, algorithm):
+    """A node that answers with no arrays and no numbers (all its replies of round 1) is
+    left out; the run goes on with the others instead of failing in the aggregation."""
+    params = dict(FAST_PARAMS.get(algorithm, {}))
+    cfg = digits_cfg(tmp_path, algorithm, clients_per_round=4, rounds=2, local_epochs=2,
+                     params=params)  # fmt: skip
+    corrupt = {(0, 1): lambda c: _without(c, array="*", scalar="*")}
+    folder, summary = serve(LocalGrid(4, corrupt=corrupt), cfg)
+    rows = metrics(folder)
+    assert rows[0]["rejected_replies"] == [1]
+    assert rows[1]["rejected_replies"] == [] and rows[1]["missing_replies"] == []
+    assert math.isfinite(summary["final_accuracy"])
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from fedskew.algorithms.feature_matching import ANCHORS, COUNTS
 from fedskew.building import Prepared, new_model, prepare
 from fedskew.config import ExperimentConfig
 from fedskew.engine.inprocess import InProcessEngine
-from fedskew.protocol import Message, NoReplies
+from fedskew.protocol import Expected, Message, NoReplies
 
 # Method settings that keep one round short and make every exchange happen in it.
 PARAMS: dict[str, dict[str, object]] = {
@@ -49,12 +49,14 @@ class Dropping:
         self.count = 0
         self.log: list[tuple[dict[int, Message], dict[int, Message], list[int]]] = []
 
-    def exchange(self, messages: Mapping[int, Message]) -> dict[int, Message]:
+    def exchange(
+        self, messages: Mapping[int, Message], expect: Expected | None = None
+    ) -> dict[int, Message]:
         index, self.count = self.count, self.count + 1
         if index in self.drop_all:
             self.log.append((dict(messages), {}, list(messages)))
             return {}
-        replies = self.engine.exchange(messages)
+        replies = self.engine.exchange(messages, expect)
         dropped = list(messages)[:1] if len(messages) > 1 else []
         self.log.append((dict(messages), dict(replies), dropped))
         return {c: r for c, r in replies.items() if c not in dropped}

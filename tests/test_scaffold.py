@@ -134,7 +134,7 @@ class FixedReplies:
     def __init__(self, replies: dict[int, Message]) -> None:
         self.replies = replies
 
-    def exchange(self, messages):
+    def exchange(self, messages, expect=None):
         return {c: self.replies[c] for c in messages}
 
 

@@ -13,7 +13,7 @@ import copy
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ from fedskew.errors import FedskewError, UsageError
 from fedskew.machine import machine_facts, software_facts
 from fedskew.measurements import Measurements, final_values
 from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
-from fedskew.protocol import Message, NoReplies, largest_state
+from fedskew.protocol import Expected, Message, NoReplies, largest_state
 from fedskew.runfolder import RunFolder, check_writable
 
 RoundCallback = Callable[[dict[str, Any]], None]
@@ -349,8 +349,10 @@ class FiniteReplies:
         self.drop = drop
         self.dropped: set[int] = set()
 
-    def exchange(self, messages: dict[int, Message]) -> dict[int, Message]:
-        replies = self.engine.exchange(messages)
+    def exchange(
+        self, messages: Mapping[int, Message], expect: Expected | None = None
+    ) -> dict[int, Message]:
+        replies = self.engine.exchange(messages, expect)
         for cid in list(replies):
             where = non_finite_value(replies[cid])
             if where is None:

@@ -49,7 +49,7 @@ from fedskew.metrics.features import (
     local_model_risk,
     tsne_embedding,
 )
-from fedskew.protocol import Channel, Message
+from fedskew.protocol import Channel, Expected, Message
 
 log = logging.getLogger("fedskew")
 
@@ -76,8 +76,10 @@ class LocalModels:
         self.reference = reference
         self.kept = kept
 
-    def exchange(self, messages: Mapping[int, Message]) -> dict[int, Message]:
-        replies = self.channel.exchange(messages)
+    def exchange(
+        self, messages: Mapping[int, Message], expect: Expected | None = None
+    ) -> dict[int, Message]:
+        replies = self.channel.exchange(messages, expect)
         for cid, reply in replies.items():
             model = whole_model(reply.arrays, self.reference)
             if model is not None:

@@ -10,7 +10,7 @@ engine (or a Flower node) and never read by the server.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -55,14 +55,54 @@ class Message:
         return array_bytes + SCALAR_BYTES * len(self.scalars) + string_bytes
 
 
+@dataclass(frozen=True)
+class Needs:
+    """What a server reads from a reply of one kind: the arrays and numbers it must hold.
+
+    Passed to ``Channel.exchange`` (as ``{reply kind: Needs}``), so that a reply that would
+    make the server's aggregation fail (an array or number left out, another kind) is left
+    out like a lost one on an engine whose replies cannot be trusted (Flower), and stops the
+    run with the client named on the others, where it can only be a fault in the algorithm's
+    client. What a reply may hold beyond these is ``Algorithm.reply_arrays``'s business."""
+
+    arrays: frozenset[str] = frozenset()
+    scalars: frozenset[str] = frozenset()
+
+
+def needs(arrays: Iterable[str] = (), scalars: Iterable[str] = ()) -> Needs:
+    return Needs(frozenset(arrays), frozenset(scalars))
+
+
+Expected = Mapping[str, Needs]  # reply kind -> what the server reads from such a reply
+
+
+def unmet(reply: Message, expected: Expected) -> str | None:
+    """Why ``reply`` does not give the server what it reads (``expected``), or None."""
+    need = expected.get(reply.kind)
+    if need is None:
+        kinds = " or ".join(f"'{k}'" for k in sorted(expected))
+        return f"is of kind '{reply.kind}', expected {kinds}"
+    for name in sorted(need.arrays):
+        if name not in reply.arrays:
+            return f"lacks the array '{name}'"
+    for name in sorted(need.scalars):
+        if name not in reply.scalars:
+            return f"lacks the number '{name}'"
+    return None
+
+
 class Channel(Protocol):
     """What a server logic sees of the engine: one call per exchange of the round.
 
     The reply dict may lack clients: on a real deployment a node can die or send a reply
     that fails validation. Servers work with the clients that replied (see ``arrived``).
+    ``expect`` says what the server reads from each reply (see ``Needs``); without it a
+    reply that lacks something the server reads makes the round raise.
     """
 
-    def exchange(self, messages: Mapping[int, Message]) -> dict[int, Message]: ...
+    def exchange(
+        self, messages: Mapping[int, Message], expect: Expected | None = None
+    ) -> dict[int, Message]: ...
 
 
 class NoReplies(FedskewError):

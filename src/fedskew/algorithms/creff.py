@@ -54,6 +54,7 @@ from fedskew.algorithms.local import (
     get_arrays,
     run_plain,
     set_arrays,
+    trained_needs,
     trained_reply,
     weighted_average,
 )
@@ -192,7 +193,9 @@ class CReFFServer(ServerLogic):
 
     def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
         msg = Message("train", arrays={**self.global_arrays, **self.classifier})
-        replies = channel.exchange({c: msg for c in clients})
+        grads = (GRAD_CLASSES, GRAD_WEIGHT, *((GRAD_BIAS,) if self.has_bias else ()))
+        expect = trained_needs((*self.global_arrays, *grads), "num_samples")
+        replies = channel.exchange({c: msg for c in clients}, expect)
         clients = arrived(clients, replies)  # features move only by the gradients that arrived
         model_keys = list(self.global_arrays)
         self.global_arrays = weighted_average(

@@ -59,7 +59,7 @@ from fedskew.algorithms.fedfm import (
     settings_of,
     take_received,
 )
-from fedskew.protocol import ArraySpec, Channel, Message
+from fedskew.protocol import ArraySpec, Channel, Expected, Message
 
 # The plug-in, and FedFM's pieces that callers import from here (re-exported).
 __all__ = [
@@ -109,7 +109,9 @@ class AnchorChannel:
         self.pending = set(recipients)  # clients whose first inner message is still to come
         self.anchors = anchors
 
-    def exchange(self, messages: Mapping[int, Message]) -> dict[int, Message]:
+    def exchange(
+        self, messages: Mapping[int, Message], expect: Expected | None = None
+    ) -> dict[int, Message]:
         out: dict[int, Message] = {}
         for cid, msg in messages.items():
             if cid not in self.pending:
@@ -131,7 +133,7 @@ class AnchorChannel:
             if self.anchors is not None:
                 arrays[ANCHORS] = self.anchors
             out[cid] = Message(msg.kind, arrays=arrays, scalars=dict(msg.scalars), strings=strings)
-        return self.channel.exchange(out)
+        return self.channel.exchange(out, expect)
 
 
 # --- the plug-in ----------------------------------------------------------------------------

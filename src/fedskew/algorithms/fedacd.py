@@ -52,11 +52,17 @@ import torch.nn.functional as F
 
 from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic, check_one_of
 from fedskew.algorithms.fedavg import FedAvgServer
-from fedskew.algorithms.local import LossOutput, get_arrays, set_arrays, train_client
+from fedskew.algorithms.local import (
+    LossOutput,
+    get_arrays,
+    set_arrays,
+    train_client,
+    trained_needs,
+)
 from fedskew.data.federated import ClientData
 from fedskew.errors import UsageError
 from fedskew.precision import in_fp32
-from fedskew.protocol import Message
+from fedskew.protocol import Expected, Message
 
 EPS = 1e-8  # added to denominators of P and of Delta
 WEIGHTINGS = ("inverse", "softmax", "uniform")
@@ -296,6 +302,10 @@ def aggregation_weights(divergences: Sequence[float], weighting: str) -> list[fl
 
 class FedACDServer(FedAvgServer):
     """FedAvg's round, with weights from the clients' scores instead of their sample counts."""
+
+    def expected(self) -> Expected:
+        scores = () if self.params.weighting == "uniform" else ("divergence",)
+        return trained_needs(self.global_arrays, *scores)  # no sample counts are sent
 
     def weights(self, replies: Mapping[int, Message], clients: list[int]) -> list[float]:
         if self.params.weighting == "uniform":

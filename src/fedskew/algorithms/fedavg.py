@@ -19,11 +19,12 @@ from fedskew.algorithms.local import (
     apply_server_lr,
     run_plain,
     set_arrays,
+    trained_needs,
     trained_reply,
     weighted_average,
 )
 from fedskew.errors import UsageError
-from fedskew.protocol import Channel, Message, arrived
+from fedskew.protocol import Channel, Expected, Message, arrived
 
 
 @dataclass
@@ -46,13 +47,17 @@ class FedAvgServer(ServerLogic):
 
     def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
         msg = Message("train", arrays=self.global_arrays)
-        replies = channel.exchange({c: msg for c in clients})
+        replies = channel.exchange({c: msg for c in clients}, self.expected())
         clients = arrived(clients, replies)
         weights = self.weights(replies, clients)
         metrics = self.metrics(replies, clients, weights)
         averaged = weighted_average([replies[c].arrays for c in clients], weights)
         self.global_arrays = apply_server_lr(self.global_arrays, averaged, self.server_lr())
         return metrics
+
+    def expected(self) -> Expected:
+        """What ``round`` reads from each reply: the model, the sample count, the loss."""
+        return trained_needs(self.global_arrays, "num_samples")
 
     def weights(self, replies: Mapping[int, Message], clients: list[int]) -> list[float]:
         """The aggregation weights of the replying ``clients``: their sample counts."""

@@ -106,13 +106,14 @@ from fedskew.algorithms.local import (
     get_arrays,
     set_arrays,
     train_client,
+    trained_needs,
     trained_reply,
     weighted_average,
 )
 from fedskew.data.federated import ClientData
 from fedskew.errors import UsageError
 from fedskew.precision import in_fp32
-from fedskew.protocol import ArraySpec, Channel, Message, NoReplies, arrived
+from fedskew.protocol import ArraySpec, Channel, Expected, Message, NoReplies, arrived, needs
 from fedskew.rng import SERVER, numpy_rng
 
 EPS = 1e-12
@@ -335,7 +336,9 @@ class FedCMEServer(ServerLogic):
     def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
         """One round, in the steps of the module docstring."""
         if not exchanges_parts(self.params, self.setup.train.epochs):
-            replies = channel.exchange({c: self.train_message("train", False) for c in clients})
+            replies = channel.exchange(
+                {c: self.train_message("train", False) for c in clients}, self.final_upload()
+            )
             clients = arrived(clients, replies)
             no_exchange = {"cold_starts": 0.0, "exchanged": 0.0, "donors": 0.0}
             return {**no_exchange, **self.aggregate(clients, replies)}
@@ -357,7 +360,8 @@ class FedCMEServer(ServerLogic):
         if not (uses_vectors(p, self.setup.train.epochs) and new and p.cold_start == "evaluate"):
             return clients, set()
         evaluated = channel.exchange(
-            {c: Message("evaluate", arrays=self.global_arrays) for c in new}
+            {c: Message("evaluate", arrays=self.global_arrays) for c in new},
+            {"evaluated": needs((EVAL_VECTOR,))},
         )
         # A new client without a vector leaves the round; the others need not wait for it.
         clients = [c for c in clients if c not in new or c in evaluated]
@@ -410,7 +414,8 @@ class FedCMEServer(ServerLogic):
             if self.params.matching == "many-to-one":
                 msg.scalars["share"] = float(c in sharing)
             first[c] = msg
-        replies = channel.exchange(first)
+        # A half is relayed, not read: a partner missing from it trains on its own part.
+        replies = channel.exchange(first, {"half": needs(), **self.final_upload()})
         return arrived(clients, replies), replies
 
     def exchange(
@@ -431,13 +436,19 @@ class FedCMEServer(ServerLogic):
         if halves:
             # A half is no upload: a client whose final reply is missing leaves the aggregation.
             replies = {c: r for c, r in replies.items() if r.kind != "half"}
-            replies.update(channel.exchange(rest))
+            replies.update(channel.exchange(rest, self.final_upload()))
             clients = arrived(clients, replies)
         metrics = {
             "exchanged": float(sum(1 for m in rest.values() if m.arrays)),
             "donors": float(len({donor[c] for c in halves if donor.get(c) in parts})),
         }
         return clients, replies, metrics
+
+    def final_upload(self) -> Expected:
+        """What ``aggregate`` reads from a final upload (the evaluation vector is optional:
+        a client without one keeps its last)."""
+        features = (FEATURES, PRESENT) if self.params.mu > 0 else ()
+        return trained_needs((*self.global_arrays, *features), "num_samples")
 
     def aggregate(self, clients: list[int], replies: Mapping[int, Message]) -> dict[str, float]:
         """Step 5: average the final uploads, aggregate the class features, keep the

@@ -45,6 +45,7 @@ from fedskew.algorithms.local import (
     get_arrays,
     set_arrays,
     train_client,
+    trained_needs,
     weighted_average,
 )
 from fedskew.errors import UsageError
@@ -103,7 +104,8 @@ class FedDynServer(ServerLogic):
 
     def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
         replies = channel.exchange(
-            {c: Message("train", arrays=self.global_arrays) for c in clients}
+            {c: Message("train", arrays=self.global_arrays) for c in clients},
+            trained_needs(self.global_arrays),
         )
         clients = arrived(clients, replies)  # P is the set that replied, m stays all clients
         models = [replies[c].arrays for c in clients]

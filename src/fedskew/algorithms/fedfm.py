@@ -108,12 +108,13 @@ from fedskew.algorithms.local import (
     cross_entropy_loss,
     set_arrays,
     train_client,
+    trained_needs,
     trained_reply,
     weighted_average,
 )
 from fedskew.errors import UsageError
 from fedskew.precision import in_fp32
-from fedskew.protocol import ArraySpec, Channel, ClientState, Message, arrived
+from fedskew.protocol import ArraySpec, Channel, ClientState, Message, Needs, arrived, needs
 
 ANCHOR_KIND = "fm_anchors"  # step 1, server -> client: the global model
 LOCAL_ANCHOR_KIND = "fm_local_anchors"  # step 1, client -> server
@@ -240,6 +241,11 @@ def local_anchor_arrays(
     if agg == "weighted":
         return {ANCHORS: means, COUNTS: counts}
     return {ANCHORS: means}
+
+
+def anchor_needs(agg: str) -> Needs:
+    """What the server reads from the arrays of ``local_anchor_arrays``."""
+    return needs((ANCHORS, COUNTS) if agg == "weighted" else (ANCHORS,))
 
 
 def weighted_anchors(
@@ -380,7 +386,8 @@ def anchor_exchange(
 
     Returns the clients whose reply arrived (in sampled order) and the new global anchors.
     """
-    replies = channel.exchange({c: Message(ANCHOR_KIND, arrays=model) for c in clients})
+    expect = {LOCAL_ANCHOR_KIND: anchor_needs(agg)}
+    replies = channel.exchange({c: Message(ANCHOR_KIND, arrays=model) for c in clients}, expect)
     clients = arrived(clients, replies)
     return clients, aggregate_anchors([replies[c] for c in clients], previous, agg)
 
@@ -467,7 +474,8 @@ class FedFMServer(ServerLogic):
             arrays={ANCHORS: self.fm_anchors} if active else {},
             strings={REUSED: "*"},  # the model: the one of step 1
         )
-        replies = channel.exchange({c: msg for c in clients})
+        expect = trained_needs(self.global_arrays, "num_samples")
+        replies = channel.exchange({c: msg for c in clients}, expect)
         clients = arrived(clients, replies)
         states = [replies[c].arrays for c in clients]
         weights = [replies[c].scalars["num_samples"] for c in clients]

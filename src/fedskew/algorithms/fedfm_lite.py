@@ -48,6 +48,7 @@ from fedskew.algorithms.fedfm import (
     FeatureMatchingParams,
     aggregate_anchors,
     anchor_metrics,
+    anchor_needs,
     anchor_reply_arrays,
     defined_rows,
     local_anchor_arrays,
@@ -57,7 +58,7 @@ from fedskew.algorithms.fedfm import (
 )
 from fedskew.algorithms.local import get_arrays, set_arrays, train_client, weighted_average
 from fedskew.errors import UsageError
-from fedskew.protocol import ArraySpec, Channel, Message, arrived
+from fedskew.protocol import ArraySpec, Channel, Message, Needs, arrived
 
 _KEPT = "fmlite.model/"  # client state prefix: the local model between model rounds
 
@@ -105,7 +106,14 @@ class FedFMLiteServer(ServerLogic):
             messages[c] = Message(
                 "lite_train", arrays=arrays, scalars={"upload_model": float(sync)}
             )
-        replies = channel.exchange(messages)
+        anchors = anchor_needs(s.agg)
+        expect = {
+            "lite_trained": Needs(
+                anchors.arrays | (frozenset(self.global_arrays) if sync else frozenset()),
+                frozenset(("loss", "num_samples") if sync else ("loss",)),
+            )
+        }
+        replies = channel.exchange(messages, expect)
         for c in clients:
             if c not in replies:  # it may have lost its model: send it again next time
                 self.version_sent.pop(c, None)

@@ -36,6 +36,7 @@ from fedskew.algorithms.local import (
     get_arrays,
     run_plain,
     set_arrays,
+    trained_needs,
     trained_reply,
     weighted_average,
 )
@@ -132,9 +133,10 @@ class FedNHServer(ServerLogic):
 
     def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
         msg = Message("train", arrays=self.global_arrays)
-        replies = channel.exchange({c: msg for c in clients})
-        clients = arrived(clients, replies)
         model_keys = [k for k in self.global_arrays if k != PROTOTYPES]
+        expect = trained_needs((*model_keys, "proto_classes", "proto_sums"), "num_samples")
+        replies = channel.exchange({c: msg for c in clients}, expect)
+        clients = arrived(clients, replies)
         averaged = weighted_average(
             [{k: replies[c].arrays[k] for k in model_keys} for c in clients],
             [replies[c].scalars["num_samples"] for c in clients],

@@ -37,6 +37,7 @@ from fedskew.algorithms.local import (
     get_arrays,
     set_arrays,
     train_client,
+    trained_needs,
     trained_reply,
     weighted_average,
 )
@@ -83,7 +84,8 @@ class FedNovaParams:
 class FedNovaServer(ServerLogic):
     def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
         replies = channel.exchange(
-            {c: Message("train", arrays=self.global_arrays) for c in clients}
+            {c: Message("train", arrays=self.global_arrays) for c in clients},
+            trained_needs(self.global_arrays, "num_samples", "a"),
         )
         clients = arrived(clients, replies)
         sizes = [replies[c].scalars["num_samples"] for c in clients]

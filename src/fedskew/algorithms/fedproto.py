@@ -46,6 +46,7 @@ from fedskew.algorithms.local import (
     get_arrays,
     set_arrays,
     train_client,
+    trained_needs,
     trained_reply,
     weighted_average,
 )
@@ -55,6 +56,7 @@ from fedskew.protocol import ArraySpec, Channel, Message, arrived
 
 DISTANCES = ("mse", "sq")
 PROTOS, PROTO_CLASSES, PROTO_COUNTS = "proto.values", "proto.classes", "proto.counts"
+PROTO_ARRAYS = (PROTOS, PROTO_CLASSES, PROTO_COUNTS)
 
 
 @dataclass
@@ -99,7 +101,8 @@ class FedProtoServer(ServerLogic):
             classes = torch.nonzero(self.known).flatten()
             arrays[PROTOS] = self.prototypes[classes]
             arrays[PROTO_CLASSES] = classes
-        replies = channel.exchange({c: Message("train", arrays=arrays) for c in clients})
+        expect = trained_needs((*self.global_arrays, *PROTO_ARRAYS), "num_samples")
+        replies = channel.exchange({c: Message("train", arrays=arrays) for c in clients}, expect)
         clients = arrived(clients, replies)
         model_keys = list(self.global_arrays)
         self.global_arrays = weighted_average(

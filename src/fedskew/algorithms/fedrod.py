@@ -42,6 +42,7 @@ from fedskew.algorithms.local import (
     LossOutput,
     set_arrays,
     train_client,
+    trained_needs,
     trained_reply,
     weighted_average,
 )
@@ -115,7 +116,9 @@ class FedRODServer(ServerLogic):
     def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
         scalars = {"evaluate": 1.0} if self.setup.is_eval_round(rnd) else {}
         msg = Message("train", arrays=self.global_arrays, scalars=scalars)
-        replies = channel.exchange({c: msg for c in clients})
+        replies = channel.exchange(
+            {c: msg for c in clients}, trained_needs(self.global_arrays, "num_samples")
+        )
         clients = arrived(clients, replies)
         self.global_arrays = weighted_average(
             [replies[c].arrays for c in clients],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from fedskew.algorithm_interface import ClientContext, LocalTrainConfig
 from fedskew.data.federated import ClientData
 from fedskew.precision import autocast
-from fedskew.protocol import Message
+from fedskew.protocol import Message, Needs, needs
 
 
 @dataclass
@@ -209,6 +209,12 @@ def trained_reply(
         arrays=get_arrays(ctx.model) if arrays is None else arrays,
         scalars={"num_samples": float(len(ctx.data)), "loss": loss, **(scalars or {})},
     )
+
+
+def trained_needs(arrays: Iterable[str], *scalars: str) -> dict[str, Needs]:
+    """What a server reads from replies of kind "trained" (``trained_reply``'s): ``arrays``,
+    the ``loss`` (its ``train_loss`` metric) and ``scalars``; the ``expect`` of its exchange."""
+    return {"trained": needs(arrays, ("loss", *scalars))}
 
 
 def get_arrays(model: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:

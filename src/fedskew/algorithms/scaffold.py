@@ -73,6 +73,7 @@ from fedskew.algorithms.local import (
     get_arrays,
     set_arrays,
     train_client,
+    trained_needs,
     weighted_average,
 )
 from fedskew.errors import UsageError
@@ -112,7 +113,10 @@ class ScaffoldServer(ServerLogic):
             "train",
             arrays={**self.global_arrays, **{C_PREFIX + k: v for k, v in self.c.items()}},
         )
-        replies = channel.exchange({c: msg for c in clients})
+        counts = ("num_samples",) if self.params.weighting == "samples" else ()
+        deltas = [DC_PREFIX + k for k in self.c]
+        expect = trained_needs((*self.global_arrays, *deltas), *counts)
+        replies = channel.exchange({c: msg for c in clients}, expect)
         clients = arrived(clients, replies)  # S is the set that replied, N stays all clients
         models = [{k: replies[c].arrays[k] for k in self.global_arrays} for c in clients]
         # mean of y_k, then w + eta_g (mean - w) = w + eta_g * mean(y_k - w)

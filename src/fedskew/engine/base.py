@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from fedskew.protocol import ClientState, Message
+from fedskew.errors import FedskewError
+from fedskew.protocol import ClientState, Expected, Message, unmet
 
 
 @dataclass
@@ -61,8 +62,13 @@ class Engine(Protocol):
         """Start round ``rnd`` (0-based): traffic and faults count from zero."""
         ...
 
-    def exchange(self, messages: Mapping[int, Message]) -> dict[int, Message]:
-        """Deliver one message per client and return the replies that came back."""
+    def exchange(
+        self, messages: Mapping[int, Message], expect: Expected | None = None
+    ) -> dict[int, Message]:
+        """Deliver one message per client and return the replies that came back. A reply
+        that does not hold what ``expect`` says the server reads is refused: left out and
+        reported as rejected where replies may be lost, else the run stops (see
+        :func:`refuse_unmet`)."""
         ...
 
     @property
@@ -121,3 +127,18 @@ class ServerSideClientStates:
 
     def close(self) -> None:
         pass
+
+
+def refuse_unmet(rnd: int, replies: Mapping[int, Message], expect: Expected | None) -> None:
+    """Stop the run at the first reply that lacks what the server reads. For the engines
+    whose clients run fedskew's code in this machine's processes: such a reply is a fault of
+    the algorithm's client, and the server's aggregation would fail on it less clearly."""
+    if expect is None:
+        return
+    for cid, reply in replies.items():
+        why = unmet(reply, expect)
+        if why is not None:
+            raise FedskewError(
+                f"round {rnd + 1}: the reply of client {cid} {why}, which the algorithm's "
+                "server reads (a fault in its client logic)"
+            )

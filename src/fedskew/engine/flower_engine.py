@@ -2,9 +2,10 @@
 
 Every exchange of a round becomes one ``grid.send_and_receive`` call: one Flower message
 per addressed client, sent to the node that holds the client's partition. Replies that do
-not come back (a node died, the reply timeout passed, the ClientApp raised) or that fail
-the checks of :func:`check_reply` are left out of the reply dict, so the algorithm's server
-aggregates over the clients that did reply; the run loop records which were missing.
+not come back (a node died, the reply timeout passed, the ClientApp raised), that fail the
+checks of :func:`check_reply` or that lack what the server reads (``expect``) are left out
+of the reply dict, so the algorithm's server aggregates over the clients that did reply;
+the run loop records which were missing.
 Bytes are counted on the algorithm's payload exactly as the in-process engine counts them.
 """
 
@@ -19,7 +20,7 @@ from flwr.serverapp import Grid
 
 from fedskew.engine.base import ExchangeFaults, TrafficCounter
 from fedskew.engine.flower_codec import RejectedReply, check_reply, decode, encode
-from fedskew.protocol import ArraySpec, ClientState, Message
+from fedskew.protocol import ArraySpec, ClientState, Expected, Message, unmet
 
 log = logging.getLogger("fedskew")
 MESSAGE_TYPE = "train"  # one ClientApp handler routes every fedskew kind
@@ -77,7 +78,9 @@ class FlowerEngine:
         self.missing = set()
         self.rejected = set()
 
-    def exchange(self, messages: Mapping[int, Message]) -> dict[int, Message]:
+    def exchange(
+        self, messages: Mapping[int, Message], expect: Expected | None = None
+    ) -> dict[int, Message]:
         self.traffic.exchanges += 1
         outgoing: list[FlowerMessage] = []
         addressed: dict[int, int] = {}  # node id -> client id
@@ -103,6 +106,9 @@ class FlowerEngine:
             try:
                 decoded, _ = decode(reply.content)
                 check_reply(decoded, {**self.reference, **messages[cid].arrays}, self.declared)
+                why = None if expect is None else unmet(decoded, expect)
+                if why is not None:  # the server's aggregation would fail on it
+                    raise RejectedReply(f"it {why}")
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("round %d: reply of client %d rejected: %s", self.round + 1, cid, exc)
                 if isinstance(exc, RejectedReply):

@@ -12,9 +12,9 @@ import torch
 
 from fedskew.algorithm_interface import ClientLogic, LocalTrainConfig
 from fedskew.data.federated import FederatedData
-from fedskew.engine.base import ServerSideClientStates
+from fedskew.engine.base import ServerSideClientStates, refuse_unmet
 from fedskew.engine.client_runtime import ClientRuntime
-from fedskew.protocol import Message
+from fedskew.protocol import Expected, Message
 
 
 class InProcessEngine(ClientRuntime, ServerSideClientStates):
@@ -37,7 +37,14 @@ class InProcessEngine(ClientRuntime, ServerSideClientStates):
         ClientRuntime.__init__(self, client_logic, data, model, train, seed, test, clients_together)
         ServerSideClientStates.__init__(self)
 
-    def exchange(self, messages: Mapping[int, Message]) -> dict[int, Message]:
+    def exchange(
+        self, messages: Mapping[int, Message], expect: Expected | None = None
+    ) -> dict[int, Message]:
+        replies = self._exchange(messages)
+        refuse_unmet(self.round, replies, expect)
+        return replies
+
+    def _exchange(self, messages: Mapping[int, Message]) -> dict[int, Message]:
         self.traffic.exchanges += 1
         if self.clients_together == "vmap" and len(messages) > 1:
             states = {cid: self.state_of(cid) for cid in messages}

@@ -45,10 +45,10 @@ import torch
 from fedskew.building import execution_settings, prepare
 from fedskew.config import ExperimentConfig, build_config, normalise_keys
 from fedskew.device import apply_settings, cuda_count
-from fedskew.engine.base import ServerSideClientStates
+from fedskew.engine.base import ServerSideClientStates, refuse_unmet
 from fedskew.engine.client_runtime import ClientRuntime
 from fedskew.errors import FedskewError
-from fedskew.protocol import ClientState, Message
+from fedskew.protocol import ClientState, Expected, Message
 
 _LENGTH = struct.Struct("<Q")
 POLL_SECONDS = 1.0  # how often a waiting parent checks that its busy workers are alive
@@ -401,11 +401,15 @@ class WorkerPoolEngine(ServerSideClientStates):
         process.join(timeout=1.0)
         return FedskewError(f"worker {index} died during {during} (exit code {process.exitcode})")
 
-    def exchange(self, messages: Mapping[int, Message]) -> dict[int, Message]:
+    def exchange(
+        self, messages: Mapping[int, Message], expect: Expected | None = None
+    ) -> dict[int, Message]:
         if self._closed:
             raise FedskewError("the worker engine is closed")
         try:
-            return self._exchange(messages)
+            replies = self._exchange(messages)
+            refuse_unmet(self.round, replies, expect)
+            return replies
         except BaseException:
             # A failed exchange leaves workers mid-task: end them all, the run is over.
             self.close()

@@ -36,6 +36,7 @@ from fedskew.engine.flower_codec import (  # noqa: E402
     ARRAYS,
     SCALARS,
     RejectedReply,
+    arrays_of,
     arrays_record,
     check_reply,
     decode,
@@ -363,15 +364,13 @@ def test_lost_reply_is_recorded_and_the_round_uses_the_others(tmp_path):
 
 def test_corrupt_reply_is_rejected_never_aggregated(tmp_path):
     def poison(content: RecordDict) -> None:
-        record = content.array_records[ARRAYS]
-        arrays = {k: torch.from_numpy(v.numpy().copy()) for k, v in record.items()}
+        arrays = arrays_of(content.array_records[ARRAYS])
         first = next(iter(arrays))
         arrays[first][...] = math.nan
         content[ARRAYS] = arrays_record(arrays)
 
     def reshape(content: RecordDict) -> None:
-        record = content.array_records[ARRAYS]
-        arrays = {k: torch.from_numpy(v.numpy().copy()) for k, v in record.items()}
+        arrays = arrays_of(content.array_records[ARRAYS])
         first = next(iter(arrays))
         arrays[first] = arrays[first].reshape(-1)
         content[ARRAYS] = arrays_record(arrays)
@@ -403,7 +402,7 @@ FAST_PARAMS = {
 
 def _without(content: RecordDict, array: str | None = None, scalar: str | None = None) -> None:
     """Leave one array or number out of a reply (all of them for "*")."""
-    arrays = {k: torch.from_numpy(v.numpy().copy()) for k, v in content[ARRAYS].items()}
+    arrays = arrays_of(content.array_records[ARRAYS])
     scalars = dict(content.metric_records[SCALARS])
     if array is not None:
         arrays = {} if array == "*" else {k: v for k, v in arrays.items() if k != array}
@@ -499,8 +498,7 @@ def test_declared_reply_arrays_are_checked_for_shape_dtype_and_class_indices():
 
 def test_mis_shaped_anchors_are_rejected_before_aggregation(tmp_path):
     def cut_anchors(content: RecordDict) -> None:
-        arrays = {k: torch.from_numpy(v.numpy().copy())
-                  for k, v in content.array_records[ARRAYS].items()}  # fmt: skip
+        arrays = arrays_of(content.array_records[ARRAYS])
         if "fm.anchors" in arrays:  # the anchor reply, not the trained model
             arrays["fm.anchors"] = arrays["fm.anchors"][:, :-1]
             content[ARRAYS] = arrays_record(arrays)

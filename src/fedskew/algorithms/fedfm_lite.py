@@ -58,7 +58,7 @@ from fedskew.algorithms.fedfm import (
 )
 from fedskew.algorithms.local import get_arrays, set_arrays, train_client, weighted_average
 from fedskew.errors import UsageError
-from fedskew.protocol import ArraySpec, Channel, Message, Needs, arrived
+from fedskew.protocol import ArraySpec, Channel, Message, arrived, needs
 
 _KEPT = "fmlite.model/"  # client state prefix: the local model between model rounds
 
@@ -106,13 +106,10 @@ class FedFMLiteServer(ServerLogic):
             messages[c] = Message(
                 "lite_train", arrays=arrays, scalars={"upload_model": float(sync)}
             )
-        anchors = anchor_needs(s.agg)
-        expect = {
-            "lite_trained": Needs(
-                anchors.arrays | (frozenset(self.global_arrays) if sync else frozenset()),
-                frozenset(("loss", "num_samples") if sync else ("loss",)),
-            )
-        }
+        # The anchors every round; the model and its sample count in a model round.
+        model, counts = (self.global_arrays, ("num_samples",)) if sync else ((), ())
+        uploads = needs((*anchor_needs(s.agg).arrays, *model), ("loss", *counts))
+        expect = {"lite_trained": uploads}
         replies = channel.exchange(messages, expect)
         for c in clients:
             if c not in replies:  # it may have lost its model: send it again next time

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -59,7 +60,7 @@ class Killer:
 
 def _label(path: Any) -> str:
     name = Path(path).name
-    return name[: -len(".tmp")] if name.endswith(".tmp") else name
+    return re.sub(r"\.\d+-\d+\.tmp$", "", name)
 
 
 class _File:

@@ -3,10 +3,20 @@ old file or the new one, never a torn one: temp file, fsync, rename, fsync of th
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
+
+# Two processes may write the same file at once (two `fedskew compare` on one grid both write
+# compare.json and the tables): each write gets its own temp name, so neither can rename or
+# delete the other's half-written file. Readers of a folder ignore and clean `*.tmp`.
+_TEMP_SERIAL = itertools.count()
+
+
+def temp_name(path: Path) -> Path:
+    return path.with_name(f"{path.name}.{os.getpid()}-{next(_TEMP_SERIAL)}.tmp")
 
 
 def fsync_dir(path: Path) -> None:
@@ -27,7 +37,7 @@ def fsync_dir(path: Path) -> None:
 def replace_durably(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Write ``path`` through ``write(fh)`` into a temp file beside it, then put it in place."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temp_name(path)
     try:
         with open(tmp, "wb") as fh:
             write(fh)

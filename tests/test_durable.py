@@ -8,7 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
-from fedskew.durable import temp_name, write_bytes_durably
+from fedskew.durable import remove_stale_temps, temp_name, write_bytes_durably
 
 
 def test_temp_names_differ_per_write_and_end_in_tmp(tmp_path: Path) -> None:
@@ -57,3 +57,17 @@ def test_concurrent_processes_write_one_file_whole(tmp_path: Path) -> None:
     assert failures == []
     assert target.read_bytes() in {tag.encode() * 500 for tag in ("a", "b", "c")}
     assert list(tmp_path.glob("*.tmp")) == []
+
+
+def test_stale_temps_of_dead_writers_go_live_ones_stay(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / f"compare.json.{dead_pid}-0.tmp"
+    old_style = tmp_path / "compare.json.tmp"
+    live = temp_name(tmp_path / "compare.json")  # this process's: a write in progress
+    keep = tmp_path / "compare.json"
+    for f in (stale, old_style, live, keep):
+        f.write_bytes(b"x")
+    remove_stale_temps(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, keep.name])

@@ -69,7 +69,7 @@ from fedskew.config import (
     normalise_keys,
 )
 from fedskew.data.sources import load_dataset
-from fedskew.durable import write_bytes_durably
+from fedskew.durable import remove_stale_temps, write_bytes_durably
 from fedskew.errors import FedskewError, UsageError
 from fedskew.protocol import largest_state
 from fedskew.report.document import Block, Heading, Para, write_report
@@ -631,5 +631,6 @@ def command_line(argv: list[str]) -> str:
 
 
 def write_manifest(root: Path, plan_record: dict[str, Any]) -> None:
+    remove_stale_temps(root)  # of a compare killed mid-write; another compare's live ones stay
     text = json.dumps(plan_record, indent=2, default=str) + "\n"
     write_bytes_durably(root / MANIFEST, text.encode("utf-8"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -15,8 +16,33 @@ from typing import BinaryIO
 _TEMP_SERIAL = itertools.count()
 
 
+_TEMP = re.compile(r"\.(\d+)-\d+\.tmp$")
+
+
 def temp_name(path: Path) -> Path:
     return path.with_name(f"{path.name}.{os.getpid()}-{next(_TEMP_SERIAL)}.tmp")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    if os.name != "posix":  # os.kill(pid, 0) would end the process on Windows
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_stale_temps(folder: Path) -> None:
+    """Delete the temp files that killed writers left in ``folder``; a live writer's stays."""
+    for tmp in Path(folder).glob("*.tmp"):
+        match = _TEMP.search(tmp.name)
+        if match is None or not _alive(int(match.group(1))):
+            tmp.unlink(missing_ok=True)
 
 
 def fsync_dir(path: Path) -> None:

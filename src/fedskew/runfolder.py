@@ -14,7 +14,12 @@ from typing import Any
 import numpy as np
 
 from fedskew.data.partition import load_partition, save_partition
-from fedskew.durable import append_line_durably, fsync_dir, write_bytes_durably
+from fedskew.durable import (
+    append_line_durably,
+    fsync_dir,
+    remove_stale_temps,
+    write_bytes_durably,
+)
 from fedskew.errors import FedskewError
 
 INCOMPLETE = ".incomplete"
@@ -60,8 +65,7 @@ class RunFolder:
             raise FedskewError(f"{path} is not an unfinished run folder (*{INCOMPLETE})")
         if not (path / "config.json").is_file():
             raise FedskewError(f"{path} has no config.json; cannot resume it")
-        for stale in path.glob("*.tmp"):  # a durable write cut by a kill, never put in place
-            stale.unlink(missing_ok=True)
+        remove_stale_temps(path)  # durable writes cut by a kill, never put in place
         folder = cls(path.parent, path.name[: -len(INCOMPLETE)])
         return folder
 

@@ -90,6 +90,7 @@ from fedskew.report.tables import (
     provenance_table,
     runs_csv,
 )
+from fedskew.runfolder import running_elsewhere
 
 SECTIONS = ("compare", "experiment", "methods", "settings", "axes")
 COMPARE_KEYS = ("out_dir", "seeds", "reference", "last", "target", "jobs", "threads")
@@ -446,7 +447,7 @@ def saved_hash(folder: Path) -> str:
 @dataclass
 class Outcome:
     run: PlannedRun
-    status: str  # "done before", "finished", "resumed", "failed"
+    status: str  # "done before", "finished", "resumed", "running elsewhere", "failed"
     detail: str = ""
     seconds: float = 0.0
 
@@ -472,6 +473,9 @@ def run_one(
                 )
     if (finished / "summary.json").is_file():
         return Outcome(run, "done before")
+    holder = running_elsewhere(unfinished)
+    if holder is not None:  # another compare (or fedskew run --resume) is training it now
+        return Outcome(run, "running elsewhere", holder)
     if stop.is_set():
         return Outcome(run, "failed", "not started (interrupted)")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}

@@ -130,6 +130,8 @@ def _run(
         raise RunInterrupted(state) from None
     finally:
         engine.close()
+        if state.folder is not None:
+            state.folder.release()
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -215,17 +217,23 @@ def open_folder(state: RunState, resume: Path | None) -> None:
     cfg, prep = state.cfg, state.prep
     if resume is None:
         folder = RunFolder.create(Path(cfg.out_dir), default_run_name(cfg))
+        folder.claim()
         # config.json makes the folder resumable (RunFolder.reopen), so it comes last: a
         # kill before it leaves a folder that says so, never one without its partition.
         folder.write_partition(prep.partition, partition_meta(cfg))
         folder.write_config({**cfg.to_dict(), "resolved": resolved_facts(prep, state.per_round)})
     else:
         folder = RunFolder.reopen(resume)
-        if not partitions_equal(folder.read_partition(), prep.partition):
-            raise FedskewError(
-                f"{resume}: the saved partition differs from the one rebuilt from its config"
-            )
-        restore(state, folder)
+        folder.claim()
+        try:
+            if not partitions_equal(folder.read_partition(), prep.partition):
+                raise FedskewError(
+                    f"{resume}: the saved partition differs from the one rebuilt from its config"
+                )
+            restore(state, folder)
+        except BaseException:
+            folder.release()
+            raise
     state.folder = folder
     folder.append_process(
         {

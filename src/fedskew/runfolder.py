@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,13 @@ from fedskew.durable import (
 )
 from fedskew.errors import FedskewError
 
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks, so two processes on one folder go unnoticed
+    fcntl = None  # type: ignore[assignment]
+
 INCOMPLETE = ".incomplete"
+LOCK = "lock"
 
 
 def check_writable(out_dir: Path) -> None:
@@ -41,6 +48,7 @@ class RunFolder:
         self.root = root
         self.name = name
         self.path = root / (name + INCOMPLETE)
+        self._lock: int | None = None
 
     @classmethod
     def create(cls, root: Path, name: str) -> RunFolder:
@@ -142,13 +150,87 @@ class RunFolder:
     def read_processes(self) -> list[dict[str, Any]]:
         return read_jsonl(self.path / "processes.jsonl")
 
+    def claim(self) -> None:
+        """Hold the unfinished folder for this process until the run finishes or the process
+        ends. A second process that would run it meanwhile (a second ``fedskew compare`` on
+        the grid, a repeated ``--resume``) stops with the holder's pid instead of writing
+        its rounds into the same files. The OS drops the lock with the process, so a crash or
+        a kill never leaves the folder locked."""
+        if fcntl is None or self._lock is not None:
+            return
+        try:
+            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            raise FedskewError(f"{self.path} is gone (finished by another process?)") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise FedskewError(
+                f"{self.path} is being run by another process ({holder}); wait for it to "
+                "finish, or stop it and resume"
+            ) from None
+        except OSError:  # a file system without flock: run unguarded, as before
+            os.close(fd)
+            return
+        try:  # the holder may have finished (renamed the folder, removed the lock) meanwhile
+            same = os.path.samestat(os.fstat(fd), os.stat(self.path / LOCK))
+        except OSError:
+            same = False
+        if not same:
+            os.close(fd)
+            raise FedskewError(f"{self.path} was just finished by another process")
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+        self._lock = fd
+
+    def release(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
     def finish(self, summary: dict[str, Any]) -> Path:
         _write_json(self.path / "summary.json", summary)
+        if self._lock is not None:
+            # Before the rename, so that a kill at any point leaves a finished folder that
+            # holds what an uninterrupted run's does. A process that opens the lock between
+            # this unlink and the rename gets the folder renamed under it and stops there.
+            (self.path / LOCK).unlink(missing_ok=True)
         final = self.root / self.name
         os.replace(self.path, final)
         fsync_dir(self.root)
         self.path = final
+        self.release()
         return final
+
+
+def running_elsewhere(path: Path) -> str | None:
+    """Who holds the unfinished run folder ``path`` ("pid N on HOST"), or None when no
+    live process does."""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(Path(path) / LOCK, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # also drops the shared lock taken just to look
+    return None
+
+
+def _holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+    except OSError:
+        text = ""
+    return text or "pid unknown"
 
 
 def _number(value: Any) -> bool:

@@ -1,0 +1,138 @@
+"""One process at a time on an unfinished run folder: a second `fedskew run --resume` or a
+second `fedskew compare` on the grid does not write its rounds into a folder that another
+process is training; a killed holder leaves nothing locked."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedskew.cli import main
+from fedskew.config import ExperimentConfig
+from fedskew.errors import FedskewError
+from fedskew.experiment import run
+from fedskew.runfolder import LOCK, RunFolder, running_elsewhere
+
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="advisory locks are POSIX only")
+
+# A process that holds a run folder as a training run does, until it is killed.
+HOLDER = (
+    "import sys, time; from pathlib import Path; from fedskew.runfolder import RunFolder\n"
+    "f = RunFolder.reopen(Path(sys.argv[1])); f.claim(); print('held', flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+class Killed(Exception):
+    pass
+
+
+def _kill_after_round_1(record):
+    if record["round"] == 1:
+        raise Killed
+
+
+def _unfinished(tmp_path: Path) -> Path:
+    cfg = ExperimentConfig(out_dir=str(tmp_path), name="r", rounds=2, local_epochs=1,
+                           num_clients=4, clients_per_round=2, quiet=True, seed=1)  # fmt: skip
+    with pytest.raises(Killed):
+        run(cfg, on_round=_kill_after_round_1)
+    folder = tmp_path / "r.incomplete"
+    assert folder.is_dir()
+    return folder
+
+
+def _hold(folder: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)], stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _release(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def test_a_second_claim_is_refused_until_the_first_lets_go(tmp_path):
+    folder = RunFolder.create(tmp_path, "r")
+    (folder.path / "config.json").write_text("{}")
+    first, second = RunFolder.reopen(folder.path), RunFolder.reopen(folder.path)
+    first.claim()
+    assert running_elsewhere(folder.path) == f"pid {os.getpid()} on {os.uname().nodename}"
+    with pytest.raises(FedskewError, match="being run by another process .pid "):
+        second.claim()
+    first.release()
+    assert running_elsewhere(folder.path) is None
+    second.claim()
+    second.release()
+
+
+def test_a_killed_holder_leaves_the_folder_free(tmp_path):
+    folder = RunFolder.create(tmp_path, "r").path
+    (folder / "config.json").write_text("{}")
+    proc = _hold(folder)
+    try:
+        assert running_elsewhere(folder) == f"pid {proc.pid} on {os.uname().nodename}"
+    finally:
+        _release(proc)
+    assert running_elsewhere(folder) is None
+    RunFolder.reopen(folder).claim()
+
+
+def test_resume_of_a_folder_in_use_stops_with_one_line_and_writes_nothing(tmp_path, capsys):
+    folder = _unfinished(tmp_path)
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.name != LOCK}
+    proc = _hold(folder)
+    try:
+        assert main(["run", "--resume", str(folder), "-q"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1
+        assert f"is being run by another process (pid {proc.pid}" in err
+        assert {p.name: p.read_bytes() for p in folder.iterdir() if p.name != LOCK} == before
+    finally:
+        _release(proc)
+    # Once the holder is gone the run resumes, and the finished folder keeps no lock file.
+    assert main(["run", "--resume", str(folder), "-q"]) == 0
+    finished = tmp_path / "r"
+    assert (finished / "summary.json").is_file() and not (finished / LOCK).exists()
+    assert running_elsewhere(finished) is None
+
+
+def test_compare_leaves_a_run_that_another_process_trains(tmp_path, capsys):
+    out = tmp_path / "grid"
+    file = tmp_path / "grid.toml"
+    file.write_text(
+        f'[compare]\nout_dir = "{out}"\nseeds = [0]\njobs = 1\nthreads = 1\n'
+        '[experiment]\ndataset = "digits"\nnum_clients = 4\nclients_per_round = 2\n'
+        "rounds = 2\nlocal_epochs = 1\n[methods.fedavg]\n[methods.prox]\n"
+        'algorithm = "fedprox"\n'
+    )
+    from fedskew import compare
+
+    grid = compare.grid_from(compare.read_file(file), str(file), {}, None, {})
+    prox = next(r for r in compare.plan(grid) if r.folder == "prox-s0")
+    with pytest.raises(Killed):
+        run(ExperimentConfig(**prox.values), on_round=_kill_after_round_1)
+    busy = out / "prox-s0.incomplete"
+    rounds_before = (busy / "metrics.jsonl").read_text()
+    proc = _hold(busy)
+    try:
+        assert main(["compare", "-c", str(file)]) == 0  # not a failure: it is being done
+        printed = capsys.readouterr().out
+    finally:
+        _release(proc)
+    assert f"prox-s0: running elsewhere: pid {proc.pid}" in printed
+    assert "fedavg-s0: finished" in printed
+    assert (busy / "metrics.jsonl").read_text() == rounds_before
+    assert json.loads((out / "fedavg-s0" / "summary.json").read_text())["rounds"] == 2
+    # Free again: the next compare resumes it.
+    assert main(["compare", "-c", str(file)]) == 0
+    assert "prox-s0: resumed" in capsys.readouterr().out
+

@@ -347,12 +347,13 @@ CLAIMS = [
     ],
     *[
         Claim(
-            "FedACD", f"FedACD best of FedAvg and the Table 1 baselines, Dirichlet 0.1 "
+            "FedACD", f"FedACD best of FedAvg and the Table 1 baselines, Dirichlet {beta} "
             f"({label})",
             f"FedACD best in all settings ({table}, qualitative; no number recovered)",
-            "fedacd-cifar10", "beta0.1", "fedacd", ACD_BASELINES, kind="best", metric=metric,
-            differs=ACD_DIFF,
+            "fedacd-cifar10", f"beta{beta}", "fedacd", ACD_BASELINES, kind="best",
+            metric=metric, differs=ACD_DIFF,
         )
+        for beta in ("0.1", "0.3", "0.05")
         for label, table, metric in (
             ("uniform test set", "Table 1", "accuracy"),
             ("clients' label distributions", "Table 2", "client_dist_accuracy"),
@@ -740,6 +741,93 @@ def provenance_section(grids: dict[str, Grid]) -> list[str]:
     )  # fmt: skip
 
 
+def compute_seconds(record: RunRecord) -> float:
+    """Seconds the run's rounds took: training, evaluation and measurements, as recorded."""
+    return sum(
+        float(v)
+        for row in record.metrics
+        for k, v in row.items()
+        if (k == "seconds" or k.endswith("_seconds")) and isinstance(v, (int, float))
+    )
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def pending_runs(grid: Grid) -> list[tuple[str, str, str, float | None]]:
+    """(setting, method, seed label, estimated seconds) of each planned run that has not
+    finished; a run that diverged is done (its verdict counts it). The estimate is the median
+    time of the finished runs of the same setting and method, else of the setting (same
+    model and data), else None; the part of an unfinished run that is done is not taken
+    off."""
+    finished = [r for r in grid.records if r.finished]
+    out = []
+    for run in grid.manifest.get("runs", []):
+        setting, method, seed = run.get("setting", ""), run["method"], int(run["seed"])
+        state, _ = run_state(grid, setting, method, seed)
+        if state == "done" or state.startswith("diverged"):
+            continue
+        estimate = None
+        for like in (
+            [r for r in finished if (r.setting, r.method) == (setting, method)],
+            [r for r in finished if r.setting == setting],
+        ):
+            if like:
+                estimate = median([compute_seconds(r) for r in like])
+                break
+        label = f"s{seed}" + ("" if state == "not run" else f" {state}")
+        out.append((setting, method, label, estimate))
+    return out
+
+
+def needed_by_claims(name: str) -> set[tuple[str, str]]:
+    return {(c.setting, m) for c in CLAIMS if c.grid == name for m in (c.method, *c.against)}
+
+
+def pending_rows(name: str, runs: list[tuple[str, str, str, float | None]], what: str):
+    if not runs:
+        return []
+    known = [e for *_, e in runs if e is not None]
+    hours = f"about {sum(known) / 3600:.1f}" if known else "unknown"
+    if len(known) < len(runs):
+        hours += f" (for {len(known)} of them)"
+    seeds: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for setting, method, label, _ in runs:
+        seeds[(setting, method)].append(label)
+    listed = "; ".join(
+        f"{setting + '/' if setting else ''}{method} ({', '.join(labels)})"
+        for (setting, method), labels in seeds.items()
+    )
+    return [[name, what, str(len(runs)), hours, listed]]
+
+
+def pending_section(grids: dict[str, Grid]) -> list[str]:
+    rows = []
+    for name, grid in grids.items():
+        runs = pending_runs(grid)
+        needed = needed_by_claims(name)
+        rows += pending_rows(name, [r for r in runs if r[:2] in needed], "a claim's")
+        rows += pending_rows(name, [r for r in runs if r[:2] not in needed], "no claim's")
+    if not rows:
+        return ["Every planned run has finished (or diverged)."]
+    return [
+        "Runs that each grid's compare.json plans and that have not finished. Those a claim "
+        "needs leave its row pending or resting on fewer seeds; the others complete the "
+        "grid's tables (comparison.md) but decide no verdict. `fedskew compare -c "
+        "reproduction/<grid>.toml --only SETTING/METHOD-sSEED ...` runs some of them, without "
+        "`--only` all (finished runs are skipped). CPU hours: per run, the median time of "
+        "the grid's finished runs of the same method and setting (of the setting where the "
+        "method has none; unknown where the setting has none), summed; one run per core "
+        "as they ran here (the provenance table names the machines). An unfinished folder "
+        "is not committed: its rounds are on the machine that ran them.",
+        "",
+        *table(["grid", "needed by", "runs", "CPU hours", "setting/method (seeds)"], rows),
+    ]
+
+
 VERDICTS = ("reproduced", "partly", "not reproduced", "pending")
 
 
@@ -814,6 +902,7 @@ def build(grids: dict[str, Grid]) -> str:
          "seeds", "verdict", "differences from the paper"],
         rows,
     )  # fmt: skip
+    lines += ["", "## Still to run", "", *pending_section(grids)]
     lines += [
         "",
         "## FedFM's stability: where lam = 50 breaks",

@@ -130,3 +130,43 @@ def test_alike_within_the_limit(mr, tmp_path, monkeypatch):
     recs += [record("b", s, [0.45]) for s in range(3)]
     out = mr.judge(claim(mr, kind="similar"), mr.Grid("g", {"seeds": [0, 1, 2], "last": 1}, recs))
     assert out.verdict.startswith("not reproduced (mean difference +5.00")
+
+
+def timed(method: str, seed: int, setting: str, seconds: float, finished: bool = True):
+    rows = [{"round": 1, "accuracy": 0.5, "seconds": seconds, "eval_seconds": 1.0}]
+    return RunRecord(
+        folder=Path(f"/nonexistent/{setting}/{method}-s{seed}"), setting=setting,
+        method=method, seed=seed, config={"rounds": 2}, resolved={}, metrics=rows,
+        summary={} if finished else None, processes=[],
+    )  # fmt: skip
+
+
+def test_still_to_run_lists_unfinished_runs_with_an_estimate_from_finished_ones(
+    mr, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(mr, "RUNS", tmp_path)
+    logs = tmp_path / "g" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "x__b-s1.log").write_text("fedskew: error: round 2: client 3 diverged (NaN)")
+    runs = [
+        {"setting": st, "method": m, "seed": s, "folder": f"{st}/{m}-s{s}"}
+        for st in ("x", "y") for m in ("a", "b") for s in (0, 1)
+    ]  # fmt: skip
+    records = [
+        timed("a", 0, "x", 99.0),
+        timed("b", 0, "x", 199.0),
+        timed("a", 1, "x", 5.0, finished=False),  # unfinished: 1 of 2 rounds
+    ]
+    g = mr.Grid("g", {"seeds": [0, 1], "runs": runs}, records)
+    pending = mr.pending_runs(g)
+    # x/b-s1 diverged: done for the verdicts; y has no finished run: no estimate.
+    assert pending == [
+        ("x", "a", "s1 unfinished, 1 of 2 rounds", 100.0),
+        ("y", "a", "s0", None),
+        ("y", "a", "s1", None),
+        ("y", "b", "s0", None),
+        ("y", "b", "s1", None),
+    ]
+    [row] = mr.pending_rows("g", pending[:1] + [("x", "c", "s0", None)], "a claim's")
+    listed = "x/a (s1 unfinished, 1 of 2 rounds); x/c (s0)"
+    assert row[2:] == ["2", "about 0.0 (for 1 of them)", listed]

@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
         "fedskew.metrics",
         "fedskew.report",
         "fedskew.durable",
+        "fedskew.locks",
         "fedskew.runfolder",
     ),
     ("fedskew.protocol",),

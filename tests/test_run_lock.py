@@ -136,3 +136,65 @@ def test_compare_leaves_a_run_that_another_process_trains(tmp_path, capsys):
     assert main(["compare", "-c", str(file)]) == 0
     assert "prox-s0: resumed" in capsys.readouterr().out
 
+
+
+SLOT_HOLDER = (
+    "import sys, time; from pathlib import Path; from fedskew.locks import lock\n"
+    "p = Path(sys.argv[1]); p.parent.mkdir(parents=True, exist_ok=True); fd = lock(p)\n"
+    "print('held', flush=True); time.sleep(120)\n"
+)
+
+
+def test_two_compares_starting_one_run_start_it_once(tmp_path, capsys):
+    # The run's folder appears only once its process has loaded the data; until then the
+    # compare that starts it holds the grid's slot for it, and a second compare leaves it.
+    from fedskew import compare
+
+    out = tmp_path / "grid"
+    file = tmp_path / "grid.toml"
+    file.write_text(
+        f'[compare]\nout_dir = "{out}"\nseeds = [0]\njobs = 1\nthreads = 1\n'
+        '[experiment]\ndataset = "digits"\nnum_clients = 4\nclients_per_round = 2\n'
+        "rounds = 1\nlocal_epochs = 1\n[methods.fedavg]\n[methods.prox]\n"
+        'algorithm = "fedprox"\n'
+    )
+    slot = out / compare.SLOTS / "prox-s0.lock"
+    proc = subprocess.Popen([sys.executable, "-c", SLOT_HOLDER, str(slot)],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        assert main(["compare", "-c", str(file)]) == 0
+        printed = capsys.readouterr().out
+    finally:
+        _release(proc)
+    assert f"prox-s0: running elsewhere: pid {proc.pid} on" in printed
+    assert "another fedskew compare" in printed
+    assert not (out / "prox-s0").exists() and not (out / "prox-s0.incomplete").exists()
+    assert not list(out.glob("prox-s0-*"))  # no second copy under another name
+    assert main(["compare", "-c", str(file)]) == 0
+    assert "prox-s0: finished" in capsys.readouterr().out
+
+
+def test_two_compares_at_once_share_the_grid_without_duplicates(tmp_path):
+    out = tmp_path / "grid"
+    file = tmp_path / "grid.toml"
+    file.write_text(
+        f'[compare]\nout_dir = "{out}"\nseeds = [0]\njobs = 1\nthreads = 1\n'
+        '[experiment]\ndataset = "digits"\nnum_clients = 4\nclients_per_round = 2\n'
+        "rounds = 2\nlocal_epochs = 1\n[methods.fedavg]\n[methods.prox]\n"
+        'algorithm = "fedprox"\n[methods.nova]\nalgorithm = "fednova"\n'
+    )
+    cmd = [sys.executable, "-m", "fedskew", "compare", "-c", str(file)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]  # fmt: skip
+    results = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == sorted(
+        ["fedavg-s0", "prox-s0", "nova-s0", "compare.json", "comparison.md", "comparison.html",
+         "comparison.csv", "runs.csv"]
+    )  # fmt: skip
+    for name in ("fedavg-s0", "prox-s0", "nova-s0"):
+        ran = (out / name / "processes.jsonl").read_text().splitlines()
+        assert len(ran) == 1, (name, results)  # trained by one process, from round 1
+    printed = "".join(o for o, _ in results)
+    assert sum(printed.count(f"{n}: finished") for n in ("fedavg-s0", "prox-s0", "nova-s0")) == 3

@@ -71,6 +71,7 @@ from fedskew.config import (
 from fedskew.data.sources import load_dataset
 from fedskew.durable import remove_stale_temps, write_bytes_durably
 from fedskew.errors import FedskewError, UsageError
+from fedskew.locks import Busy, lock, unlock
 from fedskew.protocol import largest_state
 from fedskew.report.document import Block, Heading, Para, write_report
 from fedskew.report.runs import (
@@ -91,6 +92,9 @@ from fedskew.report.tables import (
     runs_csv,
 )
 from fedskew.runfolder import running_elsewhere
+
+# One lock file per planned run that a compare is starting or training (see run_one).
+SLOTS = ".compare-locks"
 
 SECTIONS = ("compare", "experiment", "methods", "settings", "axes")
 COMPARE_KEYS = ("out_dir", "seeds", "reference", "last", "target", "jobs", "threads")
@@ -473,11 +477,31 @@ def run_one(
                 )
     if (finished / "summary.json").is_file():
         return Outcome(run, "done before")
-    holder = running_elsewhere(unfinished)
-    if holder is not None:  # another compare (or fedskew run --resume) is training it now
-        return Outcome(run, "running elsewhere", holder)
     if stop.is_set():
         return Outcome(run, "failed", "not started (interrupted)")
+    # Another compare on this grid may be starting this very run: its folder appears only
+    # seconds later, from the run's own process, so the grid holds a slot per run meanwhile.
+    slot_path = root / SLOTS / (run.folder.replace("/", "__") + ".lock")
+    try:
+        slot_path.parent.mkdir(exist_ok=True)
+        slot = lock(slot_path)
+    except Busy as busy:
+        return Outcome(run, "running elsewhere", f"{busy.holder}, another fedskew compare")
+    except OSError as exc:
+        return Outcome(run, "failed", f"cannot lock {slot_path}: {exc.strerror or exc}")
+    try:
+        if (finished / "summary.json").is_file():  # the other compare finished it just now
+            return Outcome(run, "done before")
+        holder = running_elsewhere(unfinished)
+        if holder is not None:  # `fedskew run --resume` by hand is training it now
+            return Outcome(run, "running elsewhere", holder)
+        return launch(run, threads, logs, finished, unfinished)
+    finally:
+        unlock(slot)
+
+
+def launch(run: PlannedRun, threads: int, logs: Path, finished: Path, unfinished: Path) -> Outcome:
+    """Run (or resume) one planned run in its own process."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fedskew-compare-") as tmp:

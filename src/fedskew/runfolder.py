@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +21,7 @@ from fedskew.durable import (
     write_bytes_durably,
 )
 from fedskew.errors import FedskewError
-
-try:
-    import fcntl
-except ImportError:  # Windows: no advisory locks, so two processes on one folder go unnoticed
-    fcntl = None  # type: ignore[assignment]
+from fedskew.locks import Busy, holder, lock, unlock
 
 INCOMPLETE = ".incomplete"
 LOCK = "lock"
@@ -154,41 +149,32 @@ class RunFolder:
         """Hold the unfinished folder for this process until the run finishes or the process
         ends. A second process that would run it meanwhile (a second ``fedskew compare`` on
         the grid, a repeated ``--resume``) stops with the holder's pid instead of writing
-        its rounds into the same files. The OS drops the lock with the process, so a crash or
-        a kill never leaves the folder locked."""
-        if fcntl is None or self._lock is not None:
+        its rounds into the same files."""
+        if self._lock is not None:
             return
         try:
-            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = lock(self.path / LOCK)
+        except Busy as busy:
+            raise FedskewError(
+                f"{self.path} is being run by another process ({busy.holder}); wait for it "
+                "to finish, or stop it and resume"
+            ) from None
         except FileNotFoundError:
             raise FedskewError(f"{self.path} is gone (finished by another process?)") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder(fd)
-            os.close(fd)
-            raise FedskewError(
-                f"{self.path} is being run by another process ({holder}); wait for it to "
-                "finish, or stop it and resume"
-            ) from None
-        except OSError:  # a file system without flock: run unguarded, as before
-            os.close(fd)
+        if fd is None:
             return
-        try:  # the holder may have finished (renamed the folder, removed the lock) meanwhile
+        try:  # the holder may have finished (removed the lock, renamed the folder) meanwhile
             same = os.path.samestat(os.fstat(fd), os.stat(self.path / LOCK))
         except OSError:
             same = False
         if not same:
-            os.close(fd)
+            unlock(fd)
             raise FedskewError(f"{self.path} was just finished by another process")
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
         self._lock = fd
 
     def release(self) -> None:
-        if self._lock is not None:
-            os.close(self._lock)
-            self._lock = None
+        unlock(self._lock)
+        self._lock = None
 
     def finish(self, summary: dict[str, Any]) -> Path:
         _write_json(self.path / "summary.json", summary)
@@ -208,29 +194,7 @@ class RunFolder:
 def running_elsewhere(path: Path) -> str | None:
     """Who holds the unfinished run folder ``path`` ("pid N on HOST"), or None when no
     live process does."""
-    if fcntl is None:
-        return None
-    try:
-        fd = os.open(Path(path) / LOCK, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return _holder(fd)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)  # also drops the shared lock taken just to look
-    return None
-
-
-def _holder(fd: int) -> str:
-    try:
-        text = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
-    except OSError:
-        text = ""
-    return text or "pid unknown"
+    return holder(Path(path) / LOCK)
 
 
 def _number(value: Any) -> bool:

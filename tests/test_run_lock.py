@@ -48,6 +48,18 @@ def _unfinished(tmp_path: Path) -> Path:
     return folder
 
 
+def _grid_file(tmp_path: Path, rounds: int, extra: str = "") -> tuple[Path, Path]:
+    """A one-seed grid of FedAvg and FedProx (and ``extra`` methods) on digits."""
+    out, file = tmp_path / "grid", tmp_path / "grid.toml"
+    file.write_text(
+        f'[compare]\nout_dir = "{out}"\nseeds = [0]\njobs = 1\nthreads = 1\n'
+        '[experiment]\ndataset = "digits"\nnum_clients = 4\nclients_per_round = 2\n'
+        f"rounds = {rounds}\nlocal_epochs = 1\n[methods.fedavg]\n[methods.prox]\n"
+        f'algorithm = "fedprox"\n{extra}'
+    )
+    return out, file
+
+
 def _hold(folder: Path) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)], stdout=subprocess.PIPE,
                             text=True)  # fmt: skip
@@ -106,14 +118,7 @@ def test_resume_of_a_folder_in_use_stops_with_one_line_and_writes_nothing(tmp_pa
 
 
 def test_compare_leaves_a_run_that_another_process_trains(tmp_path, capsys):
-    out = tmp_path / "grid"
-    file = tmp_path / "grid.toml"
-    file.write_text(
-        f'[compare]\nout_dir = "{out}"\nseeds = [0]\njobs = 1\nthreads = 1\n'
-        '[experiment]\ndataset = "digits"\nnum_clients = 4\nclients_per_round = 2\n'
-        "rounds = 2\nlocal_epochs = 1\n[methods.fedavg]\n[methods.prox]\n"
-        'algorithm = "fedprox"\n'
-    )
+    out, file = _grid_file(tmp_path, rounds=2)
     from fedskew import compare
 
     grid = compare.grid_from(compare.read_file(file), str(file), {}, None, {})
@@ -137,7 +142,6 @@ def test_compare_leaves_a_run_that_another_process_trains(tmp_path, capsys):
     assert "prox-s0: resumed" in capsys.readouterr().out
 
 
-
 SLOT_HOLDER = (
     "import sys, time; from pathlib import Path; from fedskew.locks import lock\n"
     "p = Path(sys.argv[1]); p.parent.mkdir(parents=True, exist_ok=True); fd = lock(p)\n"
@@ -150,14 +154,7 @@ def test_two_compares_starting_one_run_start_it_once(tmp_path, capsys):
     # compare that starts it holds the grid's slot for it, and a second compare leaves it.
     from fedskew import compare
 
-    out = tmp_path / "grid"
-    file = tmp_path / "grid.toml"
-    file.write_text(
-        f'[compare]\nout_dir = "{out}"\nseeds = [0]\njobs = 1\nthreads = 1\n'
-        '[experiment]\ndataset = "digits"\nnum_clients = 4\nclients_per_round = 2\n'
-        "rounds = 1\nlocal_epochs = 1\n[methods.fedavg]\n[methods.prox]\n"
-        'algorithm = "fedprox"\n'
-    )
+    out, file = _grid_file(tmp_path, rounds=1)
     slot = out / compare.SLOTS / "prox-s0.lock"
     proc = subprocess.Popen([sys.executable, "-c", SLOT_HOLDER, str(slot)],
                             stdout=subprocess.PIPE, text=True)  # fmt: skip
@@ -176,14 +173,7 @@ def test_two_compares_starting_one_run_start_it_once(tmp_path, capsys):
 
 
 def test_two_compares_at_once_share_the_grid_without_duplicates(tmp_path):
-    out = tmp_path / "grid"
-    file = tmp_path / "grid.toml"
-    file.write_text(
-        f'[compare]\nout_dir = "{out}"\nseeds = [0]\njobs = 1\nthreads = 1\n'
-        '[experiment]\ndataset = "digits"\nnum_clients = 4\nclients_per_round = 2\n'
-        "rounds = 2\nlocal_epochs = 1\n[methods.fedavg]\n[methods.prox]\n"
-        'algorithm = "fedprox"\n[methods.nova]\nalgorithm = "fednova"\n'
-    )
+    out, file = _grid_file(tmp_path, rounds=2, extra='[methods.nova]\nalgorithm = "fednova"\n')
     cmd = [sys.executable, "-m", "fedskew", "compare", "-c", str(file)]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]  # fmt: skip

@@ -22,7 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedskew.report.runs import RunRecord, find_runs, machine_spans, provenance
+from fedskew.report.runs import (
+    RunRecord,
+    estimated_seconds,
+    find_runs,
+    machine_spans,
+    provenance,
+)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -741,43 +747,19 @@ def provenance_section(grids: dict[str, Grid]) -> list[str]:
     )  # fmt: skip
 
 
-def compute_seconds(record: RunRecord) -> float:
-    """Seconds the run's rounds took: training, evaluation and measurements, as recorded."""
-    return sum(
-        float(v)
-        for row in record.metrics
-        for k, v in row.items()
-        if (k == "seconds" or k.endswith("_seconds")) and isinstance(v, (int, float))
-    )
-
-
-def median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
-
-
 def pending_runs(grid: Grid) -> list[tuple[str, str, str, float | None]]:
     """(setting, method, seed label, estimated seconds) of each planned run that has not
     finished; a run that diverged is done (its verdict counts it). The estimate is the median
     time of the finished runs of the same setting and method, else of the setting (same
     model and data), else None; the part of an unfinished run that is done is not taken
     off."""
-    finished = [r for r in grid.records if r.finished]
     out = []
     for run in grid.manifest.get("runs", []):
         setting, method, seed = run.get("setting", ""), run["method"], int(run["seed"])
         state, _ = run_state(grid, setting, method, seed)
         if state == "done" or state.startswith("diverged"):
             continue
-        estimate = None
-        for like in (
-            [r for r in finished if (r.setting, r.method) == (setting, method)],
-            [r for r in finished if r.setting == setting],
-        ):
-            if like:
-                estimate = median([compute_seconds(r) for r in like])
-                break
+        estimate = estimated_seconds(grid.records, setting, method)
         label = f"s{seed}" + ("" if state == "not run" else f" {state}")
         out.append((setting, method, label, estimate))
     return out

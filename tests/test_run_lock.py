@@ -188,3 +188,43 @@ def test_two_compares_at_once_share_the_grid_without_duplicates(tmp_path):
         assert len(ran) == 1, (name, results)  # trained by one process, from round 1
     printed = "".join(o for o, _ in results)
     assert sum(printed.count(f"{n}: finished") for n in ("fedavg-s0", "prox-s0", "nova-s0")) == 3
+
+
+def test_status_says_where_each_run_stands_and_changes_nothing(tmp_path, capsys):
+    from fedskew import compare
+
+    extra = '[methods.nova]\nalgorithm = "fednova"\n[methods.dyn]\nalgorithm = "feddyn"\n'
+    out, file = _grid_file(tmp_path, rounds=2, extra=extra)
+    assert main(["compare", "-c", str(file), "--only", "fedavg-s0"]) == 0
+    grid = compare.grid_from(compare.read_file(file), str(file), {}, None, {})
+    prox = next(r for r in compare.plan(grid) if r.folder == "prox-s0")
+    with pytest.raises(Killed):
+        run(ExperimentConfig(**prox.values), on_round=_kill_after_round_1)
+    (out / "logs").mkdir(exist_ok=True)
+    (out / "logs" / "dyn-s0.log").write_text("$ fedskew run\n(exit 1)\nfedskew: error: boom\n")
+    capsys.readouterr()
+    before = sorted(p.name for p in out.rglob("*"))
+    proc = _hold(out / "prox-s0.incomplete")
+    try:
+        assert main(["compare", "-c", str(file), "--status"]) == 0
+        printed = capsys.readouterr().out.splitlines()
+    finally:
+        _release(proc)
+    assert sorted(p.name for p in out.rglob("*")) == before  # nothing written
+    states = {line.split()[0]: line.split(None, 1)[1] for line in printed[:4]}
+    acc = json.loads((out / "fedavg-s0" / "summary.json").read_text())["final_accuracy"]
+    assert states["fedavg-s0"] == f"finished, final accuracy {100 * acc:.2f} %"
+    assert states["prox-s0"].startswith(f"training, 1 of 2 rounds (pid {proc.pid} on ")
+    assert states["nova-s0"] == "not run"
+    assert states["dyn-s0"] == "not run; last attempt failed: fedskew: error: boom"
+    assert (
+        printed[4]
+        == "1 finished, 1 training, 0 unfinished, 2 not run (1 failed at their last attempt)"
+    )
+    # Time left: FedAvg's recorded seconds stand for each other run of the setting; half of
+    # the held run is done.
+    rows = [json.loads(x) for x in (out / "fedavg-s0" / "metrics.jsonl").read_text().splitlines()]
+    whole = sum(v for r in rows for k, v in r.items() if k == "seconds" or k.endswith("_seconds"))
+    assert printed[5].startswith(f"left: about {2.5 * whole / 3600:.1f} CPU hours for 3 of the 3")
+    assert main(["compare", "-c", str(file), "--status"]) == 0
+    assert "unfinished, 1 of 2 rounds" in capsys.readouterr().out  # the holder is gone

@@ -500,6 +500,11 @@ def add_compare_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run nothing: rebuild the tables from the grid folder's runs",
     )
+    g.add_argument(
+        "--status",
+        action="store_true",
+        help="run and write nothing: where each run stands, who trains it, CPU time left",
+    )
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -514,6 +519,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         "out_dir": args.out_dir,
     }  # fmt: skip
     failed = 0
+    if args.status and args.report_only:
+        raise UsageError("--status and --report-only: pick one")
+    if args.status and not args.config and not args.methods:
+        raise UsageError("--status needs the grid: -c FILE (or --methods)")
     if args.report_only and not args.config and not args.methods:
         # The grid folder says what it holds (compare.json), or its run folders do.
         root = Path(args.out_dir or "runs/compare")
@@ -539,6 +548,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 )
             runs = [by_label[x] for x in args.only]
         root, options = grid.out_dir, grid.options
+        if args.status:
+            print("\n".join(compare.status_lines(grid, runs)))
+            return 0
         root.mkdir(parents=True, exist_ok=True)
         compare.write_manifest(root, compare.manifest(grid, planned, command))
         if not args.report_only:

@@ -71,7 +71,7 @@ from fedskew.config import (
 from fedskew.data.sources import load_dataset
 from fedskew.durable import remove_stale_temps, write_bytes_durably
 from fedskew.errors import FedskewError, UsageError
-from fedskew.locks import Busy, lock, unlock
+from fedskew.locks import Busy, holder, lock, unlock
 from fedskew.protocol import largest_state
 from fedskew.report.document import Block, Heading, Para, write_report
 from fedskew.report.runs import (
@@ -79,6 +79,7 @@ from fedskew.report.runs import (
     MANIFEST,
     MANIFEST_FORMAT,
     RunRecord,
+    estimated_seconds,
     find_runs,
 )
 from fedskew.report.tables import (
@@ -91,7 +92,7 @@ from fedskew.report.tables import (
     provenance_table,
     runs_csv,
 )
-from fedskew.runfolder import running_elsewhere
+from fedskew.runfolder import read_jsonl, running_elsewhere
 
 # One lock file per planned run that a compare is starting or training (see run_one).
 SLOTS = ".compare-locks"
@@ -531,6 +532,70 @@ def launch(run: PlannedRun, threads: int, logs: Path, finished: Path, unfinished
     acc = summary.get("final_accuracy")
     detail = "" if acc is None else f"final accuracy {100 * acc:.2f} %"
     return Outcome(run, status, detail, seconds)
+
+
+def status_lines(grid: Grid, runs: list[PlannedRun]) -> list[str]:
+    """Where each planned run stands, who is training it, and the CPU time left, judged from
+    the grid's finished runs; reads the grid folder and changes nothing."""
+    root = grid.out_dir
+    try:
+        records = find_runs(root) if root.is_dir() else []
+    except FedskewError:  # a grid folder without any run yet
+        records = []
+    width = max((len(r.label) for r in runs), default=0)
+    lines, counts = [], dict.fromkeys(("finished", "training", "unfinished", "not run"), 0)
+    left, unknown, failed = 0.0, 0, 0
+    for run in runs:
+        finished = root / run.folder
+        unfinished = finished.with_name(finished.name + INCOMPLETE)
+        rounds = run.cfg.rounds
+        done = 0
+        if (finished / "summary.json").is_file():
+            summary = json.loads((finished / "summary.json").read_text(encoding="utf-8"))
+            acc = summary.get("final_accuracy")
+            state = "finished" + ("" if acc is None else f", final accuracy {100 * acc:.2f} %")
+            counts["finished"] += 1
+            lines.append(f"{run.label:<{width}}  {state}")
+            continue
+        if unfinished.is_dir():
+            done = sum(1 for row in read_jsonl(unfinished / "metrics.jsonl") if "round" in row)
+            who = running_elsewhere(unfinished)
+            kind = "training" if who else "unfinished"
+            state = f"{kind}, {done} of {rounds} rounds" + (f" ({who})" if who else "")
+        else:
+            who = holder(root / SLOTS / (run.folder.replace("/", "__") + ".lock"))
+            kind = "training" if who else "not run"
+            state = f"starting ({who})" if who else "not run"
+        counts[kind] += 1
+        log = root / "logs" / (run.folder.replace("/", "__") + ".log")
+        if not who and log.is_file():
+            tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()
+            last = tail[-1] if tail else "no message"
+            state += f"; last attempt failed: {last[:117] + '...' if len(last) > 120 else last}"
+            failed += 1
+        whole = estimated_seconds(records, run.setting, run.method)
+        if whole is None:
+            unknown += 1
+        else:
+            left += whole * max(0.0, 1 - done / max(rounds, 1))
+        lines.append(f"{run.label:<{width}}  {state}")
+    lines.append(", ".join(f"{n} {k}" for k, n in counts.items()) + (
+        f" ({failed} failed at their last attempt)" if failed else ""
+    ))  # fmt: skip
+    pending = len(runs) - counts["finished"]
+    if pending and unknown == pending:
+        lines.append("left: unknown (no finished run in these runs' settings to judge from)")
+    elif pending:
+        known = pending - unknown
+        text = (
+            f"left: about {left / 3600:.1f} CPU hours for {known} of the {pending} not finished "
+            "runs, from the finished runs' recorded time (same setting and method, else same "
+            "setting; one run per core as they ran)"
+        )
+        if unknown:
+            text += f"; {unknown} have no finished run in their setting to judge from"
+        lines.append(text)
+    return lines
 
 
 def prefetch(runs: list[PlannedRun], print_line: Callable[[str], None]) -> None:

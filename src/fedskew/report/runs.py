@@ -72,6 +72,18 @@ class RunRecord:
             if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)
         ]
 
+    @property
+    def compute_seconds(self) -> float:
+        """What its rounds took as recorded: training, evaluation and measurements."""
+        return sum(
+            float(v)
+            for row in self.metrics
+            for k, v in row.items()
+            if (k == "seconds" or k.endswith("_seconds"))
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
+        )
+
     def extra_metric_names(self) -> list[str]:
         names: dict[str, None] = {}
         for row in self.metrics:
@@ -81,6 +93,22 @@ class RunRecord:
                 if isinstance(value, (int, float)):
                     names[key] = None
         return list(names)
+
+
+def estimated_seconds(records: list[RunRecord], setting: str, method: str) -> float | None:
+    """What a whole run of ``method`` in ``setting`` takes, judged from the finished runs:
+    the median of those of the same setting and method, else of the setting (same model and
+    data, another method), else None."""
+    finished = [r for r in records if r.finished]
+    for like in (
+        [r for r in finished if (r.setting, r.method) == (setting, method)],
+        [r for r in finished if r.setting == setting],
+    ):
+        if like:
+            times = sorted(r.compute_seconds for r in like)
+            mid = len(times) // 2
+            return times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+    return None
 
 
 def read_run(folder: Path, setting: str = "", method: str | None = None) -> RunRecord:

@@ -33,6 +33,7 @@ from fedskew.algorithms import ALGORITHMS
 from fedskew.cli import main, make_parser
 from fedskew.config import FIELDS
 from fedskew.data.partition import PARTITIONS
+from fedskew.runfolder import LOCK
 
 # Function-scoped fixtures (capsys, tmp_path) are shared by a test's examples on purpose:
 # each example reads capsys clean and works in a folder of its own.
@@ -625,7 +626,8 @@ def unfinished_run(tmp_path_factory) -> tuple[Path, list[dict]]:
         experiment.keep_round = real
     assert code == 130
     folder = root / "cut.incomplete"
-    assert sorted(p.name for p in folder.iterdir()) == sorted(RESUME_FILES)
+    # The lock file says which process held the folder; a resume reads only the others.
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*RESUME_FILES, LOCK])
     return folder, reference
 
 

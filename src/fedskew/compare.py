@@ -449,6 +449,16 @@ def saved_hash(folder: Path) -> str:
     return config_hash(build_config(normalise_keys(config, str(folder / "config.json")), {}))
 
 
+def slot_of(root: Path, run: PlannedRun) -> Path:
+    """The lock file a compare holds while it starts and trains ``run`` (see run_one)."""
+    return root / SLOTS / (run.folder.replace("/", "__") + ".lock")
+
+
+def log_of(logs: Path, run: PlannedRun) -> Path:
+    """Where a failed attempt at ``run`` leaves its output."""
+    return logs / (run.folder.replace("/", "__") + ".log")
+
+
 @dataclass
 class Outcome:
     run: PlannedRun
@@ -482,7 +492,7 @@ def run_one(
         return Outcome(run, "failed", "not started (interrupted)")
     # Another compare on this grid may be starting this very run: its folder appears only
     # seconds later, from the run's own process, so the grid holds a slot per run meanwhile.
-    slot_path = root / SLOTS / (run.folder.replace("/", "__") + ".lock")
+    slot_path = slot_of(root, run)
     try:
         slot_path.parent.mkdir(exist_ok=True)
         slot = lock(slot_path)
@@ -517,7 +527,7 @@ def launch(run: PlannedRun, threads: int, logs: Path, finished: Path, unfinished
             cmd = [sys.executable, "-m", "fedskew", "run", "-c", str(path)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - started
-    log = logs / (run.folder.replace("/", "__") + ".log")
+    log = log_of(logs, run)
     if proc.returncode != 0:
         logs.mkdir(parents=True, exist_ok=True)
         log.write_text(
@@ -563,11 +573,11 @@ def status_lines(grid: Grid, runs: list[PlannedRun]) -> list[str]:
             kind = "training" if who else "unfinished"
             state = f"{kind}, {done} of {rounds} rounds" + (f" ({who})" if who else "")
         else:
-            who = holder(root / SLOTS / (run.folder.replace("/", "__") + ".lock"))
+            who = holder(slot_of(root, run))
             kind = "training" if who else "not run"
             state = f"starting ({who})" if who else "not run"
         counts[kind] += 1
-        log = root / "logs" / (run.folder.replace("/", "__") + ".log")
+        log = log_of(root / "logs", run)
         if not who and log.is_file():
             tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()
             last = tail[-1] if tail else "no message"

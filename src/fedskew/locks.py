@@ -14,8 +14,6 @@ try:
 except ImportError:  # Windows: two processes on one folder go unnoticed
     fcntl = None  # type: ignore[assignment]
 
-SUPPORTED = fcntl is not None
-
 
 class Busy(Exception):
     def __init__(self, holder: str) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedskew import compare
 from fedskew.report.runs import (
     RunRecord,
     estimated_seconds,
@@ -417,8 +418,7 @@ class Grid:
     def log(self, setting: str, method: str, seed: int) -> str:
         """The compare log of a failed run ('' if none). A run that failed leaves only its
         log in a fresh clone: its `.incomplete` folder is not committed."""
-        rel = f"{setting}__{method}-s{seed}" if setting else f"{method}-s{seed}"
-        path = RUNS / self.name / "logs" / f"{rel}.log"
+        path = compare.log_of(RUNS / self.name / "logs", compare.folder_of(setting, method, seed))
         return path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
 
 

@@ -11,12 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from fedskew import compare
 from fedskew.cli import main
 from fedskew.config import ExperimentConfig, config_hash
 from fedskew.errors import UsageError
 from fedskew.experiment import run
+from fedskew.protocol import ClientState, largest_state
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -291,6 +293,16 @@ def test_client_state_size_outlives_the_checkpoint(tmp_path):
     path.write_text(json.dumps(kept))
     [rec] = compare.collect(folder)
     assert (rec.client_state_bytes, rec.client_state_clients) == from_checkpoint
+
+
+def test_empty_client_states_are_not_counted():
+    """Engines keep an entry for every client met; a method that carries nothing between
+    rounds leaves empty ones, which hold no memory and are not counted as holders."""
+    c = torch.zeros(10)
+    states = {0: ClientState(), 1: ClientState(arrays={"c": c}), 2: ClientState(scalars={"t": 1.0})}
+    assert largest_state(states) == (40, 2)
+    assert largest_state({0: ClientState(), 1: ClientState()}) == (0, 0)
+    assert largest_state({}) == (0, 0)
 
 
 def test_a_success_removes_the_failure_log_of_an_earlier_attempt(tmp_path):

@@ -371,6 +371,12 @@ def _check_name(name: str, what: str) -> None:
         )
 
 
+def folder_of(setting: str, method: str, seed: int) -> str:
+    """A planned run's folder relative to its grid folder ('' is the one unnamed setting)."""
+    name = f"{method}-s{seed}"
+    return f"{setting}/{name}" if setting else name
+
+
 def plan(grid: Grid) -> list[PlannedRun]:
     """Every run of the grid, its configuration built and checked before anything runs."""
     single = list(grid.settings) == [""]
@@ -380,7 +386,7 @@ def plan(grid: Grid) -> list[PlannedRun]:
         for seed in grid.seeds:
             for method, mvalues in grid.methods.items():
                 name = f"{method}-s{seed}"
-                folder = name if single else f"{setting}/{name}"
+                folder = folder_of(setting, method, seed)
                 values = merge(grid.base, svalues, mvalues)
                 values.update(
                     seed=seed,
@@ -454,9 +460,10 @@ def slot_of(root: Path, run: PlannedRun) -> Path:
     return root / SLOTS / (run.folder.replace("/", "__") + ".lock")
 
 
-def log_of(logs: Path, run: PlannedRun) -> Path:
-    """Where a failed attempt at ``run`` leaves its output."""
-    return logs / (run.folder.replace("/", "__") + ".log")
+def log_of(logs: Path, folder: str) -> Path:
+    """Where a failed attempt at the run of ``folder`` (relative to the grid) leaves its
+    output."""
+    return logs / (folder.replace("/", "__") + ".log")
 
 
 @dataclass
@@ -527,7 +534,7 @@ def launch(run: PlannedRun, threads: int, logs: Path, finished: Path, unfinished
             cmd = [sys.executable, "-m", "fedskew", "run", "-c", str(path)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - started
-    log = log_of(logs, run)
+    log = log_of(logs, run.folder)
     if proc.returncode != 0:
         logs.mkdir(parents=True, exist_ok=True)
         log.write_text(
@@ -577,7 +584,7 @@ def status_lines(grid: Grid, runs: list[PlannedRun]) -> list[str]:
             kind = "training" if who else "not run"
             state = f"starting ({who})" if who else "not run"
         counts[kind] += 1
-        log = log_of(root / "logs", run)
+        log = log_of(root / "logs", run.folder)
         if not who and log.is_file():
             tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()
             last = tail[-1] if tail else "no message"

@@ -135,6 +135,8 @@ class ClientState:
 
 
 def largest_state(states: Mapping[int, ClientState]) -> tuple[int, int]:
-    """(the largest client's state in bytes, 0 when none; how many clients hold a state)."""
+    """(the largest client's state in bytes, 0 when none; how many clients hold a non-empty
+    state). Engines keep an entry for every client they have met, also for methods whose
+    clients carry nothing between rounds; those empty entries cost no memory."""
     sizes = [s.nbytes() for s in states.values()]
-    return max(sizes, default=0), len(sizes)
+    return max(sizes, default=0), sum(1 for size in sizes if size > 0)

@@ -496,12 +496,16 @@ def judge(claim: Claim, grid: Grid | None) -> Outcome:
     if grid is None:
         return Outcome("-", "-", "-", "pending: not run yet", "0")
     methods = [claim.method, *claim.against]
+    show = -1.0 if claim.lower_is_better else 1.0  # values are negated inside: undo for display
     per_seed: dict[int, dict[str, float]] = {}
     diverged: list[str] = []
     # A seed where a run diverged has no accuracy to average, but it still decides the seed:
     # lost when the claimed method diverged, won when only a method it is compared with did.
     lost_by_divergence: set[int] = set()
     won_by_divergence: set[int] = set()
+    # A "best of" claim loses a seed as soon as one finished method is ahead of the claimed
+    # one: the runs still missing can only add rivals, never take that one away.
+    lost_early: dict[int, str] = {}
     for seed in grid.seeds:
         values = {}
         states = {}
@@ -522,16 +526,29 @@ def judge(claim: Claim, grid: Grid | None) -> Outcome:
             and all(values[claim.method] > x for m, x in values.items() if m != claim.method)
         ):
             won_by_divergence.add(seed)
+        elif claim.kind == "best" and claim.method in values:
+            rival = max((m for m in values if m != claim.method), key=values.get, default=None)
+            if rival is not None and values[rival] > values[claim.method]:
+                lost_early[seed] = (
+                    f"seed {seed} lost: {rival} {show * values[rival]:.2f} vs "
+                    f"{claim.method} {show * values[claim.method]:.2f}, decided before "
+                    "every run finished"
+                )
     if claim.kind == "similar":  # a diverged run is never alike the other
         lost_by_divergence |= won_by_divergence
         won_by_divergence = set()
     n, planned = len(per_seed), len(grid.seeds)
-    decided = n + len(lost_by_divergence) + len(won_by_divergence)
-    seeds = f"{n} of {planned}" + (
-        f" (+{decided - n} decided by a divergence)" if decided > n else ""
+    by_divergence = len(lost_by_divergence) + len(won_by_divergence)
+    decided = n + by_divergence + len(lost_early)
+    seeds = f"{n} of {planned}" + "".join(
+        f" (+{k} {why})"
+        for k, why in (
+            (by_divergence, "decided by a divergence"),
+            (len(lost_early), "lost before all their runs finished"),
+        )
+        if k
     )
     ours_v = [v[claim.method] for v in per_seed.values()]
-    show = -1.0 if claim.lower_is_better else 1.0  # values are negated inside: undo for display
     if claim.kind in ("above", "similar"):
         other = claim.against[0]
         theirs_v = [v[other] for v in per_seed.values()]
@@ -577,6 +594,8 @@ def judge(claim: Claim, grid: Grid | None) -> Outcome:
             verdict += f"; {planned - decided} seed(s) pending"
         if diverged:
             verdict += "; " + "; ".join(diverged)
+        if lost_early:
+            verdict += "; " + "; ".join(lost_early[s] for s in sorted(lost_early))
     return Outcome(
         f"{claim.method}: {mean_std([show * x for x in ours_v])}",
         theirs,

@@ -111,6 +111,23 @@ def test_best_of_several_needs_the_claimed_method_above_each(mr, tmp_path, monke
     assert out.verdict.startswith("partly (ahead on 1 of 3 seeds)")
 
 
+def test_best_of_several_loses_a_seed_before_every_run_finished(mr, tmp_path, monkeypatch):
+    # Seed 0: c finished ahead of a, b not run -> lost already (b can only add a rival).
+    # Seed 1: a ahead of c, b not run -> undecided. Seed 2: a not run -> undecided.
+    recs = [record("a", 0, [0.30]), record("c", 0, [0.40])]
+    recs += [record("a", 1, [0.50]), record("c", 1, [0.40]), record("c", 2, [0.40])]
+    g = grid(mr, tmp_path, monkeypatch, recs)
+    out = mr.judge(claim(mr, against=("b", "c"), kind="best"), g)
+    assert out.seeds == "0 of 3 (+1 lost before all their runs finished)"
+    assert out.verdict == (
+        "not reproduced (ahead on 0 of 1 seeds); 2 seed(s) pending; "
+        "seed 0 lost: c 40.00 vs a 30.00, decided before every run finished"
+    )
+    assert out.difference == "-"  # no seed has every run: nothing to average
+    # An "above" claim has one rival: nothing is decided before both runs finish.
+    assert mr.judge(claim(mr, against=("b",)), g).verdict.startswith("pending")
+
+
 def test_lower_is_better_reads_a_lower_value_as_ahead(mr, tmp_path, monkeypatch):
     recs = [record("a", s, [0.70], key="local_risk") for s in range(3)]
     recs += [record("b", s, [0.80], key="local_risk") for s in range(3)]

@@ -882,7 +882,10 @@ def build(grids: dict[str, Grid]) -> str:
         "seed; **partly** when ahead on average or on some seeds; **not reproduced** otherwise. "
         "A seed where a run diverged (NaN; the run stops) has no accuracy and stays out of the "
         "means, but it counts as lost when the claimed method diverged and as won when only a "
-        "method it is compared with did. A claim of two methods being alike is "
+        "method it is compared with did. A claim that a method is the best of several counts "
+        "a seed as lost as soon as one finished rival is ahead of it, before the seed's other "
+        "runs finish (they could only add rivals); such a seed also stays out of the means. "
+        "A claim of two methods being alike is "
         f"**reproduced** when their mean difference is within {SIMILAR_POINTS:g} point. "
         "The last column lists how the setting differs from the paper's, the likely reasons "
         "for a gap; nothing here tests which of them it is.",

@@ -490,11 +490,12 @@ class Outcome:
     difference: str
     verdict: str
     seeds: str
+    open_seeds: tuple[int, ...] = ()  # seeds that no finished or diverged run has decided yet
 
 
 def judge(claim: Claim, grid: Grid | None) -> Outcome:
     if grid is None:
-        return Outcome("-", "-", "-", "pending: not run yet", "0")
+        return Outcome("-", "-", "-", "pending: not run yet", "0", ())
     methods = [claim.method, *claim.against]
     show = -1.0 if claim.lower_is_better else 1.0  # values are negated inside: undo for display
     per_seed: dict[int, dict[str, float]] = {}
@@ -538,6 +539,7 @@ def judge(claim: Claim, grid: Grid | None) -> Outcome:
         lost_by_divergence |= won_by_divergence
         won_by_divergence = set()
     n, planned = len(per_seed), len(grid.seeds)
+    decided_seeds = {*per_seed, *lost_by_divergence, *won_by_divergence, *lost_early}
     by_divergence = len(lost_by_divergence) + len(won_by_divergence)
     decided = n + by_divergence + len(lost_early)
     seeds = f"{n} of {planned}" + "".join(
@@ -602,6 +604,7 @@ def judge(claim: Claim, grid: Grid | None) -> Outcome:
         mean_std([show * d for d in diffs], sign=True),
         verdict,
         seeds,
+        tuple(s for s in grid.seeds if s not in decided_seeds),
     )
 
 
@@ -766,8 +769,8 @@ def provenance_section(grids: dict[str, Grid]) -> list[str]:
     )  # fmt: skip
 
 
-def pending_runs(grid: Grid) -> list[tuple[str, str, str, float | None]]:
-    """(setting, method, seed label, estimated seconds) of each planned run that has not
+def pending_runs(grid: Grid) -> list[tuple[str, str, int, str, float | None]]:
+    """(setting, method, seed, seed label, estimated seconds) of each planned run that has not
     finished; a run that diverged is done (its verdict counts it). The estimate is the median
     time of the finished runs of the same setting and method, else of the setting (same
     model and data), else None; the part of an unfinished run that is done is not taken
@@ -780,7 +783,7 @@ def pending_runs(grid: Grid) -> list[tuple[str, str, str, float | None]]:
             continue
         estimate = estimated_seconds(grid.records, setting, method)
         label = f"s{seed}" + ("" if state == "not run" else f" {state}")
-        out.append((setting, method, label, estimate))
+        out.append((setting, method, seed, label, estimate))
     return out
 
 
@@ -788,7 +791,19 @@ def needed_by_claims(name: str) -> set[tuple[str, str]]:
     return {(c.setting, m) for c in CLAIMS if c.grid == name for m in (c.method, *c.against)}
 
 
-def pending_rows(name: str, runs: list[tuple[str, str, str, float | None]], what: str):
+def needed_by_verdicts(name: str, grid: Grid) -> set[tuple[str, str, int]]:
+    """The (setting, method, seed) runs whose claims still wait for that seed; a claim's
+    other runs only fill its means."""
+    return {
+        (c.setting, m, seed)
+        for c in CLAIMS
+        if c.grid == name
+        for seed in judge(c, grid).open_seeds
+        for m in (c.method, *c.against)
+    }
+
+
+def pending_rows(name: str, runs: list[tuple[str, str, int, str, float | None]], what: str):
     if not runs:
         return []
     known = [e for *_, e in runs if e is not None]
@@ -796,7 +811,7 @@ def pending_rows(name: str, runs: list[tuple[str, str, str, float | None]], what
     if len(known) < len(runs):
         hours += f" (for {len(known)} of them)"
     seeds: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for setting, method, label, _ in runs:
+    for setting, method, _, label, _ in runs:
         seeds[(setting, method)].append(label)
     listed = "; ".join(
         f"{setting + '/' if setting else ''}{method} ({', '.join(labels)})"
@@ -809,14 +824,20 @@ def pending_section(grids: dict[str, Grid]) -> list[str]:
     rows = []
     for name, grid in grids.items():
         runs = pending_runs(grid)
-        needed = needed_by_claims(name)
-        rows += pending_rows(name, [r for r in runs if r[:2] in needed], "a claim's")
-        rows += pending_rows(name, [r for r in runs if r[:2] not in needed], "no claim's")
+        needed, verdicts = needed_by_claims(name), needed_by_verdicts(name, grid)
+        groups = {"a verdict": [], "a claim's means only": [], "no claim": []}
+        for r in runs:
+            group = "no claim" if r[:2] not in needed else "a claim's means only"
+            groups["a verdict" if r[:3] in verdicts else group].append(r)
+        for what, group in groups.items():
+            rows += pending_rows(name, group, what)
     if not rows:
         return ["Every planned run has finished (or diverged)."]
     return [
-        "Runs that each grid's compare.json plans and that have not finished. Those a claim "
-        "needs leave its row pending or resting on fewer seeds; the others complete the "
+        "Runs that each grid's compare.json plans and that have not finished. Those a "
+        "verdict needs leave a claim's row pending or resting on fewer seeds; those of a "
+        "claim's means only belong to seeds its verdict has already decided (a 'best of' "
+        "claim lost to a finished rival) and fill in its means; the others complete the "
         "grid's tables (comparison.md) but decide no verdict. `fedskew compare -c "
         "reproduction/<grid>.toml --only SETTING/METHOD-sSEED ...` runs some of them, without "
         "`--only` all (finished runs are skipped). CPU hours: per run, the median time of "

@@ -178,12 +178,40 @@ def test_still_to_run_lists_unfinished_runs_with_an_estimate_from_finished_ones(
     pending = mr.pending_runs(g)
     # x/b-s1 diverged: done for the verdicts; y has no finished run: no estimate.
     assert pending == [
-        ("x", "a", "s1 unfinished, 1 of 2 rounds", 100.0),
-        ("y", "a", "s0", None),
-        ("y", "a", "s1", None),
-        ("y", "b", "s0", None),
-        ("y", "b", "s1", None),
+        ("x", "a", 1, "s1 unfinished, 1 of 2 rounds", 100.0),
+        ("y", "a", 0, "s0", None),
+        ("y", "a", 1, "s1", None),
+        ("y", "b", 0, "s0", None),
+        ("y", "b", 1, "s1", None),
     ]
-    [row] = mr.pending_rows("g", pending[:1] + [("x", "c", "s0", None)], "a claim's")
+    [row] = mr.pending_rows("g", pending[:1] + [("x", "c", 0, "s0", None)], "a verdict")
     listed = "x/a (s1 unfinished, 1 of 2 rounds); x/c (s0)"
     assert row[2:] == ["2", "about 0.0 (for 1 of them)", listed]
+
+
+def test_still_to_run_tells_runs_a_verdict_waits_for_from_those_that_only_fill_means(
+    mr, tmp_path, monkeypatch
+):
+    # "a best of b, c": seed 0 is lost already (c ahead), so b-s0 only fills the means;
+    # seed 1 is open (a ahead of c, b missing), so b-s1 decides. d is in no claim.
+    g = grid(
+        mr,
+        tmp_path,
+        monkeypatch,
+        [record("a", 0, [0.3]), record("c", 0, [0.4]), record("a", 1, [0.5])]
+        + [record("c", 1, [0.4])],
+    )
+    g.manifest = {
+        "seeds": [0, 1],
+        "last": 1,
+        "runs": [
+            {"setting": "", "method": m, "seed": s, "folder": f"{m}-s{s}"}
+            for m in "abcd"
+            for s in (0, 1)
+        ],
+    }
+    monkeypatch.setattr(mr, "CLAIMS", [claim(mr, against=("b", "c"), kind="best")])
+    rows = {line.split("|")[2].strip(): line for line in mr.pending_section({"g": g})[2:]}
+    assert "b (s1)" in rows["a verdict"]
+    assert "b (s0)" in rows["a claim's means only"]
+    assert "d (s0, s1)" in rows["no claim"]

@@ -495,7 +495,7 @@ class Outcome:
 
 def judge(claim: Claim, grid: Grid | None) -> Outcome:
     if grid is None:
-        return Outcome("-", "-", "-", "pending: not run yet", "0", ())
+        return Outcome("-", "-", "-", "pending: not run yet", "0")
     methods = [claim.method, *claim.against]
     show = -1.0 if claim.lower_is_better else 1.0  # values are negated inside: undo for display
     per_seed: dict[int, dict[str, float]] = {}
@@ -540,8 +540,8 @@ def judge(claim: Claim, grid: Grid | None) -> Outcome:
         won_by_divergence = set()
     n, planned = len(per_seed), len(grid.seeds)
     decided_seeds = {*per_seed, *lost_by_divergence, *won_by_divergence, *lost_early}
+    decided = len(decided_seeds)
     by_divergence = len(lost_by_divergence) + len(won_by_divergence)
-    decided = n + by_divergence + len(lost_early)
     seeds = f"{n} of {planned}" + "".join(
         f" (+{k} {why})"
         for k, why in (
@@ -791,14 +791,16 @@ def needed_by_claims(name: str) -> set[tuple[str, str]]:
     return {(c.setting, m) for c in CLAIMS if c.grid == name for m in (c.method, *c.against)}
 
 
-def needed_by_verdicts(name: str, grid: Grid) -> set[tuple[str, str, int]]:
+def needed_by_verdicts(
+    name: str, outcomes: list[tuple[Claim, Outcome]]
+) -> set[tuple[str, str, int]]:
     """The (setting, method, seed) runs whose claims still wait for that seed; a claim's
     other runs only fill its means."""
     return {
         (c.setting, m, seed)
-        for c in CLAIMS
+        for c, o in outcomes
         if c.grid == name
-        for seed in judge(c, grid).open_seeds
+        for seed in o.open_seeds
         for m in (c.method, *c.against)
     }
 
@@ -820,15 +822,19 @@ def pending_rows(name: str, runs: list[tuple[str, str, int, str, float | None]],
     return [[name, what, str(len(runs)), hours, listed]]
 
 
-def pending_section(grids: dict[str, Grid]) -> list[str]:
+def pending_section(grids: dict[str, Grid], outcomes: list[tuple[Claim, Outcome]]) -> list[str]:
     rows = []
     for name, grid in grids.items():
         runs = pending_runs(grid)
-        needed, verdicts = needed_by_claims(name), needed_by_verdicts(name, grid)
+        needed, verdicts = needed_by_claims(name), needed_by_verdicts(name, outcomes)
         groups = {"a verdict": [], "a claim's means only": [], "no claim": []}
         for r in runs:
-            group = "no claim" if r[:2] not in needed else "a claim's means only"
-            groups["a verdict" if r[:3] in verdicts else group].append(r)
+            if r[:3] in verdicts:
+                groups["a verdict"].append(r)
+            elif r[:2] in needed:
+                groups["a claim's means only"].append(r)
+            else:
+                groups["no claim"].append(r)
         for what, group in groups.items():
             rows += pending_rows(name, group, what)
     if not rows:
@@ -927,7 +933,7 @@ def build(grids: dict[str, Grid]) -> str:
          "seeds", "verdict", "differences from the paper"],
         rows,
     )  # fmt: skip
-    lines += ["", "## Still to run", "", *pending_section(grids)]
+    lines += ["", "## Still to run", "", *pending_section(grids, outcomes)]
     lines += [
         "",
         "## FedFM's stability: where lam = 50 breaks",

@@ -210,8 +210,10 @@ def test_still_to_run_tells_runs_a_verdict_waits_for_from_those_that_only_fill_m
             for s in (0, 1)
         ],
     }
-    monkeypatch.setattr(mr, "CLAIMS", [claim(mr, against=("b", "c"), kind="best")])
-    rows = {line.split("|")[2].strip(): line for line in mr.pending_section({"g": g})[2:]}
+    best = claim(mr, against=("b", "c"), kind="best")
+    monkeypatch.setattr(mr, "CLAIMS", [best])
+    section = mr.pending_section({"g": g}, [(best, mr.judge(best, g))])
+    rows = {line.split("|")[2].strip(): line for line in section[2:]}
     assert "b (s1)" in rows["a verdict"]
     assert "b (s0)" in rows["a claim's means only"]
     assert "d (s0, s1)" in rows["no claim"]

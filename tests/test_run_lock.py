@@ -9,10 +9,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from fedskew.checkpoint import read_checkpoint
 from fedskew.cli import main
 from fedskew.config import ExperimentConfig
 from fedskew.errors import FedskewError
@@ -228,3 +230,63 @@ def test_status_says_where_each_run_stands_and_changes_nothing(tmp_path, capsys)
     assert printed[5].startswith(f"left: about {2.5 * whole / 3600:.1f} CPU hours for 3 of the 3")
     assert main(["compare", "-c", str(file), "--status"]) == 0
     assert "unfinished, 1 of 2 rounds" in capsys.readouterr().out  # the holder is gone
+
+
+def _wait_for_round(folder: Path, proc: subprocess.Popen, timeout: float = 300) -> str:
+    """Who trains ``folder`` once its first round is on disk (the run is mid-way then)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = folder / "metrics.jsonl"
+        if metrics.is_file() and '"round"' in metrics.read_text():
+            who = running_elsewhere(folder)
+            if who:
+                return who
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    raise AssertionError(f"no round in {folder} after {timeout} s")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_sigterm_to_compare_ends_its_run_which_keeps_its_rounds(tmp_path):
+    # A SIGTERM to compare alone (a batch system's limit, `kill PID`) used to leave the run
+    # it had started training on, orphaned; now it reaches the run, which stops as on Ctrl-C.
+    out, file = _grid_file(tmp_path, rounds=400)
+    cmd = [sys.executable, "-m", "fedskew", "compare", "-c", str(file), "--only", "fedavg-s0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder = out / "fedavg-s0.incomplete"
+    who = _wait_for_round(folder, proc)
+    run_pid = int(who.split()[1])
+    assert run_pid != proc.pid  # the run has its own process
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "interrupted; unfinished runs keep their checkpoints" in err
+    assert _gone(run_pid) and running_elsewhere(folder) is None
+    assert not (out / "logs" / "fedavg-s0.log").exists()  # an interrupt is not a failure
+    done = [json.loads(x)["round"] for x in (folder / "metrics.jsonl").read_text().splitlines()
+            if '"round"' in x]  # fmt: skip
+    assert 1 <= len(done) < 400 and done == list(range(1, len(done) + 1))
+    # Every round in metrics.jsonl is in the checkpoint a resume starts from (which is
+    # written first and holds its round's record, so it may be one round ahead).
+    assert read_checkpoint(folder / "checkpoint.npz").round in (len(done), len(done) + 1)
+
+
+def test_sigterm_to_a_run_stops_it_as_ctrl_c_does(tmp_path):
+    cmd = [sys.executable, "-m", "fedskew", "run", "-o", str(tmp_path), "--name", "r",
+           "--rounds", "400", "-n", "4", "--clients-per-round", "2", "-q"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder = tmp_path / "r.incomplete"
+    _wait_for_round(folder, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert f"the run folder {folder}" in err and "resume" in err
+    assert len(err.strip().splitlines()) == 1
+    assert running_elsewhere(folder) is None

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -619,7 +621,32 @@ def one_line(message: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 
+def _terminate_as_interrupt(signum: int, frame: object) -> None:
+    """SIGTERM (``kill``, a batch system's time limit, a container stopping) ends a command
+    the way Ctrl-C does: a run keeps its finished rounds, frees its folder and says how to
+    resume; ``fedskew compare`` passes it on to the runs it started. A second SIGTERM
+    kills at once, for a process stuck in its clean-up."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise Terminated
+
+
+class Terminated(KeyboardInterrupt):
+    """The interrupt a SIGTERM raises; the exit status says which signal it was."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    # Python delivers signals to the main thread only; a caller's own handler comes back
+    # afterwards (tests and notebooks call main in-process).
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -638,7 +665,8 @@ def main(argv: list[str] | None = None) -> int:
         # A run that has a folder says which one to resume (fedskew.experiment.RunInterrupted).
         text = one_line(str(exc))
         print(f"fedskew: {text}" if text else "fedskew: interrupted", file=sys.stderr)
-        return 130
+        by_sigterm = isinstance(exc, Terminated) or isinstance(exc.__context__, Terminated)
+        return 128 + signal.SIGTERM if by_sigterm else 130
     except BrokenPipeError:
         # The reader (e.g. `| head`) went away: stop quietly, as command-line tools do.
         devnull = os.open(os.devnull, os.O_WRONLY)

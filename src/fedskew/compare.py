@@ -474,8 +474,61 @@ class Outcome:
     seconds: float = 0.0
 
 
+class Children:
+    """The run processes this compare has started. A Ctrl-C in a terminal reaches them all
+    (one process group), but a SIGTERM or a ``kill -INT`` to compare alone does not: without
+    this, compare would wait for hours while its runs go on, or die and leave them running
+    with nobody to report them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: set[subprocess.Popen[str]] = set()
+        self._closed = False
+
+    def start(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str] | None:
+        """The run's process, or None once compare is stopping (no new run starts then)."""
+        with self._lock:
+            if self._closed:
+                return None
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            self._running.add(proc)
+            return proc
+
+    @property
+    def stopping(self) -> bool:
+        return self._closed
+
+    def ended(self, proc: subprocess.Popen[str]) -> None:
+        with self._lock:
+            self._running.discard(proc)
+
+    def stop(self, own_grace: float = 5.0, term_grace: float = 60.0) -> None:
+        """Start nothing more, and end what runs: first give the runs ``own_grace`` seconds
+        to stop on a Ctrl-C they got themselves, then SIGTERM (which a run takes as Ctrl-C:
+        it keeps its finished rounds and frees its folder), then SIGKILL after
+        ``term_grace`` seconds. A run's finished rounds are on disk before its next one
+        starts, so even the kill loses none."""
+        with self._lock:
+            self._closed = True
+            running = list(self._running)
+        for signal_or_none, grace in ((None, own_grace), ("term", term_grace), ("kill", 0.0)):
+            alive = [p for p in running if p.poll() is None]
+            if not alive:
+                return
+            for proc in alive:
+                if signal_or_none == "term":
+                    proc.terminate()
+                elif signal_or_none == "kill":
+                    proc.kill()
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and any(p.poll() is None for p in alive):
+                time.sleep(0.1)
+
+
 def run_one(
-    run: PlannedRun, root: Path, threads: int, logs: Path, stop: threading.Event
+    run: PlannedRun, root: Path, threads: int, logs: Path, children: Children
 ) -> Outcome:
     finished = root / run.folder
     unfinished = finished.with_name(finished.name + INCOMPLETE)
@@ -495,7 +548,7 @@ def run_one(
                 )
     if (finished / "summary.json").is_file():
         return Outcome(run, "done before")
-    if stop.is_set():
+    if children.stopping:
         return Outcome(run, "failed", "not started (interrupted)")
     # Another compare on this grid may be starting this very run: its folder appears only
     # seconds later, from the run's own process, so the grid holds a slot per run meanwhile.
@@ -513,12 +566,19 @@ def run_one(
         holder = running_elsewhere(unfinished)
         if holder is not None:  # `fedskew run --resume` by hand is training it now
             return Outcome(run, "running elsewhere", holder)
-        return launch(run, threads, logs, finished, unfinished)
+        return launch(run, threads, logs, finished, unfinished, children)
     finally:
         unlock(slot)
 
 
-def launch(run: PlannedRun, threads: int, logs: Path, finished: Path, unfinished: Path) -> Outcome:
+def launch(
+    run: PlannedRun,
+    threads: int,
+    logs: Path,
+    finished: Path,
+    unfinished: Path,
+    children: Children,
+) -> Outcome:
     """Run (or resume) one planned run in its own process."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     started = time.perf_counter()
@@ -532,16 +592,26 @@ def launch(run: PlannedRun, threads: int, logs: Path, finished: Path, unfinished
             path = Path(tmp) / "run.json"
             path.write_text(json.dumps(run.values), encoding="utf-8")
             cmd = [sys.executable, "-m", "fedskew", "run", "-c", str(path)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        proc = children.start(cmd, env)
+        if proc is None:
+            return Outcome(run, "failed", "not started (interrupted)")
+        try:
+            stdout, stderr = proc.communicate()
+        finally:
+            children.ended(proc)
     seconds = time.perf_counter() - started
+    if proc.returncode != 0 and children.stopping:
+        # Ended by this compare's own interrupt, not a failure of the run: no failure log,
+        # which would claim one; the folder resumes.
+        return Outcome(run, "failed", "interrupted", seconds)
     log = log_of(logs, run.folder)
     if proc.returncode != 0:
         logs.mkdir(parents=True, exist_ok=True)
         log.write_text(
-            f"$ {shlex.join(cmd)}\n(exit {proc.returncode})\n{proc.stdout}\n{proc.stderr}",
+            f"$ {shlex.join(cmd)}\n(exit {proc.returncode})\n{stdout}\n{stderr}",
             encoding="utf-8",
         )
-        last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        last = (stderr.strip().splitlines() or ["no message"])[-1]
         return Outcome(run, "failed", f"{last} (log: {log})", seconds)
     # An earlier attempt's failure log would otherwise outlive the run that succeeded.
     log.unlink(missing_ok=True)
@@ -647,19 +717,19 @@ def run_grid(
     root = grid.out_dir.resolve()
     root.mkdir(parents=True, exist_ok=True)
     prefetch([r for r in runs if not (root / r.folder / "summary.json").is_file()], print_line)
-    stop = threading.Event()
+    children = Children()
     outcomes: list[Outcome] = []
     pool = ThreadPoolExecutor(max_workers=grid.jobs)
     try:
-        futures = [pool.submit(run_one, r, root, threads, root / "logs", stop) for r in runs]
+        futures = [pool.submit(run_one, r, root, threads, root / "logs", children) for r in runs]
         for n, fut in enumerate(as_completed(futures), start=1):
             o = fut.result()
             outcomes.append(o)
             took = f" in {o.seconds:.0f} s" if o.seconds else ""
             detail = f": {o.detail}" if o.detail else ""
             print_line(f"[{n}/{len(runs)}] {o.run.label}: {o.status}{took}{detail}")
-    except KeyboardInterrupt:
-        stop.set()
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (fedskew.cli turns it into one)
+        children.stop()
         pool.shutdown(wait=True, cancel_futures=True)
         raise KeyboardInterrupt(
             f"interrupted; unfinished runs keep their checkpoints in {root}: run the same "

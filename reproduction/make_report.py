@@ -716,7 +716,17 @@ def measures_section(grid: Grid | None) -> list[str]:
             rows.append(cells)
     if not rows:
         return ["No finished run yet."]
-    return table(["setting", "method", "seeds", *(label for _, label, _ in MEASURES)], rows)
+    lines = table(["setting", "method", "seeds", *(label for _, label, _ in MEASURES)], rows)
+    unmeasured = sorted({r[1] for r in rows if "not measured" in r[3:]})
+    if unmeasured:
+        lines += [
+            "",
+            f"Not measured ({', '.join(unmeasured)}): a local model's risk is scored on the "
+            "model a client uploads, and these methods' replies hold no whole local model "
+            "(the rule and the methods it skips: the docstring of "
+            "`src/fedskew/measurements.py`).",
+        ]
+    return lines
 
 
 def launch_section(grids: dict[str, Grid]) -> list[str]:

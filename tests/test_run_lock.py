@@ -17,6 +17,7 @@ import pytest
 from fedskew.checkpoint import read_checkpoint
 from fedskew.cli import main
 from fedskew.config import ExperimentConfig
+from fedskew.durable import _alive
 from fedskew.errors import FedskewError
 from fedskew.experiment import run
 from fedskew.runfolder import LOCK, RunFolder, running_elsewhere
@@ -246,14 +247,6 @@ def _wait_for_round(folder: Path, proc: subprocess.Popen, timeout: float = 300) 
     raise AssertionError(f"no round in {folder} after {timeout} s")
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 def test_sigterm_to_compare_ends_its_run_which_keeps_its_rounds(tmp_path):
     # A SIGTERM to compare alone (a batch system's limit, `kill PID`) used to leave the run
     # it had started training on, orphaned; now it reaches the run, which stops as on Ctrl-C.
@@ -268,7 +261,7 @@ def test_sigterm_to_compare_ends_its_run_which_keeps_its_rounds(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "interrupted; unfinished runs keep their checkpoints" in err
-    assert _gone(run_pid) and running_elsewhere(folder) is None
+    assert not _alive(run_pid) and running_elsewhere(folder) is None
     assert not (out / "logs" / "fedavg-s0.log").exists()  # an interrupt is not a failure
     done = [json.loads(x)["round"] for x in (folder / "metrics.jsonl").read_text().splitlines()
             if '"round"' in x]  # fmt: skip

@@ -483,22 +483,18 @@ class Children:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running: set[subprocess.Popen[str]] = set()
-        self._closed = False
+        self.stopping = False  # set once, under the lock; then no run starts
 
     def start(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str] | None:
         """The run's process, or None once compare is stopping (no new run starts then)."""
         with self._lock:
-            if self._closed:
+            if self.stopping:
                 return None
             proc = subprocess.Popen(
                 cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
             self._running.add(proc)
             return proc
-
-    @property
-    def stopping(self) -> bool:
-        return self._closed
 
     def ended(self, proc: subprocess.Popen[str]) -> None:
         with self._lock:
@@ -511,17 +507,17 @@ class Children:
         ``term_grace`` seconds. A run's finished rounds are on disk before its next one
         starts, so even the kill loses none."""
         with self._lock:
-            self._closed = True
+            self.stopping = True
             running = list(self._running)
-        for signal_or_none, grace in ((None, own_grace), ("term", term_grace), ("kill", 0.0)):
+        steps = ((None, own_grace), (subprocess.Popen.terminate, term_grace),
+                 (subprocess.Popen.kill, 0.0))  # fmt: skip
+        for send, grace in steps:
             alive = [p for p in running if p.poll() is None]
             if not alive:
                 return
             for proc in alive:
-                if signal_or_none == "term":
-                    proc.terminate()
-                elif signal_or_none == "kill":
-                    proc.kill()
+                if send is not None:
+                    send(proc)
             deadline = time.monotonic() + grace
             while time.monotonic() < deadline and any(p.poll() is None for p in alive):
                 time.sleep(0.1)

@@ -271,6 +271,28 @@ def test_sigterm_to_compare_ends_its_run_which_keeps_its_rounds(tmp_path):
     assert read_checkpoint(folder / "checkpoint.npz").round in (len(done), len(done) + 1)
 
 
+def test_a_second_sigterm_to_compare_ends_its_run_too(tmp_path):
+    # An impatient second SIGTERM, within the grace compare gives its runs to stop on their
+    # own, used to kill compare alone and leave its run training with nobody to stop it.
+    out, file = _grid_file(tmp_path, rounds=400)
+    cmd = [sys.executable, "-m", "fedskew", "compare", "-c", str(file), "--only", "fedavg-s0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    folder = out / "fedavg-s0.incomplete"
+    run_pid = int(_wait_for_round(folder, proc).split()[1])
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)  # inside the 5 s grace; the run (not signalled itself) trains on
+    assert _alive(run_pid)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert not _alive(run_pid) and running_elsewhere(folder) is None
+    assert not (out / "logs" / "fedavg-s0.log").exists()
+    # The killed run resumes from what it had finished.
+    again = subprocess.run(cmd[:-2] + ["--status"], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert "fedavg-s0" in again.stdout
+
+
 def test_sigterm_to_a_run_stops_it_as_ctrl_c_does(tmp_path):
     cmd = [sys.executable, "-m", "fedskew", "run", "-o", str(tmp_path), "--name", "r",
            "--rounds", "400", "-n", "4", "--clients-per-round", "2", "-q"]  # fmt: skip

@@ -625,7 +625,8 @@ def _terminate_as_interrupt(signum: int, frame: object) -> None:
     """SIGTERM (``kill``, a batch system's time limit, a container stopping) ends a command
     the way Ctrl-C does: a run keeps its finished rounds, frees its folder and says how to
     resume; ``fedskew compare`` passes it on to the runs it started. A second SIGTERM
-    kills at once, for a process stuck in its clean-up."""
+    kills at once, for a process stuck in its clean-up (compare, while it stops its runs,
+    takes it as the word to kill them: ``compare.Children.stop``)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     raise Terminated
 

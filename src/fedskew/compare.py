@@ -46,6 +46,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -504,23 +505,56 @@ class Children:
         """Start nothing more, and end what runs: first give the runs ``own_grace`` seconds
         to stop on a Ctrl-C they got themselves, then SIGTERM (which a run takes as Ctrl-C:
         it keeps its finished rounds and frees its folder), then SIGKILL after
-        ``term_grace`` seconds. A run's finished rounds are on disk before its next one
-        starts, so even the kill loses none."""
+        ``term_grace`` seconds. A second Ctrl-C or SIGTERM meanwhile goes straight to the
+        SIGKILL, so that an impatient user ends compare and its runs together rather than
+        compare alone. A run's finished rounds are on disk before its next one starts, so
+        even the kill loses none."""
         with self._lock:
             self.stopping = True
             running = list(self._running)
-        steps = ((None, own_grace), (subprocess.Popen.terminate, term_grace),
-                 (subprocess.Popen.kill, 0.0))  # fmt: skip
-        for send, grace in steps:
-            alive = [p for p in running if p.poll() is None]
-            if not alive:
-                return
-            for proc in alive:
-                if send is not None:
-                    send(proc)
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and any(p.poll() is None for p in alive):
-                time.sleep(0.1)
+        hurry = threading.Event()
+        restore = _hurry_on_signals(hurry)
+        try:
+            steps = ((None, own_grace), (subprocess.Popen.terminate, term_grace),
+                     (subprocess.Popen.kill, 0.0))  # fmt: skip
+            for send, grace in steps:
+                alive = [p for p in running if p.poll() is None]
+                if not alive:
+                    return
+                if hurry.is_set():
+                    send, grace = subprocess.Popen.kill, 0.0
+                for proc in alive:
+                    if send is not None:
+                        send(proc)
+                if send is subprocess.Popen.kill:
+                    for proc in alive:
+                        proc.wait()
+                    return
+                deadline = time.monotonic() + grace
+                while (time.monotonic() < deadline and not hurry.is_set()
+                       and any(p.poll() is None for p in alive)):  # fmt: skip
+                    time.sleep(0.1)
+        finally:
+            restore()
+
+
+def _hurry_on_signals(hurry: threading.Event) -> Callable[[], None]:
+    """While compare stops its runs, a further SIGINT or SIGTERM sets ``hurry`` instead of
+    ending compare at once (which would leave the runs it has not yet signalled running,
+    with nobody to stop them). Returns what puts the previous handlers back. Handlers can
+    be set from the main thread only; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {
+        sig: signal.signal(sig, lambda _signum, _frame: hurry.set())
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
 
 
 def run_one(

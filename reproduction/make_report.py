@@ -390,16 +390,23 @@ CLAIMS = [
         "fedacd-cifar10", "beta0.1", "fedacd", ["fedavg"], metric="local_risk",
         lower_is_better=True, differs=ACD_DIFF,
     ),
-    Claim(
-        "FedACD", "FedACD with mixup above without, Dirichlet 0.1",
-        "input mixup helps FedACD (Table 5, qualitative)",
-        "fedacd-cifar10", "beta0.1", "fedacd", ["fedacd-nomixup"], differs=ACD_DIFF,
-    ),
-    Claim(
-        "FedACD", "FedACD above FedACD_base (uniform weights), Dirichlet 0.1",
-        "adaptability-weighted aggregation helps (Table 8, qualitative)",
-        "fedacd-cifar10", "beta0.1", "fedacd", ["fedacd-base"], differs=ACD_DIFF,
-    ),
+    *[
+        claim
+        for beta in ("0.1", "0.3")
+        for claim in (
+            Claim(
+                "FedACD", f"FedACD with mixup above without, Dirichlet {beta}",
+                "input mixup helps FedACD (Table 5, qualitative)",
+                "fedacd-cifar10", f"beta{beta}", "fedacd", ["fedacd-nomixup"],
+                differs=ACD_DIFF,
+            ),
+            Claim(
+                "FedACD", f"FedACD above FedACD_base (uniform weights), Dirichlet {beta}",
+                "adaptability-weighted aggregation helps (Table 8, qualitative)",
+                "fedacd-cifar10", f"beta{beta}", "fedacd", ["fedacd-base"], differs=ACD_DIFF,
+            ),
+        )
+    ],
 ]  # fmt: skip
 
 

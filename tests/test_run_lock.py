@@ -287,10 +287,11 @@ def test_a_second_sigterm_to_compare_ends_its_run_too(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert not _alive(run_pid) and running_elsewhere(folder) is None
     assert not (out / "logs" / "fedavg-s0.log").exists()
-    # The killed run resumes from what it had finished.
+    # The killed run is listed as unfinished (it resumes), not as training or failed.
     again = subprocess.run(cmd[:-2] + ["--status"], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
-    assert "fedavg-s0" in again.stdout
+    line = next(x for x in again.stdout.splitlines() if "fedavg-s0" in x)
+    assert "unfinished" in line, again.stdout
 
 
 def test_sigterm_to_a_run_stops_it_as_ctrl_c_does(tmp_path):

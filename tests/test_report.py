@@ -133,3 +133,39 @@ def test_report_of_a_grid_with_settings(grid, tmp_path):
     assert "| method | beta0.5 | iid |" in md
     assert md.count("### Setting beta0.5") == 1 and "curves-iid.png" in md
     assert (root / "report_files" / "partition-beta0.5-s0.png").is_file()
+
+
+def test_partition_check_reads_the_digest_config_json_recorded(grid, tmp_path):
+    """partition.npz is large and kept out of shared results; the digest config.json records
+    at the start of a run lets the report check the partitions without it, and still see a
+    difference."""
+    import shutil
+
+    from fedskew.data.partition import load_partition, partition_digest
+
+    copy = tmp_path / "grid"
+    shutil.copytree(grid, copy)
+    for folder in sorted(copy.iterdir()):
+        resolved = json.loads((folder / "config.json").read_text())["resolved"]
+        on_disk = partition_digest(load_partition(folder / "partition.npz")[0])
+        assert resolved["partition_digest"] == on_disk
+        (folder / "partition.npz").unlink()
+    assert main(["report", str(copy), "-o", str(tmp_path / "a")]) == 0
+    md = (tmp_path / "a" / "report.md").read_text()
+    assert "identical across methods in 2 of 2" in md
+
+    # A folder from before the digest was recorded: that group is checked only partly.
+    path = copy / "prox-s1" / "config.json"
+    config = json.loads(path.read_text())
+    del config["resolved"]["partition_digest"]
+    path.write_text(json.dumps(config))
+    # One whose recorded partition differs is named.
+    path = copy / "prox-s0" / "config.json"
+    config = json.loads(path.read_text())
+    config["resolved"]["partition_digest"] = "0123456789abcdef"
+    path.write_text(json.dumps(config))
+    assert main(["report", str(copy), "-o", str(tmp_path / "b")]) == 0
+    md = (tmp_path / "b" / "report.md").read_text()
+    assert "identical across methods in 0 of 2" in md
+    assert "in 1 more, identical among the runs that record it (1 run(s) not recorded)" in md
+    assert "DIFFERENT in the setting seed 0" in md

@@ -21,6 +21,7 @@ from fedskew.data.partition import (
     PARTITIONS,
     check_partition,
     make_partition,
+    partition_digest,
     read_partition_file,
     resolve_partition_params,
 )
@@ -206,6 +207,9 @@ def resolved_facts(prep: Prepared, per_round: int) -> dict[str, Any]:
         "model": prep.model_name,
         "clients_per_round": per_round,
         "num_clients": len(prep.partition),
+        # partition.npz stays out of shared results (it is large); its digest in config.json
+        # lets a report check that compared runs had the same clients without it.
+        "partition_digest": partition_digest(prep.partition),
         "algorithm": prep.algorithm.name,
         "algorithm_params": vars(prep.params),
         "dataset_source": prep.dataset.source,

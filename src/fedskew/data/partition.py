@@ -10,6 +10,7 @@ individual samples in Python, so that 10,000 clients and 60,000 labels take well
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
 import math
@@ -502,13 +503,9 @@ def _json_default(obj: object) -> object:
     raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
 
 
-def save_partition(path: Path, partition: list[np.ndarray], meta: dict) -> None:
-    """Write a partition and its metadata to an .npz file (no pickled objects)."""
-    path = Path(path)
-    try:
-        meta_json = json.dumps(meta, sort_keys=True, default=_json_default)
-    except (TypeError, ValueError) as exc:
-        raise FedskewError(f"partition metadata is not JSON serialisable: {exc}") from exc
+def flat_partition(partition: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, offsets): every client's sample indices in one int64 array, and where each
+    client's slice starts (with the total at the end), as partition files store them."""
     sizes = np.array([len(idx) for idx in partition], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     indices = (
@@ -516,6 +513,28 @@ def save_partition(path: Path, partition: list[np.ndarray], meta: dict) -> None:
         if partition
         else np.empty(0, dtype=np.int64)
     )
+    return indices, offsets
+
+
+def partition_digest(partition: list[np.ndarray]) -> str:
+    """A short hash of which samples each client holds (order included), so that runs can
+    be checked to have had the same clients without their partition files."""
+    indices, offsets = flat_partition(partition)
+    h = hashlib.sha256()
+    for key, arr in (("indices", indices), ("offsets", offsets)):
+        h.update(key.encode())
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return h.hexdigest()[:16]
+
+
+def save_partition(path: Path, partition: list[np.ndarray], meta: dict) -> None:
+    """Write a partition and its metadata to an .npz file (no pickled objects)."""
+    path = Path(path)
+    try:
+        meta_json = json.dumps(meta, sort_keys=True, default=_json_default)
+    except (TypeError, ValueError) as exc:
+        raise FedskewError(f"partition metadata is not JSON serialisable: {exc}") from exc
+    indices, offsets = flat_partition(partition)
     try:
         # Written beside and renamed into place: a resume reads this file. (An open file
         # also keeps the exact name: np.savez would append ".npz" to a bare path.)

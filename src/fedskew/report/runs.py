@@ -8,15 +8,13 @@ does not record is shown as :data:`NOT_RECORDED`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from fedskew.data.partition import load_partition, partition_digest
 from fedskew.errors import FedskewError
 from fedskew.runfolder import read_jsonl
 
@@ -49,7 +47,7 @@ class RunRecord:
     metrics: list[dict[str, Any]]
     summary: dict[str, Any] | None  # None while the run is unfinished
     processes: list[dict[str, Any]]
-    partition_digest: str | None = None  # of partition.npz's indices, None when absent
+    partition_digest: str | None = None  # of the clients' sample indices, None when unknown
     images: list[Path] = field(default_factory=list)  # t-SNE pictures the run wrote
     # Largest client state at the end (bytes), from the last checkpoint or else the summary;
     # filled in by whoever may read checkpoints (fedskew.compare), None when neither has it.
@@ -137,7 +135,7 @@ def read_run(folder: Path, setting: str = "", method: str | None = None) -> RunR
         metrics=read_jsonl(folder / "metrics.jsonl"),
         summary=summary,
         processes=read_jsonl(folder / "processes.jsonl"),
-        partition_digest=partition_digest(folder / "partition.npz"),
+        partition_digest=recorded_partition_digest(folder, resolved),
         images=sorted(
             p for p in folder.rglob("*.png") if IMAGE_PATTERN.search(p.name) and p.is_file()
         ),
@@ -160,21 +158,15 @@ def method_label(folder_name: str, config: dict[str, Any]) -> str:
     return label
 
 
-def partition_digest(path: Path) -> str | None:
-    """A hash of the client index arrays in partition.npz (its metadata left out), so
-    that two runs can be checked to have had the same clients; None when absent."""
-    if not path.exists():
-        return None
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            h = hashlib.sha256()
-            for key in ("indices", "offsets"):
-                arr = np.ascontiguousarray(data[key].astype(np.int64))
-                h.update(key.encode())
-                h.update(arr.tobytes())
-    except Exception as exc:  # a torn or foreign file
-        raise FedskewError(f"{path} is not a fedskew partition file ({exc})") from None
-    return h.hexdigest()[:16]
+def recorded_partition_digest(folder: Path, resolved: dict[str, Any]) -> str | None:
+    """The digest of the clients' sample indices: from the folder's partition.npz (what the
+    run used), else from what config.json recorded when the run started; None when neither
+    has it (folders written before config.json recorded it, without partition.npz)."""
+    path = folder / "partition.npz"
+    if path.exists():
+        return partition_digest(load_partition(path)[0])  # a bad file: a one-line error
+    digest = resolved.get("partition_digest")
+    return digest if isinstance(digest, str) else None
 
 
 def is_run_folder(path: Path) -> bool:

@@ -250,8 +250,9 @@ def conclusions(rows: list[MethodRow], options: Options) -> list[str]:
 
 
 def shared_data_checks(records: list[RunRecord]) -> list[str]:
-    """Whether the methods of each (setting, seed) had the same partition (partition.npz)
-    and the same clients in every round (metrics.jsonl), as the seed guarantees."""
+    """Whether the methods of each (setting, seed) had the same partition (the digest of
+    partition.npz or, without it, the one config.json recorded) and the same clients in
+    every round (metrics.jsonl), as the seed guarantees."""
     by_key: dict[tuple[str, int], list[RunRecord]] = defaultdict(list)
     for rec in records:
         by_key[rec.setting, rec.seed].append(rec)
@@ -259,11 +260,16 @@ def shared_data_checks(records: list[RunRecord]) -> list[str]:
     if not groups:
         return ["Only one method per (setting, seed): nothing to check across methods."]
     same_part, diff_part, unknown = 0, [], 0
+    partly, unrecorded_runs = 0, 0
     same_clients, diff_clients = 0, []
     for g in groups:
         digests = {r.partition_digest for r in g if r.partition_digest is not None}
+        missing = sum(r.partition_digest is None for r in g)
         if len(digests) == 0:
             unknown += 1
+        elif len(digests) == 1 and missing:
+            partly += 1
+            unrecorded_runs += missing
         elif len(digests) == 1:
             same_part += 1
         else:
@@ -278,11 +284,16 @@ def shared_data_checks(records: list[RunRecord]) -> list[str]:
             diff_clients.append(f"{g[0].setting or 'the setting'} seed {g[0].seed}")
     lines = []
     part = (
-        f"Partition (partition.npz): identical across methods in {same_part} of "
-        f"{len(groups)} (setting, seed) groups"
+        "Partition (partition.npz, else the digest config.json recorded): identical across "
+        f"methods in {same_part} of {len(groups)} (setting, seed) groups"
     )
+    if partly:
+        part += (
+            f"; in {partly} more, identical among the runs that record it ({unrecorded_runs} "
+            f"run(s) {NOT_RECORDED})"
+        )
     if unknown:
-        part += f"; {unknown} group(s) {NOT_RECORDED} (no partition.npz in the run folders)"
+        part += f"; {unknown} group(s) {NOT_RECORDED} (no partition.npz or recorded digest)"
     if diff_part:
         part += f"; DIFFERENT in {', '.join(diff_part)}"
     lines.append(part + ".")

@@ -167,5 +167,7 @@ def test_partition_check_reads_the_digest_config_json_recorded(grid, tmp_path):
     assert main(["report", str(copy), "-o", str(tmp_path / "b")]) == 0
     md = (tmp_path / "b" / "report.md").read_text()
     assert "identical across methods in 0 of 2" in md
-    assert "in 1 more, identical among the runs that record it (1 run(s) not recorded)" in md
+    assert (
+        "in 1 other group(s), identical among the runs that record it (1 run(s) not recorded)"
+    ) in md
     assert "DIFFERENT in the setting seed 0" in md

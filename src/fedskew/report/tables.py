@@ -289,8 +289,8 @@ def shared_data_checks(records: list[RunRecord]) -> list[str]:
     )
     if partly:
         part += (
-            f"; in {partly} more, identical among the runs that record it ({unrecorded_runs} "
-            f"run(s) {NOT_RECORDED})"
+            f"; in {partly} other group(s), identical among the runs that record it "
+            f"({unrecorded_runs} run(s) {NOT_RECORDED})"
         )
     if unknown:
         part += f"; {unknown} group(s) {NOT_RECORDED} (no partition.npz or recorded digest)"

@@ -126,6 +126,8 @@ def test_grid_runs_skips_resumes_and_tables_match_metrics(tmp_path, capsys):
     assert rows["fedavg"]["paired_seeds"] == "0"
     # FedAvg and FedProx keep nothing on the client between rounds.
     assert rows["fedavg"]["client_state_bytes_max"] == "0"
+    cpu = json.loads((out / "fedavg-s0" / "processes.jsonl").read_text().splitlines()[0])["cpu"]
+    assert rows["fedavg"]["machines"] == cpu  # both seeds on this machine
     md = (out / "comparison.md").read_text()
     assert f"{np.mean(paired):+.2f} ± {np.std(paired, ddof=1):.2f}" in md
     assert "identical across methods in 2 of 2" in md

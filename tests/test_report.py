@@ -171,3 +171,23 @@ def test_partition_check_reads_the_digest_config_json_recorded(grid, tmp_path):
         "in 1 other group(s), identical among the runs that record it (1 run(s) not recorded)"
     ) in md
     assert "DIFFERENT in the setting seed 0" in md
+
+
+def test_cost_table_names_the_machines_behind_its_seconds(grid, tmp_path):
+    """Seconds per round measured on different machines are not comparable: each row names
+    its machine, and a row whose seeds ran on more than one says 'mixed'."""
+    import shutil
+
+    copy = tmp_path / "grid"
+    shutil.copytree(grid, copy)
+    path = copy / "prox-s1" / "processes.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    cpu = lines[0]["cpu"]
+    path.write_text("".join(json.dumps({**p, "cpu": "Other CPU 9000"}) + "\n" for p in lines))
+    assert main(["report", str(copy), "-o", str(tmp_path / "r")]) == 0
+    md = (tmp_path / "r" / "report.md").read_text()
+    prox = next(x for x in md.splitlines() if x.startswith("| prox |") and "KiB" in x)
+    assert prox.endswith(f"(mixed: {cpu}, Other CPU 9000) |")
+    # fedavg-s1 has no processes.jsonl: its machine is not recorded, and the row says so.
+    fedavg = next(x for x in md.splitlines() if x.startswith("| fedavg |") and "KiB" in x)
+    assert fedavg.endswith(f"(mixed: {cpu}, not recorded) |")

@@ -247,6 +247,16 @@ def machine_spans(record: RunRecord) -> str:
     return "; ".join(f"r{a}-{b}: {m}" for a, b, m in spans if b >= a)
 
 
+def machines(record: RunRecord) -> list[str]:
+    """The machines that computed the run's rounds, in order, without repeats: the GPU's
+    name for runs on one, else the CPU model (as processes.jsonl records them)."""
+    names = []
+    for p in record.processes:
+        on_gpu = str(p.get("device", "cpu")) != "cpu" and p.get("device_name")
+        names.append(str(p["device_name"] if on_gpu else p.get("cpu") or NOT_RECORDED))
+    return list(dict.fromkeys(names)) or [NOT_RECORDED]
+
+
 def _distinct(values: list[str]) -> str:
     seen = list(dict.fromkeys(values))
     return ", ".join(seen) if seen else NOT_RECORDED

@@ -22,7 +22,7 @@ import numpy as np
 
 from fedskew.config import EXECUTION_ONLY, ExperimentConfig
 from fedskew.report.document import Block, Bullets, Heading, Para, Table
-from fedskew.report.runs import NOT_RECORDED, RunRecord, provenance
+from fedskew.report.runs import NOT_RECORDED, RunRecord, machines, provenance
 
 MIB = 2**20
 
@@ -46,6 +46,7 @@ class RunValues:
     bytes_up: float
     seconds: float  # training plus evaluation, per round
     client_state_bytes: int | None
+    machines: list[str] = field(default_factory=list)  # that computed its rounds
 
 
 def run_values(record: RunRecord, options: Options) -> RunValues | None:
@@ -68,6 +69,7 @@ def run_values(record: RunRecord, options: Options) -> RunValues | None:
         bytes_up=sum(float(r.get("bytes_up", 0)) for r in rows) / n,
         seconds=sum(float(r.get("seconds", 0)) + float(r.get("eval_seconds", 0)) for r in rows) / n,
         client_state_bytes=record.client_state_bytes,
+        machines=machines(record),
     )
 
 
@@ -188,7 +190,7 @@ def comparison_table(rows: list[MethodRow], options: Options) -> Table:
 def cost_table(rows: list[MethodRow]) -> Table:
     header = [
         "method", "down per round", "up per round", "total per round",
-        "client state (largest client)", "seconds per round (train + eval)",
+        "client state (largest client)", "seconds per round (train + eval), machine",
     ]  # fmt: skip
     body = []
     for row in rows:
@@ -204,10 +206,21 @@ def cost_table(rows: list[MethodRow]) -> Table:
                 fmt_bytes(row.column("bytes_up").mean()),
                 fmt_bytes((row.column("bytes_down") + row.column("bytes_up")).mean()),
                 fmt_bytes(max(states)) if states else unknown,
-                f"{row.column('seconds').mean():.2f}",
+                f"{row.column('seconds').mean():.2f} ({_machines_of(row)})",
             ]
         )
     return Table(header, body)
+
+
+def _machines_of(row: MethodRow) -> str:
+    """Which machines the row's seconds come from: speeds measured on different machines
+    are not comparable, so a row that mixes them says so."""
+    found = _row_machines(row)
+    return found[0] if len(found) == 1 else "mixed: " + ", ".join(found)
+
+
+def _row_machines(row: MethodRow) -> list[str]:
+    return list(dict.fromkeys(m for s in row.seeds for m in row.runs[s].machines))
 
 
 def overview_table(grouped: dict[str, list[MethodRow]], options: Options) -> Table:
@@ -381,7 +394,9 @@ def explanation(options: Options) -> str:
         " Bytes are those the engine carried (metrics.jsonl), averaged over rounds; the client "
         "state is the largest client's state at the end of the run (its last checkpoint, or "
         "its summary.json where the checkpoint is gone); seconds are the "
-        "run's own wall time per round on the machine that computed it (see the runs table)."
+        "run's own wall time per round on the machine that computed it, named beside them "
+        "('mixed' where a row's seeds ran on different machines, whose seconds do not "
+        "compare; the runs table has each run's)."
     )
     return text
 
@@ -549,13 +564,13 @@ def comparison_csv(records: list[RunRecord], options: Options) -> str:
             "target", "rounds_to_target_mean", "seeds_reaching_target", "reference",
             "paired_mean", "paired_std", "paired_seeds", "paired_seeds_up",
             "bytes_down_per_round", "bytes_up_per_round", "client_state_bytes_max",
-            "seconds_per_round",
+            "seconds_per_round", "machines",
         ]
     )  # fmt: skip
     for setting, rows in group(records, options).items():
         for row in rows:
             if not row.seeds:
-                w.writerow([setting, row.method, 0, len(row.unfinished)] + [""] * 18)
+                w.writerow([setting, row.method, 0, len(row.unfinished)] + [""] * 19)
                 continue
             final, last, best = row.column("final"), row.column("last"), row.column("best")
             reached = [row.runs[s].reached for s in row.seeds if row.runs[s].reached is not None]
@@ -577,6 +592,7 @@ def comparison_csv(records: list[RunRecord], options: Options) -> str:
                     _num(row.column("bytes_up").mean(), 1),
                     max(states) if states else "",
                     _num(row.column("seconds").mean(), 3),
+                    "; ".join(_row_machines(row)),
                 ]
             )  # fmt: skip
     return buf.getvalue()

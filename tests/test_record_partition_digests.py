@@ -1,0 +1,58 @@
+"""reproduction/record_partition_digests.py: it writes into config.json the digest of the
+folder's own partition.npz (the one a run now records when it starts), never one rebuilt
+from the configuration, and refuses a config.json that disagrees with the file."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedskew.config import ExperimentConfig
+from fedskew.experiment import run
+
+SCRIPT = Path(__file__).resolve().parents[1] / "reproduction" / "record_partition_digests.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("record_digests_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_digest_is_taken_from_the_folders_partition_file(script, tmp_path):
+    cfg = ExperimentConfig(
+        algorithm="fedavg", num_clients=4, clients_per_round=2, rounds=1, local_epochs=1,
+        out_dir=str(tmp_path), name="r", quiet=True,
+    )  # fmt: skip
+    run(cfg)
+    folder = tmp_path / "r"
+    path = folder / "config.json"
+    recorded = json.loads(path.read_text())["resolved"]["partition_digest"]
+    assert script.record(folder) == "agrees"
+
+    # A folder from before config.json recorded it gets the same digest back from its file.
+    config = json.loads(path.read_text())
+    del config["resolved"]["partition_digest"]
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    assert script.record(folder) == "added"
+    assert json.loads(path.read_text())["resolved"]["partition_digest"] == recorded
+
+    config["resolved"]["partition_digest"] = "0" * 16
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    with pytest.raises(SystemExit, match="differs from partition.npz"):
+        script.record(folder)
+
+    # Without partition.npz nothing is invented.
+    del config["resolved"]["partition_digest"]
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    (folder / "partition.npz").unlink()
+    assert script.record(folder) == "no partition.npz"
+    assert "partition_digest" not in json.loads(path.read_text())["resolved"]

@@ -156,9 +156,7 @@ def test_unmet_names_what_a_reply_lacks_or_its_wrong_kind():
     assert unmet(Message("done"), expect) == "is of kind 'done', expected 'half' or 'trained'"
 
 
-def test_reply_lacking_what_the_server_reads_stops_the_run_naming_the_client(
-    tmp_path, monkeypatch
-):
+def test_reply_lacking_what_the_server_reads_stops_the_run_naming_the_client(tmp_path, monkeypatch):
     """In one process a client's reply comes from the algorithm's own code: a reply without
     what its server reads is a fault there, reported as such rather than as a KeyError deep
     in the aggregation."""

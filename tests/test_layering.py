@@ -38,8 +38,15 @@ LAYERS: list[tuple[str, ...]] = [
     ("fedskew.experiment", "fedskew.measurements"),
     # apps; the package's __init__ offers the Python API (fedskew.run)
     # compare and reporting read checkpoints and start runs; report/ only formats.
-    ("fedskew", "fedskew.api", "fedskew.cli", "fedskew.flower_app", "fedskew.__main__",
-     "fedskew.compare", "fedskew.reporting"),
+    (
+        "fedskew",
+        "fedskew.api",
+        "fedskew.cli",
+        "fedskew.flower_app",
+        "fedskew.__main__",
+        "fedskew.compare",
+        "fedskew.reporting",
+    ),
 ]
 
 

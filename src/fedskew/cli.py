@@ -494,9 +494,7 @@ def add_compare_options(p: argparse.ArgumentParser) -> None:
         "--threads", type=int, help="torch threads per run (default cores / jobs; jobs x threads "
         "<= cores)"
     )  # fmt: skip
-    g.add_argument(
-        "--only", nargs="+", metavar="RUN", help="run only these runs (e.g. fedprox-s1)"
-    )
+    g.add_argument("--only", nargs="+", metavar="RUN", help="run only these runs (e.g. fedprox-s1)")
     g.add_argument(
         "--report-only",
         action="store_true",

@@ -557,9 +557,7 @@ def _hurry_on_signals(hurry: threading.Event) -> Callable[[], None]:
     return restore
 
 
-def run_one(
-    run: PlannedRun, root: Path, threads: int, logs: Path, children: Children
-) -> Outcome:
+def run_one(run: PlannedRun, root: Path, threads: int, logs: Path, children: Children) -> Outcome:
     finished = root / run.folder
     unfinished = finished.with_name(finished.name + INCOMPLETE)
     want = config_hash(run.cfg)

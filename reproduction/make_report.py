@@ -134,6 +134,14 @@ ACD_BASELINES = [
     "fednh",
     "creff",
 ]
+NIID1_MODELS = (("bn", "with BatchNorm"), ("plain", "without normalisation"))
+# Where the remedies are judged: NIID-1 with and without normalisation, and the two other
+# Table II tasks with BatchNorm.
+REMEDY_SETTINGS = (
+    *NIID1_MODELS,
+    ("bn-niid2", "with BatchNorm, NIID-2"),
+    ("bn-missing1", "with BatchNorm, missing-1"),
+)
 SIMILAR_POINTS = 1.0  # "similar" claims: the mean paired difference within this many points
 
 CME_DIFF = [
@@ -219,7 +227,7 @@ CLAIMS = [
             "72.89 ± 0.22 % vs 69.91 % (+2.98), ResNet-18 with BatchNorm (Table II)",
             "fedfm-cifar10", setting, "fedfm", ["scaffold"], differs=FM_DIFF,
         )
-        for setting, label in (("bn", "with BatchNorm"), ("plain", "without normalisation"))
+        for setting, label in NIID1_MODELS
     ],
     *[
         Claim(
@@ -227,7 +235,7 @@ CLAIMS = [
             "about 72 % vs about 66 % (the official code's README [CODE])",
             "fedfm-cifar10", setting, "fedfm", ["fedavg"], differs=FM_DIFF,
         )
-        for setting, label in (("bn", "with BatchNorm"), ("plain", "without normalisation"))
+        for setting, label in NIID1_MODELS
     ],
     Claim(
         "FedFM", "FedFM above FedAvg, CIFAR-10 NIID-1, ResNet-18 at width 8",
@@ -327,7 +335,7 @@ CLAIMS = [
             "not in the paper: does the remedy keep FedFM's gain?",
             "fedfm-cifar10", setting, "fedfm-warmup", ["fedavg"], differs=FM_DIFF,
         )
-        for setting, label in (("bn", "with BatchNorm"), ("plain", "without normalisation"))
+        for setting, label in REMEDY_SETTINGS
     ],
     *[
         Claim(
@@ -335,7 +343,7 @@ CLAIMS = [
             "not in the paper: does clipping keep FedFM's launch, and does FedFM then gain?",
             "fedfm-cifar10", setting, "fedfm-clip10", [other], differs=FM_DIFF,
         )
-        for setting, label in (("bn", "with BatchNorm"), ("plain", "without normalisation"))
+        for setting, label in REMEDY_SETTINGS
         for other, text in (
             ("fedfm", "FedFM with grad-clip 10 above FedFM"),
             ("fedavg", "FedFM with grad-clip 10 above FedAvg"),
@@ -349,7 +357,7 @@ CLAIMS = [
             "FedFM then gain?",
             "fedfm-cifar10", setting, "fedfm-prerelu", [other], differs=FM_DIFF,
         )
-        for setting, label in (("bn", "with BatchNorm"), ("plain", "without normalisation"))
+        for setting, label in REMEDY_SETTINGS
         for other, text in (
             ("fedfm", "FedFM matching before the last ReLU above FedFM"),
             ("fedavg", "FedFM matching before the last ReLU above FedAvg"),

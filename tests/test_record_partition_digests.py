@@ -4,27 +4,17 @@ from the configuration, and refuses a config.json that disagrees with the file."
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from fedskew.config import ExperimentConfig
 from fedskew.experiment import run
 
-SCRIPT = Path(__file__).resolve().parents[1] / "reproduction" / "record_partition_digests.py"
-
 
 @pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("record_digests_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+def script(reproduction_script):
+    return reproduction_script("record_partition_digests.py")
 
 
 def test_digest_is_taken_from_the_folders_partition_file(script, tmp_path):

@@ -4,25 +4,16 @@ lower is better, "alike" claims) are pinned here on made-up run records."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
 from fedskew.report.runs import RunRecord
 
-SCRIPT = Path(__file__).resolve().parents[1] / "reproduction" / "make_report.py"
-
 
 @pytest.fixture(scope="module")
-def mr():
-    spec = importlib.util.spec_from_file_location("make_report_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+def mr(reproduction_script):
+    return reproduction_script("make_report.py")
 
 
 def record(method: str, seed: int, accs: list[float] | None, key: str = "accuracy") -> RunRecord:

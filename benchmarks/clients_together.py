@@ -204,6 +204,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if "flower" in rate:
         ratios["together_vs_flower"] = rate["vmap"] / rate["flower"]
     return {
+        "dataset": args.dataset,
         "device": str(device),
         "device_name": device_name(device),
         "machine": machine_facts(),
@@ -229,7 +230,8 @@ def markdown(result: dict[str, Any], command: str) -> str:
         "",
         f"Command: `{command}`",
         "",
-        "FedAvg, fedavg-cnn, Fashion-MNIST, 20 clients, Dirichlet 0.1, 8 clients per round, "
+        f"FedAvg, fedavg-cnn, {result.get('dataset', 'fmnist')}, 20 clients, Dirichlet 0.1, "
+        "8 clients per round, "
         f"E={result['epochs']}, batch {BATCH}, lr {LR}, momentum {MOMENTUM}; round throughput "
         "is training samples per second of the round's training time (evaluation excluded), "
         f"median of {result['rounds_measured']} measured round(s) after a warm-up round, "

@@ -11,6 +11,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
+import fedskew  # noqa: E402, F401  (sets CUBLAS_WORKSPACE_CONFIG before any test uses CUDA)
+
 torch.set_num_threads(1)
 
 REPRODUCTION = Path(__file__).resolve().parents[1] / "reproduction"

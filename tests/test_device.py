@@ -17,6 +17,9 @@ This machine may have no GPU. Two kinds of checks stand in for CUDA here:
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,8 @@ from fedskew.building import new_model, prepare
 from fedskew.cli import main
 from fedskew.config import ExperimentConfig, build_config, config_hash
 from fedskew.device import (
+    CUBLAS_VALUE,
+    CUBLAS_VARIABLE,
     ExecutionSettings,
     check_device_spec,
     cuda_count,
@@ -112,6 +117,82 @@ def test_execution_settings_are_put_back() -> None:
         assert torch.are_deterministic_algorithms_enabled()
         assert torch.backends.cuda.matmul.allow_tf32 is (not before.tf32)
     assert ExecutionSettings.current() == before
+
+
+def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**env, "PYTHONPATH": src + os.pathsep + env.get("PYTHONPATH", "")}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def test_importing_fedskew_sets_the_cublas_variable_before_any_cuda_work() -> None:
+    """cuBLAS reads CUBLAS_WORKSPACE_CONFIG once, at the process's first matrix product: it
+    must be in the environment from the import on, not from the first deterministic run (a
+    CUDA run before it would make that one fail). A value the user chose is kept."""
+    env = {k: v for k, v in os.environ.items() if k != CUBLAS_VARIABLE}
+    code = (
+        "import os, sys\n"
+        "import fedskew.device\n"
+        "assert not fedskew.CUDA_BEFORE_IMPORT\n"
+        "print(os.environ.get('CUBLAS_WORKSPACE_CONFIG'))"
+    )
+    done = _python(code, env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == CUBLAS_VALUE
+    done = _python(code, {**env, CUBLAS_VARIABLE: ":16:8"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ":16:8"
+
+
+def test_deterministic_cuda_is_refused_in_one_line_when_cublas_cannot_comply(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With CUDA (pretended here), a deterministic run is checked before it starts: a
+    variable with a non-reproducible value, or CUDA used before fedskew was imported, is a
+    UsageError naming the fix, not PyTorch's RuntimeError at the first matrix product."""
+    import fedskew
+    import fedskew.device as device
+
+    settings = ExecutionSettings(tf32=False, deterministic=True)
+    before = ExecutionSettings.current()
+    monkeypatch.setattr(device, "cuda_count", lambda: 1)
+    monkeypatch.setenv(CUBLAS_VARIABLE, ":0:0")
+    with pytest.raises(UsageError, match="does not make cuBLAS reproducible"):
+        device.apply_settings(settings)
+    monkeypatch.setenv(CUBLAS_VARIABLE, CUBLAS_VALUE)
+    monkeypatch.setattr(fedskew, "CUDA_BEFORE_IMPORT", True)
+    with pytest.raises(UsageError, match="used CUDA before importing fedskew"):
+        device.apply_settings(settings)
+    assert ExecutionSettings.current() == before  # refused before any switch changed
+    monkeypatch.setattr(fedskew, "CUDA_BEFORE_IMPORT", False)
+    with settings_applied(settings):
+        assert torch.are_deterministic_algorithms_enabled()
+    # Without CUDA there is no cuBLAS: the same variable is no reason to refuse a CPU run.
+    monkeypatch.setattr(device, "cuda_count", lambda: 0)
+    monkeypatch.setenv(CUBLAS_VARIABLE, ":0:0")
+    with settings_applied(settings):
+        assert torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)
+def test_a_deterministic_cuda_run_after_an_ordinary_one_in_one_process(tmp_path: Path) -> None:
+    """The review's crash: a fresh process (nothing set in its environment) does cuBLAS work,
+    then a deterministic run. With the variable set at import, both run."""
+    env = {k: v for k, v in os.environ.items() if k != CUBLAS_VARIABLE}
+    code = (
+        "import torch, fedskew.experiment as e\n"
+        "from fedskew.config import ExperimentConfig\n"
+        "a = torch.randn(64, 64, device='cuda'); (a @ a).sum().item()\n"
+        "for det in (False, True):\n"
+        "    e.run(ExperimentConfig(rounds=1, num_clients=4, clients_per_round=2, workers=0,\n"
+        f"        device='cuda', deterministic=det, out_dir={str(tmp_path)!r},\n"
+        "        name=f'det{det}', quiet=True))\n"
+        "print('ok')"
+    )
+    done = _python(code, env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_run_folder_records_the_device(tmp_path: Path) -> None:
@@ -270,6 +351,50 @@ def test_cuda_curve_matches_the_cpu_curve(algorithm: str, tmp_path: Path) -> Non
         assert abs(cpu["loss"] - cuda["loss"]) <= 0.02 * abs(cpu["loss"]) + 1e-4
 
 
+# Local steps that must not wait for the host on CUDA: augmentation (one client and stacked),
+# FedACD's mixup and margins, the loss terms of FedCME, FedNTD and FedDecorr.
+SYNC_CASES = {
+    "fedavg-augment": {"augment": True},
+    "fedavg-augment-together": {"augment": True, "clients_together": "vmap"},
+    "fedacd-mixup": {"algorithm": "fedacd", "params": {"mixup": True}},
+    "fedcme": {"algorithm": "fedcme"},
+    "fedntd": {"algorithm": "fedntd"},
+    "feddecorr": {"algorithm": "feddecorr"},
+}
+
+
+def _host_syncs(options: dict, epochs: int, tmp_path: Path) -> int:
+    """Host syncs PyTorch reports (``set_sync_debug_mode``) over a 2-round CUDA run."""
+    import warnings
+
+    cfg = ExperimentConfig(
+        **{"model": TINY_BN, "clients_together": "off", **options}, rounds=2, num_clients=4,
+        clients_per_round=2, local_epochs=epochs, workers=0, device="cuda",
+        out_dir=str(tmp_path), name=f"sync-{epochs}", quiet=True, checkpoint_every=0,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run(cfg)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)
+@pytest.mark.parametrize("case", sorted(SYNC_CASES))
+def test_cuda_local_steps_do_not_wait_for_the_host(case: str, tmp_path: Path) -> None:
+    """Two more local epochs add about 22 steps per client and round; they may add a few
+    syncs (per epoch at most), not several per step, as the per-batch host draws and boolean
+    masks did (about 5 per step with augmentation)."""
+    options = SYNC_CASES[case]
+    short = _host_syncs(options, 1, tmp_path / "short")
+    long = _host_syncs(options, 3, tmp_path / "long")
+    extra_epochs = 2 * 2 * 2  # rounds x clients x epochs
+    assert long - short <= extra_epochs, (short, long)
+
+
 # ---------------------------------------------------------------------------- several GPUs
 
 
@@ -304,6 +429,11 @@ def test_flower_simulation_gives_each_client_a_gpu_fraction(
     assert flower_app.simulation_gpus_per_client(cfg) == 1 / 8
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 16)
     assert flower_app.simulation_gpus_per_client(cfg) == 1.0
+    # 2 GPUs, 3 clients: 2/3 each would put one client per GPU (two 2/3 do not fit on one);
+    # 1/2 each puts all three on the two GPUs at once.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cfg = ExperimentConfig(device="cuda", num_clients=20, clients_per_round=3)
+    assert flower_app.simulation_gpus_per_client(cfg) == 0.5
 
 
 def test_gpu_check_fails_fast_without_cuda() -> None:

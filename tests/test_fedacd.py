@@ -225,8 +225,8 @@ class StubMixer:
     def __init__(self, mix: float, perm: list[int]) -> None:
         self.mix, self.perm = mix, torch.tensor(perm)
 
-    def draw(self, n: int) -> tuple[float, torch.Tensor]:
-        return self.mix, self.perm
+    def next_batch(self, n: int, device: torch.device) -> tuple[float, torch.Tensor]:
+        return self.mix, self.perm.to(device)
 
 
 def test_mixup_loss_and_its_contribution_to_the_next_epochs_margins():
@@ -275,6 +275,17 @@ def test_mixup_draws_are_beta_and_addressed():
     first, second = a.draw(6), b.draw(6)
     assert first[0] == second[0] and torch.equal(first[1], second[1])
     assert sorted(first[1].tolist()) == list(range(6))
+    # An epoch's draws at once (one copy to the device) are the batches' draws in order,
+    # epoch after epoch: the training stream is unchanged.
+    sizes = [4, 4, 3]
+    whole = Mixup(1.0, torch_rng(0, 3, 5, "fedacd-mixup"), sizes)
+    single = Mixup(1.0, torch_rng(0, 3, 5, "fedacd-mixup"))
+    for n in sizes * 2:
+        mix, perm = whole.next_batch(n, torch.device("cpu"))
+        want_mix, want_perm = single.draw(n)
+        assert mix == want_mix and torch.equal(perm, want_perm)
+    with pytest.raises(RuntimeError, match="a batch of 2 where the epoch's schedule has 4"):
+        whole.next_batch(2, torch.device("cpu"))
     for alpha in (1.0, 0.2):
         m = Mixup(alpha, torch_rng(1, 0, 0, "fedacd-mixup"))
         draws = torch.tensor([m.draw(2)[0] for _ in range(4000)], dtype=torch.float64)

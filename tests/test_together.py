@@ -16,7 +16,7 @@ from fedskew.algorithms.fedavg import FedAvgClient
 from fedskew.algorithms.local import local_train, set_arrays
 from fedskew.building import new_model, prepare
 from fedskew.config import ExperimentConfig
-from fedskew.device import cuda_count
+from fedskew.device import ExecutionSettings, cuda_count, settings_applied
 from fedskew.engine.inprocess import InProcessEngine
 from fedskew.engine.together import plain_handler, resolve_mode, train_together
 from fedskew.experiment import RunState, evaluate_global_model, play_round, server_setup
@@ -57,11 +57,13 @@ def _rounds(
     engine = InProcessEngine.from_prepared(prep, prep.algorithm.Client(prep.params), model)
     state = RunState(prep, setup, server, engine, eval_model, cfg.per_round())
     records = []
-    for rnd in range(rounds):
-        record = play_round(state, rnd)
-        record.update(evaluate_global_model(state))
-        record.pop("seconds")
-        records.append(record)
+    # As run() does: TF32 off (PyTorch's default leaves it on for cuDNN convolutions).
+    with settings_applied(ExecutionSettings(tf32=False, deterministic=False)):
+        for rnd in range(rounds):
+            record = play_round(state, rnd)
+            record.update(evaluate_global_model(state))
+            record.pop("seconds")
+            records.append(record)
     return records, state
 
 
@@ -104,7 +106,11 @@ def test_vmap_matches_one_after_another_in_fp32(case: str, device: str) -> None:
     expected, alone = _rounds("off", device=device, **options)
     got, together = _rounds("vmap", device=device, **options)
     assert together.engine.clients_together == "vmap"
-    _compare(expected, alone, got, together, {**F32_WEIGHTS, "metrics": 1e-3})
+    # On the CPU the predictions agree on all 360 test images. On CUDA, stacked (grouped)
+    # kernels against per-client ones may flip a prediction near a tie: 1/360 = 2.8e-3 of
+    # accuracy each, so two are allowed there.
+    metrics = 1e-3 if device == "cpu" else 2 / 360 + 1e-9
+    _compare(expected, alone, got, together, {**F32_WEIGHTS, "metrics": metrics})
 
 
 def test_each_client_trains_as_alone() -> None:

@@ -10,10 +10,12 @@ The execution settings only matter on CUDA:
 * ``tf32``: whether float32 matrix products and convolutions may use TF32 tensor cores (10-bit
   mantissa products, faster on Ampere and later). Off by default, so that ``fp32`` means fp32
   on every device; PyTorch's own default leaves it on for cuDNN convolutions.
-* ``deterministic``: ``torch.use_deterministic_algorithms(True)``, cuDNN's benchmark mode off
-  and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (cuBLAS needs it for reproducible products; it must
-  be in the environment before the process's first cuBLAS call, which is why a run sets it
-  before it builds any model on the device).
+* ``deterministic``: ``torch.use_deterministic_algorithms(True)`` and cuDNN's benchmark mode
+  off. cuBLAS also needs ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (or ``:16:8``) for reproducible
+  products, read once per process at its first cuBLAS call: importing ``fedskew`` sets it
+  (unless the user set it), so any CUDA work after that import is covered. A process that used
+  CUDA before importing fedskew gets a one-line error for a deterministic run, not PyTorch's
+  at the first matrix product.
 
 On the CPU, fedskew's training is deterministic already (one thread or many), and neither
 setting changes a CPU result.
@@ -29,12 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
+import fedskew
 from fedskew.errors import UsageError
 
 _SPEC = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 DEVICE_TEXT = "auto, cpu, cuda or cuda:N"
 CUBLAS_VARIABLE = "CUBLAS_WORKSPACE_CONFIG"
 CUBLAS_VALUE = ":4096:8"
+CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
 
 
 def check_device_spec(value: object) -> str:
@@ -115,15 +119,34 @@ class ExecutionSettings:
 
 def apply_settings(settings: ExecutionSettings) -> None:
     """Set the TF32 and determinism switches of this process (see the module docstring)."""
+    if settings.deterministic:
+        check_cublas_deterministic()
+        torch.backends.cudnn.benchmark = False
     torch.backends.cuda.matmul.allow_tf32 = settings.tf32
     torch.backends.cudnn.allow_tf32 = settings.tf32
-    if settings.deterministic:
-        # Before any cuBLAS handle exists, when the run sets it first; a value the user
-        # chose is kept.
-        os.environ.setdefault(CUBLAS_VARIABLE, CUBLAS_VALUE)
-        torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = settings.deterministic
     torch.use_deterministic_algorithms(settings.deterministic)
+
+
+def check_cublas_deterministic() -> None:
+    """A one-line UsageError when cuBLAS cannot give this process reproducible products: the
+    variable holds another value, or CUDA was in use before ``fedskew`` set it (cuBLAS reads
+    it once). Checked before a deterministic run starts, not at its first matrix product.
+    Without CUDA there is no cuBLAS, and nothing to check."""
+    if cuda_count() == 0:
+        return
+    value = os.environ.get(CUBLAS_VARIABLE)
+    if value not in CUBLAS_DETERMINISTIC:
+        raise UsageError(
+            f"deterministic: {CUBLAS_VARIABLE}={value!r} does not make cuBLAS reproducible; "
+            f"unset it or set it to {CUBLAS_VALUE} (or :16:8)"
+        )
+    if fedskew.CUDA_BEFORE_IMPORT:
+        raise UsageError(
+            f"deterministic: this process used CUDA before importing fedskew, without "
+            f"{CUBLAS_VARIABLE}; set {CUBLAS_VARIABLE}={CUBLAS_VALUE} in the environment or "
+            "import fedskew before any CUDA work"
+        )
 
 
 @contextmanager

@@ -509,8 +509,10 @@ def run_simulation(
 
 
 def simulation_gpus_per_client(cfg: ExperimentConfig) -> float:
-    """The GPU fraction of a virtual client: 0 on the CPU, else the visible GPUs divided
-    among a round's clients (at most one each), so that a round's clients train at once."""
+    """The GPU fraction of a virtual client: 0 on the CPU, else 1/k with k the clients each
+    GPU must hold for a round's clients to train at once (at most one GPU each). Ray places
+    a fraction below 1 on a single GPU, so 2 GPUs and 3 clients take 1/2 each, not 2/3 (two
+    of which would not fit on one GPU)."""
     if cfg.device.startswith("cuda:"):
         raise UsageError(
             "--engine flower-sim places its clients on the GPUs through Ray (each client "
@@ -519,7 +521,7 @@ def simulation_gpus_per_client(cfg: ExperimentConfig) -> float:
     device = resolve_device(cfg.device)
     if device.type != "cuda":
         return 0.0
-    return min(1.0, torch.cuda.device_count() / cfg.per_round())
+    return 1.0 / math.ceil(cfg.per_round() / torch.cuda.device_count())
 
 
 # ---------------------------------------------------------------------------- processes

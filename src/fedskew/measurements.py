@@ -162,7 +162,8 @@ class Measurements:
         if self._features_of is not None and self._features_of[0] == rnd:
             return self._features_of[1]
         set_arrays(self.eval_model, server.eval_arrays())
-        x = self.prep.dataset.x_test[torch.from_numpy(self.sample)]
+        # The test set already on the device, indexed there: no host-to-device copy.
+        x = self.prep.x_test[torch.from_numpy(self.sample).to(self.prep.x_test.device)]
         features = body_features(self.eval_model, x, precision=self.prep.train.precision)
         self._features_of = (rnd, features)
         return features
@@ -188,8 +189,8 @@ class Measurements:
             risks.append(
                 local_model_risk(
                     self._scratch,
-                    data.x_test,
-                    data.y_test,
+                    self.prep.x_test,
+                    self.prep.y_test,
                     data.num_classes,
                     counts,
                     precision=self.prep.train.precision,

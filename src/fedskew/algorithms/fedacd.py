@@ -54,6 +54,7 @@ from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic, c
 from fedskew.algorithms.fedavg import FedAvgServer
 from fedskew.algorithms.local import (
     LossOutput,
+    batch_bounds,
     get_arrays,
     set_arrays,
     train_client,
@@ -170,8 +171,9 @@ def log_margins(confusion: torch.Tensor, present: torch.Tensor, delta: float) ->
     the diagonal is 0 (Delta_yy = 1); rows of missing classes are never used and are 0."""
     ratio = confusion / (confusion.t() + EPS)
     table = torch.log(ratio.clamp(min=delta, max=1.0 / delta))
-    table[:, ~present] = math.log(delta)
-    table[~present, :] = 0.0
+    # where, not boolean indexing: nothing read back to the host mid-training.
+    table = torch.where(present[None, :], table, math.log(delta))
+    table = torch.where(present[:, None], table, 0.0)
     table.fill_diagonal_(0.0)
     return table
 
@@ -180,18 +182,35 @@ class Mixup:
     """Input-mixup draws for one client's round: a Beta mixing weight and a partner permutation
     per batch, both from the client's addressed generator."""
 
-    def __init__(self, alpha: float, gen: torch.Generator) -> None:
+    def __init__(self, alpha: float, gen: torch.Generator, batch_sizes: Sequence[int] = ()) -> None:
         self.alpha = alpha
         self.gen = gen
         # torch's Beta sampler takes no generator: seed a NumPy one from the addressed stream.
         seed = torch.randint(0, 2**62, (1,), generator=gen, device=gen.device)
         self._np = np.random.default_rng(int(seed))
+        self.batch_sizes = list(batch_sizes)
+        self._epoch: list[tuple[float, torch.Tensor]] = []
 
     def draw(self, n: int) -> tuple[float, torch.Tensor]:
-        """The mixing weight and the partner permutation (in host memory: the caller moves
-        it to its batch's device)."""
+        """The mixing weight and the partner permutation of one batch of ``n`` (in host
+        memory)."""
         mix = float(self._np.beta(self.alpha, self.alpha))
         return mix, torch.randperm(n, generator=self.gen, device=self.gen.device)
+
+    def next_batch(self, n: int, device: torch.device) -> tuple[float, torch.Tensor]:
+        """The draws of the next batch of ``n``, its permutation on ``device``. At an epoch's
+        first batch the whole epoch (``batch_sizes``) is drawn, batch by batch exactly as
+        :meth:`draw` would, and its permutations reach the device in one copy: no step
+        waits for a host copy."""
+        if not self._epoch:
+            draws = [self.draw(size) for size in (self.batch_sizes or [n])]
+            sizes = [len(perm) for _, perm in draws]
+            moved = torch.cat([perm for _, perm in draws]).to(device, non_blocking=True)
+            self._epoch = list(zip([mix for mix, _ in draws], moved.split(sizes), strict=True))
+        mix, perm = self._epoch.pop(0)
+        if len(perm) != n:
+            raise RuntimeError(f"mixup: a batch of {n} where the epoch's schedule has {len(perm)}")
+        return mix, perm
 
 
 class FedACDLoss:
@@ -238,8 +257,7 @@ class FedACDLoss:
     def __call__(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
         mix, y_b = 1.0, y
         if self.mixer is not None:
-            mix, perm = self.mixer.draw(x.shape[0])
-            perm = perm.to(x.device)
+            mix, perm = self.mixer.next_batch(x.shape[0], x.device)
             x = mix * x + (1.0 - mix) * x[perm]
             y_b = y[perm]
         features = model.body(x)
@@ -334,7 +352,11 @@ class FedACDClient(ClientLogic):
         num_classes = ctx.data.num_classes
         # P only feeds the margins, so it is skipped when they are off.
         start = soft_confusion(ctx.model, ctx.data, num_classes) if p.margin else None
-        mixer = Mixup(p.mixup_alpha, ctx.rng("fedacd-mixup")) if p.mixup else None
+        mixer = None
+        if p.mixup:
+            bounds = batch_bounds(len(ctx.data), ctx.train.batch_size)
+            sizes = [stop - start for start, stop in bounds]
+            mixer = Mixup(p.mixup_alpha, ctx.rng("fedacd-mixup"), sizes)
         loss_fn = FedACDLoss(p, num_classes, len(ctx.data), start, mixer)
         result = train_client(ctx, loss_fn=loss_fn)
         scalars = {"loss": result.mean_loss}

@@ -249,17 +249,22 @@ def alignment_loss(
     features: torch.Tensor, y: torch.Tensor, global_features: torch.Tensor, known: torch.Tensor
 ) -> torch.Tensor:
     """Mean over the batch's classes with a global feature of the per-class mean squared L2
-    distance between the samples' features and that class's global feature."""
-    keep = known[y]
-    if not bool(keep.any()):
-        return features.sum() * 0.0  # keeps the graph uniform for the caller
-    f, labels = features[keep], y[keep]
-    sq = ((f - global_features[labels].to(f.dtype)) ** 2).sum(dim=1)
+    distance between the samples' features and that class's global feature (0, with the
+    graph kept, when no sample's class has one).
+
+    Samples of unknown classes are weighted 0 rather than masked out, and the per-class
+    means are summed with ``where``: the same value (to the last bits of a sum) without a
+    single read back to the host, which a boolean mask or ``bincount`` costs on a GPU at
+    every step."""
     num_classes = global_features.shape[0]
-    sums = torch.zeros(num_classes, dtype=sq.dtype, device=sq.device).index_add(0, labels, sq)
-    counts = torch.bincount(labels, minlength=num_classes)
+    weight = known[y].to(features.dtype)
+    sq = ((features - global_features[y].to(features.dtype)) ** 2).sum(dim=1) * weight
+    zeros = torch.zeros(num_classes, dtype=sq.dtype, device=sq.device)
+    sums = zeros.index_add(0, y, sq)
+    counts = zeros.index_add(0, y, weight)
     in_batch = counts > 0
-    return (sums[in_batch] / counts[in_batch].to(sq.dtype)).mean()
+    means = torch.where(in_batch, sums / counts.clamp(min=1.0), 0.0)
+    return means.sum() / in_batch.sum().clamp(min=1).to(sq.dtype)
 
 
 def fedcme_loss(mu: float, features: torch.Tensor | None, known: torch.Tensor | None) -> LossFn:

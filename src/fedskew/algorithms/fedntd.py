@@ -49,10 +49,13 @@ class FedNTDParams(FedAvgParams):
 
 
 def not_true_logits(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """(N, C-1) logits without each row's true class, other classes in their order."""
-    keep = torch.ones_like(logits, dtype=torch.bool)
-    keep[torch.arange(len(y), device=y.device), y] = False
-    return logits[keep].view(len(y), logits.shape[1] - 1)
+    """(N, C-1) logits without each row's true class, other classes in their order.
+
+    A gather (column j of a row is class j, or j + 1 from its true class on), not a boolean
+    mask, whose size the GPU would have to report to the host at every step."""
+    others = torch.arange(logits.shape[1] - 1, device=logits.device)
+    columns = others[None, :] + (others[None, :] >= y[:, None]).long()
+    return logits.gather(1, columns)
 
 
 @in_fp32

@@ -52,26 +52,56 @@ def make_optimizer(model: torch.nn.Module, cfg: LocalTrainConfig) -> torch.optim
     )
 
 
-def augment_batch(x: torch.Tensor, gen: torch.Generator, pad: int = 4) -> torch.Tensor:
-    """Random crop with zero padding and horizontal flip, whole batch at once.
+AUGMENT_PAD = 4
 
-    The offsets and flips are drawn with ``gen`` (an addressed CPU generator, so that they
-    are the same on every device) and moved to the batch's device."""
-    if x.dim() != 4:
-        return x
+
+def draw_augmentation(
+    gen: torch.Generator, sizes: Sequence[int], pad: int = AUGMENT_PAD
+) -> torch.Tensor:
+    """The random crops and flips of consecutive batches of ``sizes`` samples, drawn with
+    ``gen`` in host memory: a (3, sum(sizes)) int64 tensor of row offsets, column offsets
+    and flips (0/1), batch after batch.
+
+    Per batch the draws are row offsets, column offsets, then flips, in that order: drawing
+    an epoch's batches at once takes the same numbers from the generator as drawing them
+    batch by batch, so the epoch's augmentation reaches the device in one copy instead of
+    several blocking copies per step."""
+    parts = []
+    for n in sizes:
+        dy = torch.randint(0, 2 * pad + 1, (n,), generator=gen, device=gen.device)
+        dx = torch.randint(0, 2 * pad + 1, (n,), generator=gen, device=gen.device)
+        flip = torch.rand(n, generator=gen, device=gen.device) < 0.5
+        parts.append(torch.stack([dy, dx, flip.long()]))
+    if not parts:
+        return torch.zeros(3, 0, dtype=torch.int64, device=gen.device)
+    return torch.cat(parts, dim=1)
+
+
+def crop_and_flip(x: torch.Tensor, draws: torch.Tensor, pad: int = AUGMENT_PAD) -> torch.Tensor:
+    """Random crop with zero padding and horizontal flip of a (N, C, H, W) batch, as
+    ``draws`` (3, N) on the batch's device say (see :func:`draw_augmentation`). Row offset
+    ``pad``, column offset ``pad`` and no flip give the input back unchanged. Nothing here
+    reads a value back to the host."""
     n, _, h, w = x.shape
     dev = x.device
     padded = F.pad(x, (pad, pad, pad, pad))
-    dy = torch.randint(0, 2 * pad + 1, (n,), generator=gen, device=gen.device).to(dev)
-    dx = torch.randint(0, 2 * pad + 1, (n,), generator=gen, device=gen.device).to(dev)
+    dy, dx, flip = draws[0], draws[1], draws[2].bool()
     rows = (dy[:, None] + torch.arange(h, device=dev)[None, :])[:, None, :, None]
     cols = (dx[:, None] + torch.arange(w, device=dev)[None, :])[:, None, None, :]
     batch = torch.arange(n, device=dev)[:, None, None, None]
     chan = torch.arange(x.shape[1], device=dev)[None, :, None, None]
     out = padded[batch, chan, rows, cols]
-    flip = (torch.rand(n, generator=gen, device=gen.device) < 0.5).to(dev)
-    out[flip] = out[flip].flip(-1)
-    return out
+    return torch.where(flip[:, None, None, None], out.flip(-1), out)
+
+
+def augment_batch(x: torch.Tensor, gen: torch.Generator, pad: int = AUGMENT_PAD) -> torch.Tensor:
+    """Random crop with zero padding and horizontal flip, whole batch at once, drawn with
+    ``gen`` (an addressed CPU generator, so that they are the same on every device). The
+    training loops draw a whole epoch at once instead (:func:`draw_augmentation`)."""
+    if x.dim() != 4:
+        return x
+    draws = draw_augmentation(gen, [x.shape[0]], pad)
+    return crop_and_flip(x, draws.to(x.device, non_blocking=True), pad)
 
 
 def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:
@@ -102,8 +132,9 @@ def local_train(
     "bf16" the loss function and plug-in terms run under bf16 autocast; parameters,
     gradients and the optimizer's state stay fp32.
 
-    On a GPU the data and model live there; the epoch's permutation is drawn with the
-    addressed CPU generator (the same order on every device) and moved once per epoch.
+    On a GPU the data and model live there; the epoch's permutation and augmentation are
+    drawn with the addressed CPU generator (the same on every device) and moved once per
+    epoch, so that no step waits for the host.
     """
     model.train()
     opt = optimizer if optimizer is not None else make_optimizer(model, cfg)
@@ -112,12 +143,22 @@ def local_train(
     steps = 0
     loss_sum = torch.zeros((), device=data.device)
     bounds = batch_bounds(n, cfg.batch_size)
+    augment = cfg.augment and data.x.dim() == 4  # crops and flips are for images
     for _ in range(n_epochs):
-        perm = torch.randperm(n, generator=gen, device=gen.device).to(data.device)
+        perm = torch.randperm(n, generator=gen, device=gen.device)
+        if augment:
+            draws = draw_augmentation(gen, [stop - start for start, stop in bounds])
+            # The permutation and the augmentation in one copy (int64 both); non_blocking
+            # from pageable memory is staged by CUDA before the call returns, so the host
+            # tensors may be freed, and the copy does not stall the stream.
+            epoch = torch.cat([perm[None], draws]).to(data.device, non_blocking=True)
+            perm, draws = epoch[0], epoch[1:]
+        else:
+            perm = perm.to(data.device, non_blocking=True)
         for start, stop in bounds:
             xb, yb = data.batch(perm[start:stop])
-            if cfg.augment:
-                xb = augment_batch(xb, gen)
+            if augment:
+                xb = crop_and_flip(xb, draws[:, start:stop])
             # Forward pass and loss under the precision policy; backward outside, weights fp32.
             with autocast(cfg.precision, xb.device.type):
                 out = loss_fn(model, xb, yb)

@@ -49,10 +49,12 @@ from torch.func import functional_call, vmap
 
 from fedskew.algorithm_interface import ClientLogic, LocalTrainConfig
 from fedskew.algorithms.local import (
+    AUGMENT_PAD,
     PlainTraining,
     TrainResult,
-    augment_batch,
     batch_bounds,
+    crop_and_flip,
+    draw_augmentation,
 )
 from fedskew.data.federated import ClientData
 from fedskew.precision import autocast
@@ -156,24 +158,40 @@ class _Client:
     """One client's side of the stacked loop: its data, generator and batch schedule."""
 
     def __init__(
-        self, data: ClientData, gen: torch.Generator, epochs: int, batch_size: int
+        self, data: ClientData, gen: torch.Generator, epochs: int, batch_size: int, augment: bool
     ) -> None:
         self.data = data
         self.gen = gen
         self.bounds = batch_bounds(len(data), batch_size)
         self.steps = epochs * len(self.bounds)
+        self.augment = augment
         self.rows: torch.Tensor | None = None  # this epoch's data rows, in order
+        self.draws: torch.Tensor | None = None  # this epoch's augmentation (3, n), if any
 
     def batch_rows(self, step: int) -> torch.Tensor:
         """The dataset rows of this client's batch number ``step`` (drawing the epoch's
-        permutation first at each epoch start, as the one-client loop does)."""
+        permutation, then its augmentation, at each epoch start, as the one-client loop
+        does, and moving them to the device in one copy)."""
         b = step % len(self.bounds)
         if b == 0 or self.rows is None:
             n = len(self.data)
             perm = torch.randperm(n, generator=self.gen, device=self.gen.device)
-            self.rows = self.data.indices.index_select(0, perm.to(self.data.device))
+            if self.augment:
+                sizes = [stop - start for start, stop in self.bounds]
+                epoch = torch.cat([perm[None], draw_augmentation(self.gen, sizes)])
+                epoch = epoch.to(self.data.device, non_blocking=True)
+                perm, self.draws = epoch[0], epoch[1:]
+            else:
+                perm = perm.to(self.data.device, non_blocking=True)
+            self.rows = self.data.indices.index_select(0, perm)
         start, stop = self.bounds[b]
         return self.rows[start:stop]
+
+    def batch_draws(self, step: int) -> torch.Tensor:
+        """The augmentation of batch number ``step`` (after ``batch_rows(step)``)."""
+        assert self.draws is not None
+        start, stop = self.bounds[step % len(self.bounds)]
+        return self.draws[:, start:stop]
 
 
 def train_together(
@@ -187,8 +205,10 @@ def train_together(
     """Train client k from ``starts[k]`` (a state dict) on ``datas[k]`` for ``epochs[k]``
     epochs with generator ``gens[k]``, all clients at once; ``model`` gives the architecture
     (its own weights are not used). Returns each client's TrainResult and trained state."""
+    augment = cfg.augment and bool(datas) and datas[0].x.dim() == 4
     clients = [
-        _Client(d, g, e, cfg.batch_size) for d, g, e in zip(datas, gens, epochs, strict=True)
+        _Client(d, g, e, cfg.batch_size, augment)
+        for d, g, e in zip(datas, gens, epochs, strict=True)
     ]
     # Most steps first: at every step the active clients are a prefix of the stack.
     order = sorted(range(len(clients)), key=lambda k: -clients[k].steps)
@@ -211,9 +231,7 @@ def train_together(
 
     for step in range(max_steps):
         active = sum(1 for k in order if clients[k].steps > step)
-        xb, yb, mask = _gather(
-            [clients[k] for k in order[:active]], step, x_all, y_all, cfg.augment
-        )
+        xb, yb, mask = _gather([clients[k] for k in order[:active]], step, x_all, y_all)
         padded = mask is not None
         p_now = {name: p[:active] for name, p in params.items()}
         b_now = {name: b[:active] for name, b in buffers.items()}
@@ -258,7 +276,6 @@ def _gather(
     step: int,
     x: torch.Tensor,
     y: torch.Tensor,
-    augment: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(clients, batch, ...) inputs and labels of this step, gathered on the data's device;
     a (clients, batch) mask of real samples when the batches differ in size, else None."""
@@ -274,14 +291,18 @@ def _gather(
         rows = [torch.cat([r, r[:1].expand(width - len(r))]) for r in rows]
     index = torch.stack(rows)
     xb = x[index]
-    if augment:
-        # Each client's augmentation from its own generator, after its permutation, as alone.
-        xb = torch.stack(
-            [
-                torch.cat([augment_batch(xb[i, :size], c.gen), xb[i, size:]])
-                for i, (c, size) in enumerate(zip(clients, sizes, strict=True))
-            ]
-        )
+    if clients[0].augment:
+        # Each client's augmentation from its own generator, after its permutation, as
+        # alone; padding rows get the identity (offsets AUGMENT_PAD, no flip). One kernel
+        # for the whole stack.
+        draws = [c.batch_draws(step) for c in clients]
+        if mask is not None:
+            identity = torch.full((3, width), AUGMENT_PAD, dtype=torch.int64, device=x.device)
+            identity[2].zero_()
+            draws = [torch.cat([d, identity[:, d.shape[1] :]], 1) for d in draws]
+        flat = xb.reshape(len(rows) * width, *xb.shape[2:])
+        stacked = torch.cat(draws, dim=1)
+        xb = crop_and_flip(flat, stacked).reshape(xb.shape)
     return xb, y[index], mask
 
 

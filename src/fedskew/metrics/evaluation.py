@@ -32,23 +32,24 @@ def evaluate(
 
     The forward pass runs under ``precision`` (see fedskew.precision); the loss, the
     arg-max and the per-class counts are taken from the logits in fp32. The model and the
-    test tensors share a device; the counts are made there (integer counts: deterministic
-    on CUDA too) and read back once.
+    test tensors share a device; the loss (summed in float64) and the counts (integers:
+    deterministic on CUDA too) are accumulated there and read back once, after the last
+    batch. (``bincount`` and boolean masks would each read a size back per batch.)
     """
     was_training = model.training
     model.eval()
     correct = torch.zeros(num_classes, dtype=torch.int64, device=y.device)
     total = torch.zeros(num_classes, dtype=torch.int64, device=y.device)
-    loss_sum = 0.0
+    loss_sum = torch.zeros((), dtype=torch.float64, device=y.device)
     for start in range(0, len(y), batch_size):
         xb, yb = x[start : start + batch_size], y[start : start + batch_size]
         with autocast(precision, xb.device.type):
             logits = model(xb)
         logits = logits.float()  # a no-op in fp32
-        loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
+        loss_sum += F.cross_entropy(logits, yb, reduction="sum").double()
         hit = logits.argmax(dim=1) == yb
-        correct += torch.bincount(yb[hit], minlength=num_classes)
-        total += torch.bincount(yb, minlength=num_classes)
+        correct.index_add_(0, yb, hit.long())
+        total.index_add_(0, yb, torch.ones_like(yb))
     model.train(was_training)
     n = int(total.sum())
     counts = total.cpu().numpy()
@@ -56,7 +57,7 @@ def evaluate(
         per_class = np.where(counts > 0, correct.cpu().numpy() / np.maximum(counts, 1), np.nan)
     return EvalResult(
         accuracy=float(correct.sum()) / max(n, 1),
-        loss=loss_sum / max(n, 1),
+        loss=float(loss_sum) / max(n, 1),
         per_class_accuracy=per_class,
         class_counts=counts,
     )

@@ -177,19 +177,21 @@ def per_class_accuracy(
     was_training = model.training
     model.eval()
     device = device_of(model)
-    correct = np.zeros(num_classes, dtype=np.int64)
-    total = np.zeros(num_classes, dtype=np.int64)
+    correct = torch.zeros(num_classes, dtype=torch.int64, device=device)
+    total = torch.zeros(num_classes, dtype=torch.int64, device=device)
     for start in range(0, len(y), batch_size):
         xb = x[start : start + batch_size].to(device)
-        yb = y[start : start + batch_size].cpu().numpy()
+        yb = y[start : start + batch_size].to(device)
         with autocast(precision, xb.device.type):
             logits = model(xb)
-        predicted = logits.float().argmax(dim=1).cpu().numpy()
-        total += np.bincount(yb, minlength=num_classes)
-        correct += np.bincount(yb[predicted == yb], minlength=num_classes)
+        hit = logits.float().argmax(dim=1) == yb
+        # Counted on the device, read back once (see evaluate).
+        correct.index_add_(0, yb, hit.long())
+        total.index_add_(0, yb, torch.ones_like(yb))
     model.train(was_training)
+    correct_host, total_host = correct.cpu().numpy(), total.cpu().numpy()
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(total > 0, correct / np.maximum(total, 1), np.nan)
+        return np.where(total_host > 0, correct_host / np.maximum(total_host, 1), np.nan)
 
 
 def local_model_risk(

@@ -194,6 +194,26 @@ def test_resnet18_small_inputs_via_adaptive_pooling() -> None:
         assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)
 
 
+def test_global_pooling_is_adaptive_pooling_bit_for_bit() -> None:
+    """The mean over height and width gives nn.AdaptiveAvgPool2d(1)'s bits on the CPU, values
+    and gradients, in both memory formats (tests/test_together.py: and it batches under
+    vmap, where the layer did not)."""
+    from fedskew.models.resnet import GlobalAvgPool
+
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((16, 64, 4, 4), (8, 512, 1, 1), (4, 32, 8, 8)):
+        for channels_last in (False, True):
+            x = torch.randn(*shape, generator=gen)
+            if channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+            ours, theirs = GlobalAvgPool()(a), torch.nn.AdaptiveAvgPool2d(1)(b)
+            assert torch.equal(ours, theirs)
+            g = torch.randn(ours.shape, generator=gen)
+            ours.backward(g), theirs.backward(g)
+            assert torch.equal(a.grad, b.grad)
+
+
 def test_construction_is_deterministic_under_manual_seed() -> None:
     torch.manual_seed(123)
     a = build_model("simple-cnn", (1, 28, 28), 10)

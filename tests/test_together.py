@@ -174,3 +174,23 @@ def test_auto_is_one_after_another_on_the_cpu() -> None:
     assert resolve_mode("auto", torch.device("cpu")) == "off"
     assert resolve_mode("auto", torch.device("cuda", 0)) == "vmap"
     assert resolve_mode("vmap", torch.device("cpu")) == "vmap"
+
+
+def test_resnet_trains_together_without_a_per_client_fallback() -> None:
+    """ResNet-18's global pooling (channels_last, as prepare lays it out) has a batching rule
+    under vmap: no "performance drop" fallback, which loops over the clients one by one."""
+    import warnings
+
+    cfg = ExperimentConfig(
+        model="resnet18", model_options={"width": 8}, num_clients=4, workers=0, device="cpu"
+    )
+    prep = prepare(cfg)
+    assert prep.channels_last
+    model = new_model(prep)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    datas = [prep.fed.client(k) for k in range(2)]
+    gens = [torch_rng(0, 0, k, "train") for k in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_together(model, datas, prep.train, gens, [start] * 2, [1, 1])
+    assert not [str(w.message) for w in caught if "performance drop" in str(w.message)]

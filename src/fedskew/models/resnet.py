@@ -34,18 +34,18 @@ def _norm_factory(norm: str) -> NormFactory:
 
 
 class GlobalAvgPool(nn.AdaptiveAvgPool2d):
-    """Global average pooling: ``nn.AdaptiveAvgPool2d(1)``, except on CUDA under
-    ``torch.use_deterministic_algorithms``, where that layer's backward has no deterministic
-    kernel (PyTorch refuses it): there the mean over height and width, the same value up to
-    rounding. No parameters either way, so the state dict is unchanged."""
+    """Global average pooling, ``nn.AdaptiveAvgPool2d(1)``, computed as the mean over height
+    and width: the value PyTorch itself computes for a 1x1 output (the same bits on the CPU),
+    without the two detours the layer takes. On CUDA under ``use_deterministic_algorithms``
+    the layer's backward has no deterministic kernel, and inside ``vmap`` (clients trained
+    together) its re-striding of the output has no batching rule, so every call fell back to
+    a slow per-client loop. No parameters either way, so the state dict is unchanged."""
 
     def __init__(self) -> None:
         super().__init__(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and torch.are_deterministic_algorithms_enabled():
-            return x.mean(dim=(2, 3), keepdim=True)
-        return super().forward(x)
+        return x.mean(dim=(2, 3), keepdim=True)
 
 
 class BasicBlock(nn.Module):

@@ -135,7 +135,7 @@ def test_importing_fedskew_sets_the_cublas_variable_before_any_cuda_work() -> No
     code = (
         "import os, sys\n"
         "import fedskew.device\n"
-        "assert not fedskew.CUDA_BEFORE_IMPORT\n"
+        "assert not fedskew.cuda_environment.CUDA_BEFORE_IMPORT\n"
         "print(os.environ.get('CUBLAS_WORKSPACE_CONFIG'))"
     )
     done = _python(code, env)
@@ -152,7 +152,7 @@ def test_deterministic_cuda_is_refused_in_one_line_when_cublas_cannot_comply(
     """With CUDA (pretended here), a deterministic run is checked before it starts: a
     variable with a non-reproducible value, or CUDA used before fedskew was imported, is a
     UsageError naming the fix, not PyTorch's RuntimeError at the first matrix product."""
-    import fedskew
+    import fedskew.cuda_environment as environment
     import fedskew.device as device
 
     settings = ExecutionSettings(tf32=False, deterministic=True)
@@ -162,11 +162,11 @@ def test_deterministic_cuda_is_refused_in_one_line_when_cublas_cannot_comply(
     with pytest.raises(UsageError, match="does not make cuBLAS reproducible"):
         device.apply_settings(settings)
     monkeypatch.setenv(CUBLAS_VARIABLE, CUBLAS_VALUE)
-    monkeypatch.setattr(fedskew, "CUDA_BEFORE_IMPORT", True)
+    monkeypatch.setattr(environment, "CUDA_BEFORE_IMPORT", True)
     with pytest.raises(UsageError, match="used CUDA before importing fedskew"):
         device.apply_settings(settings)
     assert ExecutionSettings.current() == before  # refused before any switch changed
-    monkeypatch.setattr(fedskew, "CUDA_BEFORE_IMPORT", False)
+    monkeypatch.setattr(environment, "CUDA_BEFORE_IMPORT", False)
     with settings_applied(settings):
         assert torch.are_deterministic_algorithms_enabled()
     # Without CUDA there is no cuBLAS: the same variable is no reason to refuse a CPU run.

@@ -14,6 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "fedskew"
 LAYERS: list[tuple[str, ...]] = [
     (  # leaves
         "fedskew.version",
+        "fedskew.cuda_environment",
         "fedskew.references",
         "fedskew.errors",
         "fedskew.rng",

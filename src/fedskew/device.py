@@ -31,14 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-import fedskew
+import fedskew.cuda_environment as cuda_environment
+from fedskew.cuda_environment import CUBLAS_DETERMINISTIC, CUBLAS_VALUE, CUBLAS_VARIABLE
 from fedskew.errors import UsageError
 
 _SPEC = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 DEVICE_TEXT = "auto, cpu, cuda or cuda:N"
-CUBLAS_VARIABLE = "CUBLAS_WORKSPACE_CONFIG"
-CUBLAS_VALUE = ":4096:8"
-CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
 
 
 def check_device_spec(value: object) -> str:
@@ -141,7 +139,7 @@ def check_cublas_deterministic() -> None:
             f"deterministic: {CUBLAS_VARIABLE}={value!r} does not make cuBLAS reproducible; "
             f"unset it or set it to {CUBLAS_VALUE} (or :16:8)"
         )
-    if fedskew.CUDA_BEFORE_IMPORT:
+    if cuda_environment.CUDA_BEFORE_IMPORT:
         raise UsageError(
             f"deterministic: this process used CUDA before importing fedskew, without "
             f"{CUBLAS_VARIABLE}; set {CUBLAS_VARIABLE}={CUBLAS_VALUE} in the environment or "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,13 @@ def mode() -> str | None:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
+def wait_for_a_new_second(folder: Path, run_id: str) -> None:
+    """W&B names a run's local folder by the second it starts in (local time): a resume in
+    the same second as the process before it would share, and overwrite, that folder."""
+    while any(folder.glob(f"*-{time.strftime('%Y%m%d_%H%M%S')}-{run_id}")):
+        time.sleep(0.05)
+
+
 class WandbTracker(Tracker):
     name = "wandb"
 
@@ -34,6 +42,8 @@ class WandbTracker(Tracker):
         # Our own id rather than W&B's, which would draw from the random state the run uses.
         self.id = str(saved.get("id") or uuid.uuid4().hex[:12])
         run.root.mkdir(parents=True, exist_ok=True)
+        if saved.get("id"):
+            wait_for_a_new_second(run.root / "wandb", self.id)
         self.wb = wandb.init(
             project=run.project,
             dir=str(run.root),

@@ -103,6 +103,7 @@ class TrackingSession:
         if not cfg.track:
             return session
         saved = read_state(folder.path)
+        session.state = dict(saved)  # a tracker that fails to start here keeps its ids
         info: RunInfo | None = None
         for name in cfg.track:
             try:

@@ -39,7 +39,7 @@ class WandbTracker(Tracker):
 
     def __init__(self, run: RunInfo, saved: dict[str, Any]) -> None:
         super().__init__(run, saved)
-        # Our own id rather than W&B's, which would draw from the random state the run uses.
+        # The id goes to tracking.json, so that a resume reopens this W&B run.
         self.id = str(saved.get("id") or uuid.uuid4().hex[:12])
         run.root.mkdir(parents=True, exist_ok=True)
         if saved.get("id"):

@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fedskew.algorithms",),
     ("fedskew.building", "fedskew.checkpoint"),
     ("fedskew.engine",),
-    ("fedskew.experiment", "fedskew.measurements"),
+    ("fedskew.experiment", "fedskew.measurements", "fedskew.tracking"),
     # apps; the package's __init__ offers the Python API (fedskew.run)
     # compare and reporting read checkpoints and start runs; report/ only formats.
     (

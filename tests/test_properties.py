@@ -311,6 +311,9 @@ def _option_values() -> dict[str, st.SearchStrategy]:
             lambda v: v[0].strip().lower() != "auto" and (_int(v[0]) or 0) < 2
         ),
         "--on-divergence": choice_values(["stop", "drop"]),
+        # TensorBoard only: MLflow and W&B keep copies of summary.json that
+        # check_finished_run would count as runs. Names take other spellings (" TensorBoard").
+        "--track": choice_values(["tensorboard"], strict=False),
         "--resume": relative_paths().map(lambda t: (t, True)),
         "--out-dir": relative_paths().map(lambda t: (t, "\x00" in t)),
         "--name": free_text(

@@ -197,6 +197,13 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         choices=["stop", "drop"],
         help="a client reply with NaN or Inf: stop the run (default) or leave the reply out",
     )
+    p.add_argument(
+        "--track",
+        action="append",
+        metavar="tensorboard|mlflow|wandb",
+        help="also log each round's metrics, the config and the summary to this experiment "
+        "tracker (repeatable; needs pip install 'fedskew[NAME]')",
+    )
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an unfinished run folder")
     p.add_argument("-o", "--out-dir", help="where run folders go (default ./runs)")
     p.add_argument(
@@ -248,6 +255,7 @@ def cli_values(args: argparse.Namespace) -> dict[str, Any]:
         "reply_timeout",
         "workers",
         "on_divergence",
+        "track",
         "out_dir",
         "name",
         "quiet",
@@ -322,7 +330,7 @@ def flower_simulation():
 # How and where a run executes, not what it computes: a resumed run may change them (a run
 # started here can be continued on another machine, with its own data folder, cores and GPU).
 RESUME_MAY_CHANGE = ("quiet", "workers", "data_dir", "device", "tf32", "deterministic",
-                     "clients_together")  # fmt: skip
+                     "clients_together", "track")  # fmt: skip
 
 
 def resume_config(args: argparse.Namespace):

@@ -11,6 +11,7 @@ A compare file (TOML, YAML or JSON) has up to five tables::
     target = 80                # rounds to reach 80 % accuracy (optional)
     jobs = 2                   # runs at once; jobs x threads <= cores
     threads = 1                # torch threads per run
+    track = ["mlflow"]         # experiment trackers of every run (fedskew.tracking)
 
     [experiment]               # the base experiment: keys of `fedskew run` config files
     dataset = "fmnist"
@@ -94,12 +95,13 @@ from fedskew.report.tables import (
     runs_csv,
 )
 from fedskew.runfolder import read_jsonl, running_elsewhere
+from fedskew.tracking import prepare as prepare_tracking
 
 # One lock file per planned run that a compare is starting or training (see run_one).
 SLOTS = ".compare-locks"
 
 SECTIONS = ("compare", "experiment", "methods", "settings", "axes")
-COMPARE_KEYS = ("out_dir", "seeds", "reference", "last", "target", "jobs", "threads")
+COMPARE_KEYS = ("out_dir", "seeds", "reference", "last", "target", "jobs", "threads", "track")
 # What decides a (setting, seed)'s partition and the clients of each round: a setting's,
 # never a method's, so that all methods of a setting see the same clients.
 SHARED_KEYS = (
@@ -110,7 +112,7 @@ SHARED_KEYS = (
 # The scheme a layer without `partition` inherits when no earlier layer names one.
 DEFAULT_PARTITION = ExperimentConfig.partition
 # Set by compare for each run.
-RUN_KEYS = ("seed", "out_dir", "name", "quiet")
+RUN_KEYS = ("seed", "out_dir", "name", "quiet", "track_dir")
 
 
 @dataclass
@@ -258,6 +260,8 @@ def grid_from(
     for key in RUN_KEYS:
         if key in base and key != "seed":
             raise UsageError(f"{where}: '{key}' is set by compare for each run; drop it")
+    if "track" in conf and "track" not in cli_base:  # [compare] track, under --track
+        base["track"] = conf["track"]
     if "seed" in base and "seeds" not in conf:
         conf["seeds"] = [base["seed"]]
     base.pop("seed", None)
@@ -316,7 +320,9 @@ def grid_from(
             settings[name] = merge(svalues, axis_values)
     for name, values in settings.items():
         if any(k in RUN_KEYS for k in values):
-            raise UsageError(f"setting '{name}' sets seed, out_dir, name or quiet: drop it")
+            raise UsageError(
+                f"setting '{name}' sets seed, out_dir, name, quiet or track_dir: drop it"
+            )
 
     seeds = conf.get("seeds", [0])
     if not isinstance(seeds, list) or not seeds or not all(_is_int(s) and s >= 0 for s in seeds):
@@ -394,6 +400,7 @@ def plan(grid: Grid) -> list[PlannedRun]:
                     out_dir=str(out if single else out / setting),
                     name=name,
                     quiet=True,
+                    track_dir=str(out),  # trackers group the runs by grid, setting, method
                 )
                 values.setdefault("workers", 0)  # one process per run; jobs run them side by side
                 where = f"run {folder}"
@@ -615,6 +622,8 @@ def launch(
             status = "resumed"
             cmd = [sys.executable, "-m", "fedskew", "run", "--resume", str(unfinished), "-q"]
             cmd += ["--workers", str(run.cfg.workers)]
+            for name in run.cfg.track:  # the grid's trackers, also for a run begun without
+                cmd += ["--track", name]
         else:
             status = "finished"
             path = Path(tmp) / "run.json"
@@ -744,7 +753,9 @@ def run_grid(
     threads = threads_per_run(grid.jobs, grid.threads, cores)
     root = grid.out_dir.resolve()
     root.mkdir(parents=True, exist_ok=True)
-    prefetch([r for r in runs if not (root / r.folder / "summary.json").is_file()], print_line)
+    todo = [r for r in runs if not (root / r.folder / "summary.json").is_file()]
+    prepare_tracking([r.cfg for r in todo])  # a missing tracker package stops all, up front
+    prefetch(todo, print_line)
     children = Children()
     outcomes: list[Outcome] = []
     pool = ThreadPoolExecutor(max_workers=grid.jobs)

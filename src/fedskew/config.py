@@ -75,6 +75,12 @@ class ExperimentConfig:
     out_dir: str = "runs"
     name: str | None = None  # the run folder's name: one path component
     quiet: bool = False
+    # Experiment trackers that get each round's metrics besides the run folder
+    # (fedskew.tracking): tensorboard, mlflow, wandb.
+    track: list[str] = field(default_factory=list)
+    # Where trackers keep their files (mlflow.db, tensorboard/, wandb/); default: the folder
+    # that holds the run folder. fedskew compare sets it to the grid folder.
+    track_dir: str | None = None
 
     def per_round(self) -> int:
         """Clients sampled per round, from the count or the fraction."""
@@ -150,6 +156,7 @@ class ExperimentConfig:
             )
         if self.name is not None:
             check_run_name(self.name)
+        self.track = parse_trackers(self.track)
         if self.partition_file is not None and self.partition == "natural":
             raise UsageError("give either partition natural or a partition file, not both")
         if self.reply_timeout < 0:
@@ -168,6 +175,7 @@ class ExperimentConfig:
 MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
 CLIENTS_TOGETHER = ("auto", "off", "vmap")
 DIVERGENCE_POLICIES = ("stop", "drop")
+TRACKERS = ("tensorboard", "mlflow", "wandb")
 FINITE = (
     "lr", "momentum", "weight_decay", "grad_clip", "participation", "reply_timeout",
     "synthetic_alpha", "synthetic_beta",
@@ -184,7 +192,7 @@ FINITE = (
 # process's device and settings are recorded in processes.jsonl.
 EXECUTION_ONLY = ("quiet", "workers", "data_dir", "download", "out_dir", "name", "engine",
                   "reply_timeout", "partition_file", "device", "tf32", "deterministic",
-                  "clients_together")  # fmt: skip
+                  "clients_together", "track", "track_dir")  # fmt: skip
 
 
 # Values that reach float32 tensors (learning rates, coefficients) must convert to them:
@@ -303,6 +311,8 @@ def _typed(key: str, value: Any) -> Any:
     default = f.default if f.default is not dataclasses.MISSING else None
     if key in TABLES:
         return value
+    if key == "track":
+        return parse_trackers(value)
     if isinstance(value, str) and "\0" in value:  # no path or name holds one
         raise UsageError(f"{key.replace('_', '-')} contains a NUL character: {value!r}")
     if default is None and key not in {"participation", "clients_per_round"}:
@@ -345,6 +355,20 @@ def parse_workers(value: Any) -> int | str:
     if isinstance(value, float) and not value.is_integer():
         raise UsageError(f"workers expects an integer >= 0 or auto, got {value!r}")
     return count
+
+
+def parse_trackers(value: Any) -> list[str]:
+    """Tracker names from a list or a comma-separated text, checked, each once."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+        raise UsageError(f"track expects tracker names ({', '.join(TRACKERS)}), got {value!r}")
+    names = [i.strip().lower() for i in items if i.strip()]
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise UsageError(
+            f"track: unknown tracker '{unknown[0]}' (choose from {', '.join(TRACKERS)})"
+        )
+    return list(dict.fromkeys(names))
 
 
 def effective_workers(cfg: ExperimentConfig) -> int:

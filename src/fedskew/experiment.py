@@ -50,6 +50,7 @@ from fedskew.measurements import Measurements, final_values
 from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
 from fedskew.protocol import Expected, Message, NoReplies, largest_state
 from fedskew.runfolder import RunFolder, check_writable
+from fedskew.tracking import TrackingSession, check_available
 
 RoundCallback = Callable[[dict[str, Any]], None]
 # Builds the engine of a run from the prepared experiment, the client logic and the
@@ -90,6 +91,7 @@ def _run(
     engine_factory: EngineFactory | None,
 ) -> tuple[Path, dict[str, Any]]:
     check_names(cfg)
+    check_available(cfg.track)  # a missing tracker package: one line, before any work
     if resume is None:
         check_writable(Path(cfg.out_dir))
     prep = prepare(cfg)
@@ -105,8 +107,10 @@ def _run(
     engine = factory(prep, client_logic, model)
     measurements = Measurements(prep, eval_model)
     state = RunState(prep, setup, server, engine, eval_model, per_round, measurements=measurements)
+    tracking = TrackingSession()  # none until the run folder is open
     try:
         open_folder(state, resume)
+        tracking = TrackingSession.start(cfg, state.run_folder, state.history)
         started = time.perf_counter()
         if on_start is not None:
             on_start(state.start_round)
@@ -119,16 +123,21 @@ def _run(
                 record["eval_seconds"] = round(time.perf_counter() - t1, 4)
             record.update(measurements.measure(rnd, server, skipped="skipped" in record))
             keep_round(state, rnd, record)
+            tracking.log_round(record)
             if on_round is not None:
                 on_round(record)
         if cfg.tsne:
             measurements.write_tsne(cfg.rounds - 1, server, state.run_folder.path)
-        return finish(state, time.perf_counter() - started)
+        folder, summary = finish(state, time.perf_counter() - started)
+        tracking.finish(folder, summary)
+        return folder, summary
     except KeyboardInterrupt:
+        tracking.close("killed")
         if state.folder is None:
             raise
         raise RunInterrupted(state) from None
     finally:
+        tracking.close("failed")  # nothing left to close after a finish or an interrupt
         engine.close()
         if state.folder is not None:
             state.folder.release()

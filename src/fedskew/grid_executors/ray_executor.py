@@ -15,6 +15,7 @@ import ctypes
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,9 +45,13 @@ def _die_with_parent() -> None:
         pass
 
 
-def run_task(data: dict[str, Any], root: str, threads: int) -> dict[str, Any]:
+def run_task(data: dict[str, Any], root: str, threads: int, gpus: float) -> dict[str, Any]:
     """One run (skipped, started or resumed) in a Ray worker; plain data in and out."""
     run = planned_from(data)
+    if not gpus:
+        # A run that asked for no GPU trains on the CPU even where its device is "auto": a
+        # GPU it took undeclared would be another run's.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     children = Children()
     if sys.platform.startswith("linux"):
         children.popen_options = {"preexec_fn": _die_with_parent}
@@ -78,6 +83,9 @@ def connect(ray: Any, address: str | None) -> None:
     options: dict[str, Any] = {"runtime_env": runtime_env(), "log_to_driver": False}
     if address is None:  # a cluster of this machine for this compare alone
         options["include_dashboard"] = False
+    # Ray's notice that it will stop hiding GPUs from tasks that ask for none: run_task
+    # hides them itself.
+    warnings.filterwarnings("ignore", message=".*RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO")
     try:
         ray.init(address=address, logging_level="WARNING", **options)
     except ConnectionError as exc:
@@ -122,7 +130,8 @@ def run_grid_on_ray(
             max_retries=settings.retries,
             retry_exceptions=[RunProcessKilled],
         )
-        by_ref = {task.remote(run_data(r), str(root), threads): r for r in pending}
+        gpus = settings.gpus_per_run
+        by_ref = {task.remote(run_data(r), str(root), threads, gpus): r for r in pending}
         waiting = list(by_ref)
         try:
             while waiting:

@@ -45,9 +45,12 @@ ARRAY_BODY = """\
 # keeps its finished rounds, and the task is requeued to resume. A plain SIGTERM (scancel)
 # stops the run without requeueing.
 set -u
+# Job control: the task's processes get a process group of their own, so that the signal
+# reaches the run itself at once, not only the grid-task process that started it.
+set -m
 requeue=0
 child=
-stop() {{ [ "$1" = USR1 ] && requeue=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null; }}
+stop() {{ [ "$1" = USR1 ] && requeue=1; [ -n "$child" ] && kill -TERM -- "-$child" 2>/dev/null; }}
 trap 'stop USR1' USR1
 trap 'stop TERM' TERM
 {python} -m fedskew grid-task {runs} &

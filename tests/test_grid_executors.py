@@ -1,0 +1,358 @@
+"""`fedskew compare --executor ray|slurm`: the same runs as `--executor local`, on a real
+two-node Ray cluster of this machine and through the Slurm array scripts executed by hand;
+finished runs are skipped, killed ones resume, and the tables equal those of a local grid."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedskew.cli import main
+from fedskew.grid_executors.slurm_array import array_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = str(ROOT / "src")
+
+# 12 rounds: long enough to catch a run between two rounds and kill it there.
+GRID = """
+[compare]
+out_dir = "{out}"
+seeds = [0, 1]
+last = 5
+threads = 1
+jobs = 2
+
+[experiment]
+dataset = "digits"
+num_clients = 4
+clients_per_round = 2
+rounds = 12
+local_epochs = 1
+batch_size = 64
+
+[methods.fedavg]
+
+[methods.prox]
+algorithm = "fedprox"
+params = {{ mu = 0.1 }}
+"""
+RUNS = ["fedavg-s0", "prox-s0", "fedavg-s1", "prox-s1"]
+TIMING = ("seconds_per_round", "machines")  # where and how fast, not what was computed
+METRIC_KEYS = ("round", "clients", "accuracy", "loss", "bytes_down", "bytes_up")
+
+
+def grid_file(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    file = folder / "grid.toml"
+    file.write_text(GRID.format(out=folder / "out"))
+    return file
+
+
+def env_with_tree() -> dict[str, str]:
+    """This tree's fedskew first, for the commands the tests start and their runs."""
+    path = os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+
+
+def fedskew(*args: str) -> list[str]:
+    return [sys.executable, "-m", "fedskew", *args]
+
+
+def comparison(out: Path) -> list[dict[str, str]]:
+    rows = list(csv.DictReader((out / "comparison.csv").open()))
+    return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
+
+
+def metrics(folder: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [{k: r.get(k) for k in METRIC_KEYS} for r in rows]
+
+
+def from_rounds(folder: Path) -> list[int]:
+    lines = (folder / "processes.jsonl").read_text().splitlines()
+    return [json.loads(x)["from_round"] for x in lines]
+
+
+def rounds_done(unfinished: Path) -> int:
+    try:
+        return len((unfinished / "metrics.jsonl").read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def run_pid(unfinished: Path) -> int | None:
+    """The pid of the process training ``unfinished``, from its lock ("pid N on HOST")."""
+    try:
+        words = (unfinished / "lock").read_text().split()
+    except OSError:
+        return None
+    return int(words[1]) if len(words) > 1 and words[1].isdigit() else None
+
+
+def parent_of(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def wait_for_rounds(unfinished: Path, rounds: int, proc: subprocess.Popen, timeout=120) -> int:
+    """Wait until ``unfinished`` has ``rounds`` rounds and a live trainer; its pid."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the command ended before the run could be killed"
+        pid = run_pid(unfinished)
+        if rounds_done(unfinished) >= rounds and pid is not None:
+            return pid
+        time.sleep(0.02)
+    raise AssertionError(f"{unfinished} never reached round {rounds}")
+
+
+@pytest.fixture(scope="module")
+def local_grid(tmp_path_factory) -> Path:
+    """The grid run by `--executor local`: what the other executors must reproduce."""
+    file = grid_file(tmp_path_factory.mktemp("local"))
+    assert main(["compare", "-c", str(file), "--executor", "local"]) == 0
+    return file.parent / "out"
+
+
+def same_results(out: Path, local: Path) -> None:
+    assert comparison(out) == comparison(local)
+    for name in RUNS:
+        assert metrics(out / name) == metrics(local / name), name
+
+
+# --------------------------------------------------------------------------------- Ray
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A head node and a second node, each its own `ray start --block` process tree on
+    loopback; stopped by ending those two processes (which stop what they started)."""
+    pytest.importorskip("ray")
+    ray_bin = Path(sys.executable).with_name("ray")
+    if not ray_bin.is_file():
+        pytest.skip("no ray command next to this Python")
+    port = free_port()
+    temp = tmp_path_factory.mktemp("ray")
+    # Without this tree on its path: a task sees this tree only through compare's runtime_env.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    common = ["--block", "--node-ip-address=127.0.0.1", "--object-store-memory=80000000",
+              "--min-worker-port=0", "--max-worker-port=0"]  # fmt: skip
+    head = [str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=2",
+            "--include-dashboard=false", f"--temp-dir={temp}", *common]  # fmt: skip
+    node = [str(ray_bin), "start", f"--address=127.0.0.1:{port}", "--num-cpus=1", *common]
+    started: list[subprocess.Popen] = []
+    log = (temp / "start.log").open("w")
+    try:
+        started.append(subprocess.Popen(head, env=env, stdout=log, stderr=log))
+        status = [str(ray_bin), "status", f"--address=127.0.0.1:{port}"]
+        deadline = time.monotonic() + 90
+        while True:
+            time.sleep(2)
+            shown = subprocess.run(status, env=env, capture_output=True, text=True).stdout
+            nodes = [x for x in shown.splitlines() if x.strip().startswith("1 node_")]
+            if not started[1:] and nodes:
+                started.append(subprocess.Popen(node, env=env, stdout=log, stderr=log))
+            elif len(nodes) == 2:
+                break
+            assert time.monotonic() < deadline, (temp / "start.log").read_text()[-2000:]
+            assert all(p.poll() is None for p in started), (temp / "start.log").read_text()
+        yield f"127.0.0.1:{port}"
+    finally:
+        for proc in reversed(started):
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+def test_ray_grid_retries_killed_tasks_and_matches_local(ray_cluster, local_grid, tmp_path):
+    """Four runs as Ray tasks over two nodes. The worker of one run is killed, and the run
+    process of another: both tasks are retried and resume their runs from the rounds on
+    disk. The tables and every run's metrics equal the local grid's; a second call skips
+    every run."""
+    file = grid_file(tmp_path)
+    out = tmp_path / "out"
+    cmd = fedskew("compare", "-c", str(file), "--executor", "ray", "--ray-address", ray_cluster)
+    proc = subprocess.Popen(cmd, env=env_with_tree(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        # The Ray worker running fedavg-s0's task: its run dies with it.
+        pid = wait_for_rounds(out / "fedavg-s0.incomplete", 2, proc)
+        worker = parent_of(pid)
+        assert b"ray" in Path(f"/proc/{worker}/cmdline").read_bytes()
+        os.kill(worker, signal.SIGKILL)
+        # prox-s0's run process alone (as the out-of-memory killer would).
+        os.kill(wait_for_rounds(out / "prox-s0.incomplete", 2, proc), signal.SIGKILL)
+        printed, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, printed
+    assert "warning" not in printed  # the tasks ran this tree's fedskew
+    for name in ("fedavg-s0", "prox-s0"):
+        assert f"{name}: resumed" in printed, printed
+        first, then = from_rounds(out / name)
+        assert first == 1 and then >= 3  # continued after the rounds on disk, not restarted
+    for name in ("fedavg-s1", "prox-s1"):
+        assert f"{name}: finished" in printed, printed
+    same_results(out, local_grid)
+
+    before = {n: (out / n / "metrics.jsonl").stat().st_mtime_ns for n in RUNS}
+    again = subprocess.run(cmd, env=env_with_tree(), capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count("done before") == 4, again.stdout
+    assert before == {n: (out / n / "metrics.jsonl").stat().st_mtime_ns for n in RUNS}
+
+
+def test_ray_without_ray_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as if not installed
+    file = grid_file(tmp_path)
+    assert main(["compare", "-c", str(file), "--executor", "ray"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--executor ray needs Ray" in err
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+# ------------------------------------------------------------------------------- Slurm
+
+
+def sbatch_options(script: Path) -> list[str]:
+    return [x.split(" ", 1)[1] for x in script.read_text().splitlines() if x.startswith("#SBATCH")]
+
+
+def array_task(script: Path, index: int) -> subprocess.Popen:
+    env = {**env_with_tree(), "SLURM_ARRAY_TASK_ID": str(index), "SLURM_ARRAY_JOB_ID": "7"}
+    return subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def test_slurm_array_scripts_run_skip_and_resume(local_grid, tmp_path, capsys):
+    """--dry-run writes the array script and the runs list; each array task, executed here
+    as Slurm would (SLURM_ARRAY_TASK_ID set), runs its run; a second execution skips it; the
+    USR1 before the time limit stops a run, which the requeued task resumes; the tables
+    equal the local grid's."""
+    file = grid_file(tmp_path)
+    out = tmp_path / "out"
+    args = ["compare", "-c", str(file), "--executor", "slurm", "--dry-run",
+            "--slurm-time", "1:00:00", "--slurm-partition", "cpu", "--slurm-mem", "2G",
+            "--slurm-extra=--qos=low"]  # fmt: skip
+    assert main(args) == 0
+    assert "4 array tasks" in capsys.readouterr().out
+    script = out / "slurm" / "array.sbatch"
+    assert sbatch_options(script) == [
+        "--job-name=fedskew-out", f"--output={out}/slurm/logs/%A_%a.out", "--open-mode=append",
+        "--partition=cpu", "--time=1:00:00", "--ntasks=1", "--cpus-per-task=1", "--mem=2G",
+        "--requeue", "--signal=B:USR1@120", "--qos=low", "--array=0-3",
+    ]  # fmt: skip
+    tables = out / "slurm" / "tables.sbatch"
+    assert "--report-only" in tables.read_text()
+    listing = json.loads((out / "slurm" / "runs.json").read_text())
+    assert [r["folder"] for r in listing["runs"]] == RUNS
+
+    # Tasks 0 and 1 side by side, as two array tasks would run.
+    first = [array_task(script, i) for i in (0, 1)]
+    for task, name in zip(first, RUNS[:2], strict=True):
+        printed, _ = task.communicate(timeout=120)
+        assert task.returncode == 0 and f"{name}: finished" in printed, printed
+    # Task 2 is told its time is nearly up once it has 2 rounds; task 3 runs meanwhile.
+    late, other = array_task(script, 2), array_task(script, 3)
+    wait_for_rounds(out / "fedavg-s1.incomplete", 2, late)
+    late.send_signal(signal.SIGUSR1)
+    printed, _ = late.communicate(timeout=120)
+    assert late.returncode != 0 and "requeueing 7_2" in printed, printed
+    assert (out / "fedavg-s1.incomplete").is_dir() and not (out / "fedavg-s1").exists()
+    printed, _ = other.communicate(timeout=120)
+    assert other.returncode == 0 and "prox-s1: finished" in printed, printed
+    # The requeued task resumes the run.
+    again = array_task(script, 2)
+    printed, _ = again.communicate(timeout=120)
+    assert again.returncode == 0 and "fedavg-s1: resumed" in printed, printed
+    first_round, then = from_rounds(out / "fedavg-s1")
+    assert first_round == 1 and then >= 3
+    # Every run finished: executing a task again changes nothing.
+    before = (out / "prox-s0" / "metrics.jsonl").stat().st_mtime_ns
+    printed, _ = array_task(script, 1).communicate(timeout=60)
+    assert "prox-s0: done before" in printed
+    assert (out / "prox-s0" / "metrics.jsonl").stat().st_mtime_ns == before
+
+    tables_run = subprocess.run(["bash", str(tables)], env=env_with_tree(),
+                                capture_output=True, text=True)  # fmt: skip
+    assert tables_run.returncode == 0, tables_run.stderr
+    same_results(out, local_grid)
+    # Nothing left to submit: compare says so and writes the tables itself.
+    assert main(args) == 0
+    assert "nothing to submit" in capsys.readouterr().out
+
+
+def test_slurm_without_sbatch_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch on it
+    file = grid_file(tmp_path)
+    assert main(["compare", "-c", str(file), "--executor", "slurm"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs sbatch" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--gpus-per-run", "-1"], "gpus-per-run must be a number >= 0"),
+        (["--executor", "local", "--dry-run"], "goes with --executor slurm"),
+        (["--executor", "slurm", "--slurm-mem", "lots"], "slurm-mem must look like 8G"),
+        (["--executor", "slurm", "--slurm-extra", "x; rm -rf /"], "slurm-extra must look"),
+    ],
+)
+def test_bad_executor_options_are_one_line(tmp_path, capsys, extra, message):
+    file = grid_file(tmp_path)
+    assert main(["compare", "-c", str(file), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_executor_from_the_compare_file(tmp_path, capsys):
+    file = grid_file(tmp_path)
+    file.write_text(file.read_text().replace("jobs = 2", 'jobs = 2\nexecutor = "kubernetes"'))
+    assert main(["compare", "-c", str(file)]) == 2
+    assert "executor must be one of local, ray, slurm" in capsys.readouterr().err
+    file.write_text(file.read_text().replace('"kubernetes"', '"slurm"\nslurm_cpus = 3'))
+    assert main(["compare", "-c", str(file), "--dry-run"]) == 0
+    assert "--cpus-per-task=3" in sbatch_options(tmp_path / "out" / "slurm" / "array.sbatch")
+
+
+def test_array_spec():
+    assert array_spec([0, 1, 2, 3, 5, 7, 8, 9]) == "0-3,5,7-9"
+    assert array_spec([4]) == "4"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_scancel_stops_without_requeue(tmp_path):
+    """A plain SIGTERM (scancel) stops the run, which stays resumable, and requeues nothing."""
+    file = grid_file(tmp_path)
+    out = tmp_path / "out"
+    assert main(["compare", "-c", str(file), "--executor", "slurm", "--dry-run"]) == 0
+    task = array_task(out / "slurm" / "array.sbatch", 0)
+    wait_for_rounds(out / "fedavg-s0.incomplete", 2, task)
+    task.send_signal(signal.SIGTERM)
+    printed, _ = task.communicate(timeout=120)
+    assert task.returncode != 0 and "requeue" not in printed, printed
+    assert rounds_done(out / "fedavg-s0.incomplete") >= 2

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -349,3 +350,121 @@ def test_scancel_stops_without_requeue(tmp_path):
     printed, _ = task.communicate(timeout=120)
     assert task.returncode != 0 and "requeue" not in printed, printed
     assert rounds_done(out / "fedavg-s0.incomplete") >= 2
+
+
+# ------------------------------------------------------------------ a real Slurm cluster
+
+SLURM_CONF = """\
+ClusterName=fedskewtest
+SlurmctldHost={host}(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+AuthType=auth/munge
+AuthInfo=socket={d}/munge.sock,cred_expire=5
+CredType=cred/munge
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.pid
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd.log
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=1000 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+SLURM_DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "scancel")
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """A one-node Slurm cluster of this machine (munged, slurmctld, slurmd in the foreground,
+    children of this fixture, with a configuration of their own); the environment that
+    points Slurm's commands at it."""
+    missing = [c for c in SLURM_DAEMONS if shutil.which(c) is None]
+    if missing:
+        pytest.skip(f"no {missing[0]} (Debian: apt-get install slurm-wlm)")
+    if os.geteuid() != 0:
+        pytest.skip("the test cluster's daemons run as root")
+    d = Path(tempfile.mkdtemp(prefix="fedskew-slurm-"))  # short: munge's socket path
+    for sub in ("state", "spool"):
+        (d / sub).mkdir()
+    (d / "munge").mkdir(mode=0o700)
+    key = d / "munge" / "munge.key"
+    subprocess.run(["mungekey", "-c", "-k", str(key)], check=True, capture_output=True)
+    host = socket.gethostname().split(".")[0]
+    conf = d / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(host=host, d=d, ctld_port=free_port(),
+                                      slurmd_port=free_port(), cpus=os.cpu_count()))  # fmt: skip
+    env = {**env_with_tree(), "SLURM_CONF": str(conf)}
+    munge = [f"--socket={d}/munge.sock", f"--key-file={key}", f"--pid-file={d}/munged.pid",
+             f"--log-file={d}/munged.log", f"--seed-file={d}/munged.seed"]  # fmt: skip
+    daemons = [["munged", "-F", "--force", *munge], ["slurmctld", "-D", "-i"], ["slurmd", "-D"]]
+    started: list[subprocess.Popen] = []
+    log = (d / "daemons.log").open("w")
+    try:
+        for cmd in daemons:
+            started.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log))
+            time.sleep(1)
+        deadline = time.monotonic() + 60
+        while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%T"], env=env,
+                                           capture_output=True, text=True).stdout:  # fmt: skip
+            assert time.monotonic() < deadline, (d / "daemons.log").read_text()[-2000:]
+            assert all(p.poll() is None for p in started), (d / "daemons.log").read_text()
+            time.sleep(0.5)
+        yield env
+    finally:
+        for proc in reversed(started):
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def squeue(env: dict[str, str]) -> list[str]:
+    shown = subprocess.run(["squeue", "-h", "-o", "%i %T"], env=env, capture_output=True,
+                           text=True)  # fmt: skip
+    return shown.stdout.split("\n")[:-1]
+
+
+def test_slurm_cluster_runs_requeues_and_writes_the_tables(slurm_cluster, local_grid, tmp_path):
+    """Submitted for real: the array task's batch shell gets the time-limit signal (USR1,
+    sent with scancel as slurmctld would), the task requeues itself, resumes its run, and
+    the tables job after the array writes the tables; the run equals the local grid's."""
+    env = slurm_cluster
+    file = grid_file(tmp_path)
+    out = tmp_path / "out"
+    cmd = fedskew("compare", "-c", str(file), "--methods", "fedavg", "--executor", "slurm")
+    submitted = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert submitted.returncode == 0, submitted.stderr
+    assert "submitted job array" in submitted.stdout, submitted.stdout
+    job = submitted.stdout.split("submitted job array ")[1].split()[0]
+    deadline = time.monotonic() + 60
+    while rounds_done(out / "fedavg-s0.incomplete") < 2:
+        assert time.monotonic() < deadline, squeue(env)
+        time.sleep(0.05)
+    task = f"{job}_0"
+    subprocess.run(["scancel", "--batch", "--signal=USR1", task], env=env, check=True)
+    deadline = time.monotonic() + 180
+    while not (out / "comparison.csv").is_file() or squeue(env):
+        assert time.monotonic() < deadline, (squeue(env), list((out / "slurm/logs").iterdir()))
+        time.sleep(0.5)
+    logs = (out / "slurm" / "logs" / f"{task}.out").read_text()
+    assert f"requeueing {task}" in logs and "fedavg-s0: resumed" in logs, logs
+    first, then = from_rounds(out / "fedavg-s0")
+    assert first == 1 and then >= 3
+    assert metrics(out / "fedavg-s0") == metrics(local_grid / "fedavg-s0")

@@ -222,6 +222,34 @@ def test_ray_grid_retries_killed_tasks_and_matches_local(ray_cluster, local_grid
     assert before == {n: (out / n / "metrics.jsonl").stat().st_mtime_ns for n in RUNS}
 
 
+def test_sigterm_cancels_the_ray_tasks(ray_cluster, tmp_path):
+    """SIGTERM to compare (as Ctrl-C) cancels its tasks: the run process ends with its task,
+    and its folder keeps its rounds, free for the next compare to resume."""
+    file = grid_file(tmp_path)
+    file.write_text(file.read_text().replace("rounds = 12", "rounds = 500"))
+    out = tmp_path / "out"
+    cmd = fedskew("compare", "-c", str(file), "--methods", "fedavg", "--executor", "ray",
+                  "--ray-address", ray_cluster)  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env_with_tree(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        pid = wait_for_rounds(out / "fedavg-s0.incomplete", 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        printed, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, printed
+    assert "Ray tasks cancelled" in printed, printed
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and b"fedskew" in Path(f"/proc/{pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, "the run outlived its cancelled task"
+        time.sleep(0.1)
+    assert rounds_done(out / "fedavg-s0.incomplete") >= 2
+    assert not (out / "fedavg-s0").exists()
+
+
 def test_ray_without_ray_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as if not installed
     file = grid_file(tmp_path)

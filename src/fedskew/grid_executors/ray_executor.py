@@ -15,6 +15,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -86,10 +87,16 @@ def connect(ray: Any, address: str | None) -> None:
     # Ray's notice that it will stop hiding GPUs from tasks that ask for none: run_task
     # hides them itself.
     warnings.filterwarnings("ignore", message=".*RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO")
+    # ray.init takes SIGTERM for itself (it exits at once); compare's own handler turns it
+    # into Ctrl-C, which cancels the tasks, so it comes back.
+    own = signal.getsignal(signal.SIGTERM)
     try:
         ray.init(address=address, logging_level="WARNING", **options)
     except ConnectionError as exc:
         raise UsageError(f"cannot reach the Ray cluster at {address}: {exc}") from None
+    finally:
+        if threading.current_thread() is threading.main_thread() and own is not None:
+            signal.signal(signal.SIGTERM, own)
 
 
 def run_grid_on_ray(
@@ -133,6 +140,7 @@ def run_grid_on_ray(
         gpus = settings.gpus_per_run
         by_ref = {task.remote(run_data(r), str(root), threads, gpus): r for r in pending}
         waiting = list(by_ref)
+        terms = SigtermSeen()
         try:
             while waiting:
                 done, waiting = ray.wait(waiting, num_returns=1)
@@ -141,13 +149,44 @@ def run_grid_on_ray(
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (fedskew.cli turns it into one)
             for ref in waiting:
                 ray.cancel(ref, force=True)
-            raise KeyboardInterrupt(
+            raise terms.interrupt(
                 f"interrupted; Ray tasks cancelled, unfinished runs keep their checkpoints in "
                 f"{root}: run the same command again to resume them"
             ) from None
+        finally:
+            terms.restore()
     finally:
         ray.shutdown()
     return outcomes
+
+
+class SigtermSeen:
+    """Notes a SIGTERM before the handler in place (fedskew.cli's turns it into Ctrl-C) sees
+    it: ray.wait replaces whatever a signal handler raises with a plain KeyboardInterrupt,
+    and the exit status must still tell a SIGTERM from a Ctrl-C."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._previous: Any = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.getsignal(signal.SIGTERM)
+            if callable(self._previous):
+                signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.seen = True
+        self._previous(signum, frame)
+
+    def restore(self) -> None:
+        if callable(self._previous) and signal.getsignal(signal.SIGTERM) == self._note:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def interrupt(self, message: str) -> KeyboardInterrupt:
+        if self.seen:
+            from fedskew.cli import Terminated
+
+            return Terminated(message)
+        return KeyboardInterrupt(message)
 
 
 def _outcome_of(ray: Any, ref: Any, run: PlannedRun, print_line: Callable[[str], None]) -> Outcome:

@@ -128,7 +128,8 @@ def write_scripts(
     listing = {
         "format": RUNS_FORMAT,
         "grid": str(root),
-        "threads": grid.threads,  # None: every CPU Slurm gives the task
+        # The CPUs asked for: where Slurm does not pin a task to them, all cores look free.
+        "threads": grid.threads or settings.slurm_cpus,
         "runs": [run_data(r) for r in planned],
     }
     runs_file.write_text(json.dumps(listing, indent=1) + "\n", encoding="utf-8")

@@ -250,6 +250,16 @@ def test_sigterm_cancels_the_ray_tasks(ray_cluster, tmp_path):
     assert not (out / "fedavg-s0").exists()
 
 
+def test_a_run_no_ray_node_can_take_is_one_line(ray_cluster, tmp_path):
+    file = grid_file(tmp_path)
+    cmd = fedskew("compare", "-c", str(file), "--executor", "ray", "--ray-address", ray_cluster)
+    asked = subprocess.run([*cmd, "--gpus-per-run", "0.5"], env=env_with_tree(),
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert asked.returncode == 2, asked.stderr
+    assert asked.stderr.count("\n") == 1 and "no node of the Ray cluster has 1 CPU and 0.5 GPU" \
+        in asked.stderr, asked.stderr  # fmt: skip
+
+
 def test_ray_without_ray_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as if not installed
     file = grid_file(tmp_path)

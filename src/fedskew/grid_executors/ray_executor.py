@@ -99,6 +99,18 @@ def connect(ray: Any, address: str | None) -> None:
             signal.signal(signal.SIGTERM, own)
 
 
+def check_fits(ray: Any, cpus: int, gpus: float) -> None:
+    """A task no node can take would wait for ever: one line instead."""
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    if any(n.get("CPU", 0) >= cpus and n.get("GPU", 0) >= gpus for n in nodes):
+        return
+    largest = ", ".join(sorted({f"{n.get('CPU', 0):g} CPU {n.get('GPU', 0):g} GPU" for n in nodes}))
+    raise UsageError(
+        f"no node of the Ray cluster has {cpus} CPU and {gpus:g} GPU for a run (its nodes: "
+        f"{largest or 'none'}): lower --cpus-per-run or --gpus-per-run"
+    )
+
+
 def run_grid_on_ray(
     grid: Grid,
     runs: list[PlannedRun],
@@ -131,6 +143,7 @@ def run_grid_on_ray(
     compare.prefetch(pending, print_line)
     connect(ray, settings.ray_address)
     try:
+        check_fits(ray, threads, settings.gpus_per_run)
         task = ray.remote(run_task).options(
             num_cpus=threads,
             num_gpus=settings.gpus_per_run,

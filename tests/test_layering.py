@@ -46,6 +46,7 @@ LAYERS: list[tuple[str, ...]] = [
         "fedskew.flower_app",
         "fedskew.__main__",
         "fedskew.compare",
+        "fedskew.grid_executors",
         "fedskew.reporting",
     ),
 ]

@@ -513,10 +513,15 @@ def add_compare_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run and write nothing: where each run stands, who trains it, CPU time left",
     )
+    from fedskew.grid_executors.options import add_executor_options
+
+    add_executor_options(p)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from fedskew import compare
+    from fedskew.grid_executors import dispatch
+    from fedskew.grid_executors.options import executor_overrides
 
     if args.resume or args.name:
         raise UsageError("compare names and resumes its runs itself; drop --resume and --name")
@@ -524,7 +529,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     overrides = {
         "seeds": args.seeds, "reference": args.reference, "last": args.last,
         "target": args.target, "jobs": args.jobs, "threads": args.threads,
-        "out_dir": args.out_dir,
+        "out_dir": args.out_dir, **executor_overrides(args),
     }  # fmt: skip
     failed = 0
     if args.status and args.report_only:
@@ -559,19 +564,30 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if args.status:
             print("\n".join(compare.status_lines(grid, runs)))
             return 0
+        if not args.report_only:  # checked before anything is written
+            executor = dispatch.executor_settings(grid, args.dry_run)
         root.mkdir(parents=True, exist_ok=True)
         compare.write_manifest(root, compare.manifest(grid, planned, command))
         if not args.report_only:
             print(
                 f"{len(runs)} runs in {root} ({len(grid.settings)} setting(s) x "
-                f"{len(grid.methods)} method(s) x {len(grid.seeds)} seed(s)), {grid.jobs} at once"
+                f"{len(grid.methods)} method(s) x {len(grid.seeds)} seed(s)), "
+                f"{dispatch.describe(grid, executor)}"
             )
-            outcomes = compare.run_grid(grid, runs)
+            outcomes = dispatch.execute(grid, planned, runs, executor, args.dry_run)
+            if outcomes is None:  # submitted to Slurm: its last job writes the tables
+                return 0
             failed = sum(o.status == "failed" for o in outcomes)
     md = compare.write_tables(root, compare.collect(root), options, command)
     print(f"tables: {md}, {root / 'comparison.csv'}, {root / 'runs.csv'}")
     print(f"full report (curves, partition, provenance): fedskew report {root}")
     return 1 if failed else 0
+
+
+def cmd_grid_task(args: argparse.Namespace) -> int:
+    from fedskew.grid_executors.slurm_array import run_array_task
+
+    return run_array_task(Path(args.runs), args.index)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -611,6 +627,16 @@ def make_parser() -> argparse.ArgumentParser:
     )
     add_compare_options(p_cmp)
     p_cmp.set_defaults(func=cmd_compare)
+
+    p_task = sub.add_parser(
+        "grid-task", help="run one run of a compare grid's runs list (a Slurm array task's job)"
+    )
+    p_task.add_argument("runs", help="the grid's slurm/runs.json, as compare --executor slurm "
+                        "writes it")  # fmt: skip
+    p_task.add_argument(
+        "--index", type=int, help="which run (default: $SLURM_ARRAY_TASK_ID)"
+    )  # fmt: skip
+    p_task.set_defaults(func=cmd_grid_task)
 
     p_rep = sub.add_parser(
         "report", help="Markdown and HTML report of a run or a grid folder, from its files"

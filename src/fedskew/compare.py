@@ -73,6 +73,7 @@ from fedskew.config import (
 from fedskew.data.sources import load_dataset
 from fedskew.durable import remove_stale_temps, write_bytes_durably
 from fedskew.errors import FedskewError, UsageError
+from fedskew.grid_executors import EXECUTOR_KEYS
 from fedskew.locks import Busy, holder, lock, unlock
 from fedskew.protocol import largest_state
 from fedskew.report.document import Block, Heading, Para, write_report
@@ -101,7 +102,8 @@ from fedskew.tracking import prepare as prepare_tracking
 SLOTS = ".compare-locks"
 
 SECTIONS = ("compare", "experiment", "methods", "settings", "axes")
-COMPARE_KEYS = ("out_dir", "seeds", "reference", "last", "target", "jobs", "threads", "track")
+COMPARE_KEYS = ("out_dir", "seeds", "reference", "last", "target", "jobs", "threads", "track",
+                *EXECUTOR_KEYS)  # fmt: skip
 # What decides a (setting, seed)'s partition and the clients of each round: a setting's,
 # never a method's, so that all methods of a setting see the same clients.
 SHARED_KEYS = (
@@ -128,6 +130,7 @@ class Grid:
     jobs: int = 1
     threads: int | None = None
     source: str = ""  # the compare file, if any
+    executor: dict[str, Any] = field(default_factory=dict)  # fedskew.grid_executors checks it
 
 
 @dataclass
@@ -364,6 +367,7 @@ def grid_from(
         jobs=int(jobs),
         threads=None if threads is None else int(threads),
         source=source,
+        executor={k: conf[k] for k in EXECUTOR_KEYS if conf.get(k) is not None},
     )
 
 
@@ -480,6 +484,7 @@ class Outcome:
     status: str  # "done before", "finished", "resumed", "running elsewhere", "failed"
     detail: str = ""
     seconds: float = 0.0
+    returncode: int | None = None  # of the run's process, when it failed; < 0: a signal
 
 
 class Children:
@@ -492,6 +497,7 @@ class Children:
         self._lock = threading.Lock()
         self._running: set[subprocess.Popen[str]] = set()
         self.stopping = False  # set once, under the lock; then no run starts
+        self.popen_options: dict[str, Any] = {}  # more subprocess.Popen arguments
 
     def start(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str] | None:
         """The run's process, or None once compare is stopping (no new run starts then)."""
@@ -499,7 +505,12 @@ class Children:
             if self.stopping:
                 return None
             proc = subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                cmd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                **self.popen_options,
             )
             self._running.add(proc)
             return proc
@@ -649,7 +660,7 @@ def launch(
             encoding="utf-8",
         )
         last = (stderr.strip().splitlines() or ["no message"])[-1]
-        return Outcome(run, "failed", f"{last} (log: {log})", seconds)
+        return Outcome(run, "failed", f"{last} (log: {log})", seconds, proc.returncode)
     # An earlier attempt's failure log would otherwise outlive the run that succeeded.
     log.unlink(missing_ok=True)
     summary = json.loads((finished / "summary.json").read_text(encoding="utf-8"))

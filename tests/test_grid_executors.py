@@ -1,0 +1,508 @@
+"""`fedskew compare --executor ray|slurm`: the same runs as `--executor local`, on a real
+two-node Ray cluster of this machine and through the Slurm array scripts executed by hand;
+finished runs are skipped, killed ones resume, and the tables equal those of a local grid."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from fedskew.cli import main
+from fedskew.grid_executors.slurm_array import array_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = str(ROOT / "src")
+
+# 12 rounds: long enough to catch a run between two rounds and kill it there.
+GRID = """
+[compare]
+out_dir = "{out}"
+seeds = [0]
+last = 5
+threads = 1
+jobs = 2
+
+[experiment]
+dataset = "digits"
+num_clients = 4
+clients_per_round = 2
+rounds = 12
+local_epochs = 1
+batch_size = 64
+
+[methods.fedavg]
+
+[methods.prox]
+algorithm = "fedprox"
+params = {{ mu = 0.1 }}
+"""
+RUNS = ["fedavg-s0", "prox-s0"]
+TIMING = ("seconds_per_round", "machines")  # where and how fast, not what was computed
+METRIC_KEYS = ("round", "clients", "accuracy", "loss", "bytes_down", "bytes_up")
+
+
+def grid_file(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    file = folder / "grid.toml"
+    file.write_text(GRID.format(out=folder / "out"))
+    return file
+
+
+def env_with_tree() -> dict[str, str]:
+    """This tree's fedskew first, for the commands the tests start and their runs."""
+    path = os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+
+
+def fedskew(*args: str) -> list[str]:
+    return [sys.executable, "-m", "fedskew", *args]
+
+
+def comparison(out: Path) -> list[dict[str, str]]:
+    rows = list(csv.DictReader((out / "comparison.csv").open()))
+    return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
+
+
+def metrics(folder: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [{k: r.get(k) for k in METRIC_KEYS} for r in rows]
+
+
+def from_rounds(folder: Path) -> list[int]:
+    lines = (folder / "processes.jsonl").read_text().splitlines()
+    return [json.loads(x)["from_round"] for x in lines]
+
+
+def rounds_done(unfinished: Path) -> int:
+    try:
+        return len((unfinished / "metrics.jsonl").read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def run_pid(unfinished: Path) -> int | None:
+    """The pid of the process training ``unfinished``, from its lock ("pid N on HOST")."""
+    try:
+        words = (unfinished / "lock").read_text().split()
+    except OSError:
+        return None
+    return int(words[1]) if len(words) > 1 and words[1].isdigit() else None
+
+
+def parent_of(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def wait_for_rounds(unfinished: Path, rounds: int, proc: subprocess.Popen, timeout=120) -> int:
+    """Wait until ``unfinished`` has ``rounds`` rounds and a live trainer; its pid."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the command ended before the run could be killed"
+        pid = run_pid(unfinished)
+        if rounds_done(unfinished) >= rounds and pid is not None:
+            return pid
+        time.sleep(0.02)
+    raise AssertionError(f"{unfinished} never reached round {rounds}")
+
+
+@pytest.fixture(scope="module")
+def local_grid(tmp_path_factory) -> Path:
+    """The grid run by `--executor local`: what the other executors must reproduce."""
+    file = grid_file(tmp_path_factory.mktemp("local"))
+    assert main(["compare", "-c", str(file), "--executor", "local"]) == 0
+    return file.parent / "out"
+
+
+def same_results(out: Path, local: Path) -> None:
+    assert comparison(out) == comparison(local)
+    for name in RUNS:
+        assert metrics(out / name) == metrics(local / name), name
+
+
+# --------------------------------------------------------------------------------- Ray
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A head node and a second node, each its own `ray start --block` process tree on
+    loopback; stopped by ending those two processes (which stop what they started)."""
+    pytest.importorskip("ray")
+    ray_bin = Path(sys.executable).with_name("ray")
+    if not ray_bin.is_file():
+        pytest.skip("no ray command next to this Python")
+    port = free_port()
+    temp = tmp_path_factory.mktemp("ray")
+    # Without this tree on its path: a task sees this tree only through compare's runtime_env.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    common = ["--block", "--node-ip-address=127.0.0.1", "--object-store-memory=80000000",
+              "--min-worker-port=0", "--max-worker-port=0"]  # fmt: skip
+    head = [str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=2",
+            "--include-dashboard=false", f"--temp-dir={temp}", *common]  # fmt: skip
+    node = [str(ray_bin), "start", f"--address=127.0.0.1:{port}", "--num-cpus=1", *common]
+    started: list[subprocess.Popen] = []
+    log = (temp / "start.log").open("w")
+    try:
+        # The second node waits for the head's GCS on its own.
+        for cmd in (head, node):
+            started.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log))
+        status = [str(ray_bin), "status", f"--address=127.0.0.1:{port}"]
+        deadline = time.monotonic() + 90
+        while True:
+            time.sleep(1)
+            shown = subprocess.run(status, env=env, capture_output=True, text=True).stdout
+            if sum(x.strip().startswith("1 node_") for x in shown.splitlines()) == 2:
+                break
+            assert time.monotonic() < deadline, (temp / "start.log").read_text()[-2000:]
+            assert all(p.poll() is None for p in started), (temp / "start.log").read_text()
+        yield f"127.0.0.1:{port}"
+    finally:
+        for proc in reversed(started):
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+def test_ray_grid_retries_killed_tasks_and_matches_local(ray_cluster, local_grid, tmp_path):
+    """Two runs as Ray tasks over two nodes. The worker of one run is killed, and the run
+    process of another: both tasks are retried and resume their runs from the rounds on
+    disk. The tables and every run's metrics equal the local grid's; a second call skips
+    every run."""
+    file = grid_file(tmp_path)
+    out = tmp_path / "out"
+    cmd = fedskew("compare", "-c", str(file), "--executor", "ray", "--ray-address", ray_cluster)
+    proc = subprocess.Popen(cmd, env=env_with_tree(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        # The Ray worker running fedavg-s0's task: its run dies with it.
+        pid = wait_for_rounds(out / "fedavg-s0.incomplete", 2, proc)
+        worker = parent_of(pid)
+        assert b"ray" in Path(f"/proc/{worker}/cmdline").read_bytes()
+        os.kill(worker, signal.SIGKILL)
+        # prox-s0's run process alone (as the out-of-memory killer would).
+        os.kill(wait_for_rounds(out / "prox-s0.incomplete", 2, proc), signal.SIGKILL)
+        printed, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, printed
+    assert "warning" not in printed  # the tasks ran this tree's fedskew
+    for name in RUNS:
+        assert f"{name}: resumed" in printed, printed
+        first, then = from_rounds(out / name)
+        assert first == 1 and then >= 3  # continued after the rounds on disk, not restarted
+    same_results(out, local_grid)
+
+    before = {n: (out / n / "metrics.jsonl").stat().st_mtime_ns for n in RUNS}
+    again = subprocess.run(cmd, env=env_with_tree(), capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count("done before") == len(RUNS), again.stdout
+    assert before == {n: (out / n / "metrics.jsonl").stat().st_mtime_ns for n in RUNS}
+
+
+def test_sigterm_cancels_the_ray_tasks(ray_cluster, tmp_path):
+    """SIGTERM to compare (as Ctrl-C) cancels its tasks: the run process ends with its task,
+    and its folder keeps its rounds, free for the next compare to resume."""
+    file = grid_file(tmp_path)
+    file.write_text(file.read_text().replace("rounds = 12", "rounds = 500"))
+    out = tmp_path / "out"
+    cmd = fedskew("compare", "-c", str(file), "--methods", "fedavg", "--executor", "ray",
+                  "--ray-address", ray_cluster)  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env_with_tree(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        pid = wait_for_rounds(out / "fedavg-s0.incomplete", 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        printed, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, printed
+    assert "Ray tasks cancelled" in printed, printed
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and b"fedskew" in Path(f"/proc/{pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, "the run outlived its cancelled task"
+        time.sleep(0.1)
+    assert rounds_done(out / "fedavg-s0.incomplete") >= 2
+    assert not (out / "fedavg-s0").exists()
+
+
+def test_a_run_no_ray_node_can_take_is_one_line(ray_cluster, tmp_path):
+    file = grid_file(tmp_path)
+    cmd = fedskew("compare", "-c", str(file), "--executor", "ray", "--ray-address", ray_cluster)
+    asked = subprocess.run([*cmd, "--gpus-per-run", "0.5"], env=env_with_tree(),
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert asked.returncode == 2, asked.stderr
+    assert asked.stderr.count("\n") == 1 and "no node of the Ray cluster has 1 CPU and 0.5 GPU" \
+        in asked.stderr, asked.stderr  # fmt: skip
+
+
+def test_ray_without_ray_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as if not installed
+    file = grid_file(tmp_path)
+    assert main(["compare", "-c", str(file), "--executor", "ray"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--executor ray needs Ray" in err
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+# ------------------------------------------------------------------------------- Slurm
+
+
+def sbatch_options(script: Path) -> list[str]:
+    return [x.split(" ", 1)[1] for x in script.read_text().splitlines() if x.startswith("#SBATCH")]
+
+
+def array_task(script: Path, index: int) -> subprocess.Popen:
+    env = {**env_with_tree(), "SLURM_ARRAY_TASK_ID": str(index), "SLURM_ARRAY_JOB_ID": "7"}
+    return subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def test_slurm_array_scripts_run_skip_and_resume(local_grid, tmp_path, capsys):
+    """--dry-run writes the array script and the runs list; each array task, executed here
+    as Slurm would (SLURM_ARRAY_TASK_ID set), runs its run; a second execution skips it; the
+    USR1 before the time limit stops a run, which the requeued task resumes; the tables
+    equal the local grid's."""
+    file = grid_file(tmp_path)
+    out = tmp_path / "out"
+    args = ["compare", "-c", str(file), "--executor", "slurm", "--dry-run",
+            "--slurm-time", "1:00:00", "--slurm-partition", "cpu", "--slurm-mem", "2G",
+            "--slurm-extra=--qos=low"]  # fmt: skip
+    assert main(args) == 0
+    assert "2 array tasks" in capsys.readouterr().out
+    script = out / "slurm" / "array.sbatch"
+    assert sbatch_options(script) == [
+        "--job-name=fedskew-out", f"--output={out}/slurm/logs/%A_%a.out", "--open-mode=append",
+        "--partition=cpu", "--time=1:00:00", "--ntasks=1", "--cpus-per-task=1", "--mem=2G",
+        "--requeue", "--signal=B:USR1@120", "--qos=low", "--array=0-1",
+    ]  # fmt: skip
+    tables = out / "slurm" / "tables.sbatch"
+    assert "--report-only" in tables.read_text()
+    listing = json.loads((out / "slurm" / "runs.json").read_text())
+    assert [r["folder"] for r in listing["runs"]] == RUNS
+
+    # Tasks 0 and 1 side by side, as two array tasks run; task 1 is told its time is
+    # nearly up once it has 2 rounds.
+    task, late = array_task(script, 0), array_task(script, 1)
+    wait_for_rounds(out / "prox-s0.incomplete", 2, late)
+    late.send_signal(signal.SIGUSR1)
+    printed, _ = late.communicate(timeout=120)
+    assert late.returncode != 0 and "requeueing 7_1" in printed, printed
+    assert (out / "prox-s0.incomplete").is_dir() and not (out / "prox-s0").exists()
+    printed, _ = task.communicate(timeout=120)
+    assert task.returncode == 0 and "fedavg-s0: finished" in printed, printed
+    # The requeued task resumes the run.
+    again = array_task(script, 1)
+    printed, _ = again.communicate(timeout=120)
+    assert again.returncode == 0 and "prox-s0: resumed" in printed, printed
+    first_round, then = from_rounds(out / "prox-s0")
+    assert first_round == 1 and then >= 3
+    # Every run finished: executing a task again changes nothing.
+    before = (out / "fedavg-s0" / "metrics.jsonl").stat().st_mtime_ns
+    printed, _ = array_task(script, 0).communicate(timeout=60)
+    assert "fedavg-s0: done before" in printed
+    assert (out / "fedavg-s0" / "metrics.jsonl").stat().st_mtime_ns == before
+
+    tables_run = subprocess.run(["bash", str(tables)], env=env_with_tree(),
+                                capture_output=True, text=True)  # fmt: skip
+    assert tables_run.returncode == 0, tables_run.stderr
+    same_results(out, local_grid)
+    # Nothing left to submit: compare says so and writes the tables itself.
+    assert main(args) == 0
+    assert "nothing to submit" in capsys.readouterr().out
+
+
+def test_slurm_without_sbatch_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch on it
+    file = grid_file(tmp_path)
+    assert main(["compare", "-c", str(file), "--executor", "slurm"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs sbatch" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--gpus-per-run", "-1"], "gpus-per-run must be a number >= 0"),
+        (["--executor", "local", "--dry-run"], "goes with --executor slurm"),
+        (["--executor", "slurm", "--slurm-mem", "lots"], "slurm-mem must look like 8G"),
+        (["--executor", "slurm", "--slurm-extra", "x; rm -rf /"], "slurm-extra must look"),
+    ],
+)
+def test_bad_executor_options_are_one_line(tmp_path, capsys, extra, message):
+    file = grid_file(tmp_path)
+    assert main(["compare", "-c", str(file), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_executor_from_the_compare_file(tmp_path, capsys):
+    file = grid_file(tmp_path)
+    file.write_text(file.read_text().replace("jobs = 2", 'jobs = 2\nexecutor = "kubernetes"'))
+    assert main(["compare", "-c", str(file)]) == 2
+    assert "executor must be one of local, ray, slurm" in capsys.readouterr().err
+    file.write_text(file.read_text().replace('"kubernetes"', '"slurm"\nslurm_cpus = 3'))
+    assert main(["compare", "-c", str(file), "--dry-run"]) == 0
+    assert "--cpus-per-task=3" in sbatch_options(tmp_path / "out" / "slurm" / "array.sbatch")
+
+
+def test_array_spec():
+    assert array_spec([0, 1, 2, 3, 5, 7, 8, 9]) == "0-3,5,7-9"
+    assert array_spec([4]) == "4"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_scancel_stops_without_requeue(tmp_path):
+    """A plain SIGTERM (scancel) stops the run, which stays resumable, and requeues nothing."""
+    file = grid_file(tmp_path)
+    out = tmp_path / "out"
+    assert main(["compare", "-c", str(file), "--executor", "slurm", "--dry-run"]) == 0
+    task = array_task(out / "slurm" / "array.sbatch", 0)
+    wait_for_rounds(out / "fedavg-s0.incomplete", 2, task)
+    task.send_signal(signal.SIGTERM)
+    printed, _ = task.communicate(timeout=120)
+    assert task.returncode != 0 and "requeue" not in printed, printed
+    assert rounds_done(out / "fedavg-s0.incomplete") >= 2
+
+
+# ------------------------------------------------------------------ a real Slurm cluster
+
+SLURM_CONF = """\
+ClusterName=fedskewtest
+SlurmctldHost={host}(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+AuthType=auth/munge
+AuthInfo=socket={d}/munge.sock,cred_expire=5
+CredType=cred/munge
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.pid
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd.log
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=1000 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+SLURM_DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "scancel")
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """A one-node Slurm cluster of this machine (munged, slurmctld, slurmd in the foreground,
+    children of this fixture, with a configuration of their own); the environment that
+    points Slurm's commands at it."""
+    missing = [c for c in SLURM_DAEMONS if shutil.which(c) is None]
+    if missing:
+        pytest.skip(f"no {missing[0]} (Debian: apt-get install slurm-wlm)")
+    if os.geteuid() != 0:
+        pytest.skip("the test cluster's daemons run as root")
+    d = Path(tempfile.mkdtemp(prefix="fedskew-slurm-"))  # short: munge's socket path
+    for sub in ("state", "spool"):
+        (d / sub).mkdir()
+    (d / "munge").mkdir(mode=0o700)
+    key = d / "munge" / "munge.key"
+    subprocess.run(["mungekey", "-c", "-k", str(key)], check=True, capture_output=True)
+    host = socket.gethostname().split(".")[0]
+    conf = d / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(host=host, d=d, ctld_port=free_port(),
+                                      slurmd_port=free_port(), cpus=os.cpu_count()))  # fmt: skip
+    env = {**env_with_tree(), "SLURM_CONF": str(conf)}
+    munge = [f"--socket={d}/munge.sock", f"--key-file={key}", f"--pid-file={d}/munged.pid",
+             f"--log-file={d}/munged.log", f"--seed-file={d}/munged.seed"]  # fmt: skip
+    daemons = [["munged", "-F", "--force", *munge], ["slurmctld", "-D", "-i"], ["slurmd", "-D"]]
+    started: list[subprocess.Popen] = []
+    log = (d / "daemons.log").open("w")
+    try:
+        for cmd in daemons:
+            started.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log))
+            time.sleep(1)
+        deadline = time.monotonic() + 60
+        while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%T"], env=env,
+                                           capture_output=True, text=True).stdout:  # fmt: skip
+            assert time.monotonic() < deadline, (d / "daemons.log").read_text()[-2000:]
+            assert all(p.poll() is None for p in started), (d / "daemons.log").read_text()
+            time.sleep(0.5)
+        yield env
+    finally:
+        for proc in reversed(started):
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def squeue(env: dict[str, str]) -> list[str]:
+    shown = subprocess.run(["squeue", "-h", "-o", "%i %T"], env=env, capture_output=True,
+                           text=True)  # fmt: skip
+    return shown.stdout.split("\n")[:-1]
+
+
+def test_slurm_cluster_runs_requeues_and_writes_the_tables(slurm_cluster, local_grid, tmp_path):
+    """Submitted for real: the array task's batch shell gets the time-limit signal (USR1,
+    sent with scancel as slurmctld would), the task requeues itself, resumes its run, and
+    the tables job after the array writes the tables; the run equals the local grid's."""
+    env = slurm_cluster
+    file = grid_file(tmp_path)
+    out = tmp_path / "out"
+    cmd = fedskew("compare", "-c", str(file), "--methods", "fedavg", "--executor", "slurm")
+    submitted = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert submitted.returncode == 0, submitted.stderr
+    assert "submitted job array" in submitted.stdout, submitted.stdout
+    job = submitted.stdout.split("submitted job array ")[1].split()[0]
+    deadline = time.monotonic() + 60
+    while rounds_done(out / "fedavg-s0.incomplete") < 2:
+        assert time.monotonic() < deadline, squeue(env)
+        time.sleep(0.05)
+    task = f"{job}_0"
+    subprocess.run(["scancel", "--batch", "--signal=USR1", task], env=env, check=True)
+    deadline = time.monotonic() + 180
+    while not (out / "comparison.csv").is_file() or squeue(env):
+        assert time.monotonic() < deadline, (squeue(env), list((out / "slurm/logs").iterdir()))
+        time.sleep(0.5)
+    logs = (out / "slurm" / "logs" / f"{task}.out").read_text()
+    assert f"requeueing {task}" in logs and "fedavg-s0: resumed" in logs, logs
+    first, then = from_rounds(out / "fedavg-s0")
+    assert first == 1 and then >= 3
+    assert metrics(out / "fedavg-s0") == metrics(local_grid / "fedavg-s0")

@@ -763,3 +763,9 @@ def test_the_flower_app_config_declares_fedskew_keys_with_fedskew_defaults(tmp_p
     assert differs == {"num_clients", "rounds", "engine", "out_dir"}
     for key in ("grad-clip", "precision", "on-divergence", "partition-file", "local-risk-every"):
         assert key in declared
+    # And the other way round: every option of `fedskew run` is declared, or named with its
+    # reason in NOT_IN_RUN_CONFIG; a new option fails here until it is one or the other.
+    options = {f.name for f in dataclasses.fields(ExperimentConfig)}
+    names = {k.replace("-", "_") for k in declared}
+    assert options - names == set(flower_app.NOT_IN_RUN_CONFIG)
+    assert set(flower_app.NOT_IN_RUN_CONFIG) <= options

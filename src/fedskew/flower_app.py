@@ -73,6 +73,17 @@ POLL_SECONDS = 0.5
 OUTPUT_ROOT_VARIABLE = "FEDSKEW_OUTPUT_ROOT"
 # Run config keys that only the ServerApp reads (not experiment configuration).
 SERVER_KEYS = ("resume", "node-wait", "setup-timeout")
+# The config keys of `fedskew run` that flower/pyproject.toml does not declare, and why
+# (flwr refuses a --run-config key the app does not declare: every other key must be there).
+NOT_IN_RUN_CONFIG = {
+    "data_dir": "the server reads datasets from $FEDSKEW_DATA or its cache, a node from its "
+    "node config",
+    "engine": "a deployment is the Flower engine",
+    "workers": "the SuperNodes are the workers",
+    "clients_together": "a SuperNode answers for one client at a time",
+    "quiet": "the ServerApp logs, it shows no progress bar",
+    "track_dir": "trackers keep their files beside the run folder, inside the output root",
+}
 # Processes started by a Flower simulation carry this variable (see run_simulation).
 PROCESS_TAG_VARIABLE = "FEDSKEW_SIMULATION_TAG"
 

@@ -128,3 +128,54 @@ def test_checkpoint_round_trip_without_pickle(tmp_path):
     with pytest.raises(TypeError):
         server.count = object()
         save_checkpoint(path, 4, server, clients)
+
+
+def test_cli_api_and_compare_resume_a_folder_alike(tmp_path, capsys):
+    """One way back from a run folder (runfolder.saved_config) for every caller: the same
+    unfinished folder resumed by the CLI, by fedskew.run and by fedskew compare ends with the
+    uninterrupted run's metrics; the API keeps the execution options it is given (workers
+    was silently dropped before) and refuses the others."""
+    import shutil
+
+    import fedskew
+    from fedskew import compare
+    from fedskew.errors import UsageError
+
+    grid_file = tmp_path / "grid.toml"
+    grid_file.write_text(
+        f'[compare]\nout_dir = "{tmp_path / "grid"}"\nseeds = [0]\n\n'
+        '[experiment]\ndataset = "digits"\nnum_clients = 4\nclients_per_round = 2\n'
+        "rounds = 3\nlocal_epochs = 1\n\n[methods.fedavg]\n"
+    )
+    grid = compare.grid_from(compare.read_file(grid_file), str(grid_file), {}, None, {})
+    (planned,) = compare.plan(grid)
+    values = planned.values
+    reference, _ = run(ExperimentConfig(**{**values, "out_dir": str(tmp_path / "ref")}))
+    with pytest.raises(Killed):
+        run(ExperimentConfig(**values), on_round=kill_after(1))
+    unfinished = tmp_path / "grid" / f"{planned.folder}.incomplete"
+    copies = {}
+    for how in ("cli", "api"):
+        copies[how] = tmp_path / how / unfinished.name
+        shutil.copytree(unfinished, copies[how])
+
+    assert main(["run", "--resume", str(copies["cli"]), "-q", "--workers", "0"]) == 0
+    with pytest.raises(UsageError, match=r"resume=...\) takes .* drop: rounds"):
+        fedskew.run(resume=copies["api"], rounds=5)
+    with pytest.raises(UsageError, match="drop: config"):
+        fedskew.run({"rounds": 5}, resume=copies["api"])
+    result = fedskew.run(resume=copies["api"], workers=2, quiet=True)
+    assert main(["compare", "-c", str(grid_file)]) == 0
+    assert f"{planned.folder}: resumed" in capsys.readouterr().out
+
+    finished = {
+        "cli": tmp_path / "cli" / planned.folder,
+        "api": result.folder,
+        "compare": tmp_path / "grid" / planned.folder,
+    }
+    for how, folder in finished.items():
+        assert metrics(folder) == metrics(reference), how
+        processes = [json.loads(x) for x in (folder / "processes.jsonl").read_text().splitlines()]
+        assert [p["from_round"] for p in processes] == [1, 2], how
+    api_processes = (finished["api"] / "processes.jsonl").read_text().splitlines()
+    assert json.loads(api_processes[-1])["workers"] == 2

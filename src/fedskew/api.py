@@ -32,7 +32,7 @@ from fedskew.errors import UsageError
 from fedskew.experiment import run as run_experiment
 from fedskew.models import register_model
 from fedskew.references import reference_of
-from fedskew.runfolder import RunFolder
+from fedskew.runfolder import RunFolder, saved_config
 
 
 class RunResult(NamedTuple):
@@ -60,10 +60,17 @@ def run(
         "dataset": _name_of("dataset", dataset, register_dataset, local),
     }
     if resume is not None:
+        # The experiment comes from the folder; how it executes (workers, device, ...) may
+        # change, as on the command line. Anything else given is refused, not dropped.
+        given = [k for k, v in named.items() if v is not None]
+        if config is not None or given:
+            names = ", ".join(["config"] * (config is not None) + given)
+            raise UsageError(
+                f"fedskew.run(resume=...) takes its configuration from the run folder; "
+                f"drop: {names}"
+            )
         folder = RunFolder.reopen(Path(resume))
-        saved = folder.read_config()
-        saved.pop("resolved", None)
-        cfg = build_config(normalise_keys(saved, str(folder.path / "config.json")), {})
+        cfg = saved_config(folder.path, options, "fedskew.run(resume=...)")
         return RunResult(*run_experiment(cfg, on_round=on_round, resume=folder.path))
     base = _config_values(config)
     given = {k: v for k, v in named.items() if v is not None}

@@ -327,17 +327,11 @@ def flower_simulation():
     return run_simulation
 
 
-# How and where a run executes, not what it computes: a resumed run may change them (a run
-# started here can be continued on another machine, with its own data folder, cores and GPU).
-RESUME_MAY_CHANGE = ("quiet", "workers", "data_dir", "device", "tf32", "deterministic",
-                     "clients_together", "track")  # fmt: skip
-
-
 def resume_config(args: argparse.Namespace):
     """The configuration saved in an unfinished run folder, with only the execution options
     of RESUME_MAY_CHANGE taken from the command line."""
-    from fedskew.config import build_config, normalise_keys
-    from fedskew.runfolder import RunFolder
+    from fedskew.config import RESUME_MAY_CHANGE
+    from fedskew.runfolder import RunFolder, saved_config
 
     values = {k: v for k, v in cli_values(args).items() if v is not None}
     given = sorted(k for k in values if k not in RESUME_MAY_CHANGE)
@@ -345,15 +339,7 @@ def resume_config(args: argparse.Namespace):
         names = ", ".join(given) or "config"
         raise UsageError(f"--resume takes its configuration from the run folder; drop: {names}")
     folder = RunFolder.reopen(Path(args.resume))
-    saved = folder.read_config()
-    saved.pop("resolved", None)
-    saved = normalise_keys(saved, str(folder.path / "config.json"))
-    changed = {k: values[k] for k in RESUME_MAY_CHANGE if k in values}
-    if saved.get("partition_file") and not Path(saved["partition_file"]).exists():
-        # The run folder keeps the partition it ran with: the same clients.
-        saved["partition_file"] = str(folder.path / "partition.npz")
-    cfg = build_config({**saved, **changed}, {})
-    return cfg, folder.path
+    return saved_config(folder.path, values, "--resume"), folder.path
 
 
 def format_summary(summary: dict[str, Any], folder: Path) -> str:

@@ -95,7 +95,7 @@ from fedskew.report.tables import (
     provenance_table,
     runs_csv,
 )
-from fedskew.runfolder import read_jsonl, running_elsewhere
+from fedskew.runfolder import read_jsonl, running_elsewhere, saved_config
 from fedskew.tracking import prepare as prepare_tracking
 
 # One lock file per planned run that a compare is starting or training (see run_one).
@@ -462,9 +462,7 @@ def threads_per_run(jobs: int, threads: int | None, cores: int) -> int:
 
 def saved_hash(folder: Path) -> str:
     """The configuration hash of a run folder's config.json, as it would rerun."""
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    config.pop("resolved", None)
-    return config_hash(build_config(normalise_keys(config, str(folder / "config.json")), {}))
+    return config_hash(saved_config(folder))
 
 
 def slot_of(root: Path, run: PlannedRun) -> Path:

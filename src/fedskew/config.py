@@ -193,6 +193,10 @@ FINITE = (
 EXECUTION_ONLY = ("quiet", "workers", "data_dir", "download", "out_dir", "name", "engine",
                   "reply_timeout", "partition_file", "device", "tf32", "deterministic",
                   "clients_together", "track", "track_dir")  # fmt: skip
+# How and where a run executes, not what it computes: a resumed run may change them (a run
+# started here can be continued on another machine, with its own data folder, cores and GPU).
+RESUME_MAY_CHANGE = ("quiet", "workers", "data_dir", "device", "tf32", "deterministic",
+                     "clients_together", "track")  # fmt: skip
 
 
 # Values that reach float32 tensors (learning rates, coefficients) must convert to them:

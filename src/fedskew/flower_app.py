@@ -57,7 +57,7 @@ from fedskew.engine.flower_engine import MESSAGE_TYPE, FlowerEngine
 from fedskew.errors import FedskewError, UsageError
 from fedskew.experiment import run
 from fedskew.protocol import Message
-from fedskew.runfolder import RunFolder
+from fedskew.runfolder import RunFolder, saved_config
 
 log = logging.getLogger("fedskew")
 SETUP = "fedskew.setup"
@@ -189,9 +189,7 @@ def resumed_config(value: str, root: Path) -> tuple[ExperimentConfig, Path]:
     if folder == root:
         raise UsageError(f"run config 'resume' must name a run folder inside {root}, not the root")
     run_folder = RunFolder.reopen(folder)
-    saved = run_folder.read_config()
-    saved.pop("resolved", None)
-    cfg = build_config(normalise_keys(saved, str(run_folder.path / "config.json")), {})
+    cfg = saved_config(run_folder.path)
     cfg.engine = "flower"
     return cfg, run_folder.path
 

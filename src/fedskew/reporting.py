@@ -25,7 +25,6 @@ import numpy as np
 
 from fedskew.building import build_partition, load_experiment_data
 from fedskew.compare import collect, options_from_manifest
-from fedskew.config import build_config, normalise_keys
 from fedskew.data.partition import load_partition, partition_stats
 from fedskew.errors import FedskewError
 from fedskew.report.document import Block, Heading, Image, Para, write_report
@@ -39,6 +38,7 @@ from fedskew.report.tables import (
     per_run_table,
     provenance_table,
 )
+from fedskew.runfolder import saved_config
 from fedskew.version import __version__
 
 
@@ -69,9 +69,8 @@ class _Datasets:
 
 def partition_block(rec: RunRecord, datasets: _Datasets) -> list[Block]:
     """The heatmap of one run's partition, or a line saying why it is not drawn."""
-    saved = dict(rec.config)
     try:
-        cfg = build_config(normalise_keys(saved, str(rec.folder / "config.json")), {})
+        cfg = saved_config(rec.folder)
         dataset = datasets.load(cfg)
         path = rec.folder / "partition.npz"
         if path.is_file():

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fedskew.config import RESUME_MAY_CHANGE, ExperimentConfig, build_config, normalise_keys
 from fedskew.data.partition import load_partition, save_partition
 from fedskew.durable import (
     append_line_durably,
@@ -20,7 +22,7 @@ from fedskew.durable import (
     remove_stale_temps,
     write_bytes_durably,
 )
-from fedskew.errors import FedskewError
+from fedskew.errors import FedskewError, UsageError
 from fedskew.locks import Busy, holder, lock, unlock
 
 INCOMPLETE = ".incomplete"
@@ -36,6 +38,43 @@ def check_writable(out_dir: Path) -> None:
         probe.unlink()
     except OSError as exc:
         raise FedskewError(f"cannot write to output dir {out_dir}: {exc.strerror or exc}") from None
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """A run folder's config.json as written, with one-line errors for what is not one."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise FedskewError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FedskewError(f"{path} is not a JSON file: {str(exc).splitlines()[0]}") from None
+    if not isinstance(config, dict):
+        raise FedskewError(f"{path} is not a run configuration (not a JSON object)")
+    return config
+
+
+def saved_config(
+    folder: Path, changes: Mapping[str, Any] | None = None, who: str = "a resumed run"
+) -> ExperimentConfig:
+    """The configuration run folder ``folder`` (finished or not) ran with, as it continues:
+    its config.json without the facts it recorded ("resolved"), the folder's own
+    partition.npz where the partition file it named is gone (the same clients), and
+    ``changes``, which may only be the execution options a resumed run may change
+    (RESUME_MAY_CHANGE): anything else is a one-line error naming it. Every way back from a
+    run folder (the CLI, the API, compare, the report, Flower) goes through here."""
+    path = folder / "config.json"
+    saved = read_config_json(path)
+    saved.pop("resolved", None)
+    saved = normalise_keys(saved, str(path))
+    changes = normalise_keys(dict(changes or {}), who)
+    others = sorted(k for k in changes if k not in RESUME_MAY_CHANGE)
+    if others:
+        raise UsageError(
+            f"{who} takes its configuration from the run folder; drop: {', '.join(others)}"
+        )
+    if saved.get("partition_file") and not Path(saved["partition_file"]).exists():
+        saved["partition_file"] = str(folder / "partition.npz")
+    return build_config({**saved, **changes}, {})
 
 
 class RunFolder:
@@ -77,16 +116,7 @@ class RunFolder:
         return self.path / "checkpoint.npz"
 
     def read_config(self) -> dict[str, Any]:
-        path = self.path / "config.json"
-        try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise FedskewError(f"cannot read {path}: {exc.strerror or exc}") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FedskewError(f"{path} is not a JSON file: {str(exc).splitlines()[0]}") from None
-        if not isinstance(config, dict):
-            raise FedskewError(f"{path} is not a run configuration (not a JSON object)")
-        return config
+        return read_config_json(self.path / "config.json")
 
     def read_partition(self) -> list[np.ndarray]:
         return load_partition(self.path / "partition.npz")[0]

@@ -6,7 +6,7 @@
 
 Every number comes from the run folders under reproduction/runs/ (written by `fedskew compare
 -c reproduction/<grid>.toml`); every verdict is computed here by the rule the document states.
-The papers' figures are quoted from ../shared/docs/ALGORITHMS.md and labelled as such.
+The papers' figures are quoted from docs/algorithms.md and labelled as such.
 """
 
 from __future__ import annotations

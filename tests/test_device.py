@@ -333,7 +333,7 @@ def test_same_device_and_settings_give_the_same_metrics(device: str, tmp_path: P
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_cuda_curve_matches_the_cpu_curve(algorithm: str, tmp_path: Path) -> None:
     """fp32, 3 rounds: accuracy within 0.02 and loss within 2 % of the CPU run's (the
-    tolerance the README states; benchmarks/gpu_check.sh reports the measured gaps)."""
+    tolerance docs/gpu.md states; benchmarks/gpu_check.sh reports the measured gaps)."""
     params = dict(CASES[algorithm].get("params", {}))
     curves = {}
     for device in ("cpu", "cuda"):

@@ -1,6 +1,6 @@
 """A real Flower deployment on 127.0.0.1: a SuperLink and SuperNodes as separate processes,
-the fedskew app started with ``flwr run``, as a user deploys it (see README, "Running on
-Flower").
+the fedskew app started with ``flwr run``, as a user deploys it (see docs/flower.md,
+"Deployment").
 
 Each test starts its own federation on free ports, with one FLWR_HOME per process (as on
 separate machines), and tears every process down afterwards, including the ``flwr-serverapp``

@@ -1,4 +1,4 @@
-"""The layers of ../shared/docs/DESIGN.md, checked on the source: a module imports only
+"""The layers of docs/design.md, checked on the source: a module imports only
 modules of its own layer or below, at module level or inside a function alike."""
 
 from __future__ import annotations

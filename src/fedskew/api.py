@@ -4,7 +4,7 @@
     result = fedskew.run({"dataset": "digits", "rounds": 5}, algorithm=MyAlgorithm)
     print(result.folder, result.summary["final_accuracy"])
 
-``config`` is an :class:`~fedskew.config.ExperimentConfig`, a mapping of config keys (the
+``config`` is an ``fedskew.config.ExperimentConfig``, a mapping of config keys (the
 long option names of ``fedskew run``), or the path of a TOML/YAML/JSON config file; keyword
 ``options`` override it. ``algorithm``, ``model`` and ``dataset`` are names (built-in,
 ``package.module:Name``, or installed entry points) or the objects themselves: an

@@ -187,7 +187,7 @@ FINITE = (
 # the partition itself is compared with the saved one on every resume.
 # device, tf32, deterministic and clients_together choose the hardware and kernels that
 # compute the same experiment (same data, partition, randomness and updates): a change moves
-# results by floating-point rounding only (CPU and CUDA agree within the tolerance the README
+# results by floating-point rounding only (CPU and CUDA agree within the tolerance docs/gpu.md
 # states), so they are left out of the hash and a run may be resumed on another device; each
 # process's device and settings are recorded in processes.jsonl.
 EXECUTION_ONLY = ("quiet", "workers", "data_dir", "download", "out_dir", "name", "engine",

@@ -28,7 +28,7 @@ class ExecutorSettings:
 
 
 def add_executor_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("executor (where the runs execute; README: Running a grid)")
+    g = p.add_argument_group("executor (where the runs execute; docs/comparing.md: Running a grid)")
     g.add_argument(
         "--executor",
         choices=EXECUTORS,

@@ -1,4 +1,4 @@
-"""Model registry: every model is a :class:`BodyHeadModel` built from an input shape."""
+"""Model registry: every model is a ``BodyHeadModel`` built from an input shape."""
 
 from __future__ import annotations
 

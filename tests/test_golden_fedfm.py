@@ -6,7 +6,8 @@ The JSON was written by the code *before* the remedies moved out of ``fedfm.py``
 ``fedfm_remedies.py`` (commit c7617d3), by running this file as a script against that
 tree::
 
-    PYTHONPATH=<tree of c7617d3>/src python tests/test_golden_fedfm.py tests/golden_fedfm.json
+    OMP_NUM_THREADS=1 PYTHONPATH=<tree of c7617d3>/src \
+        python tests/test_golden_fedfm.py tests/golden_fedfm.json
 
 so the test holds the moved code to the numbers of the original. The move itself was checked
 bit for bit on one machine; here the tolerance is rel 1e-6, as another CPU may round the
@@ -120,6 +121,9 @@ def test_the_comparison_sees_a_difference():
 
 
 if __name__ == "__main__":
+    import torch
+
+    torch.set_num_threads(1)  # as under tests/conftest.py: the thread count changes float sums
     with tempfile.TemporaryDirectory() as tmp:
         found = {name: run_one(Path(tmp), name) for name in RUNS}
     Path(sys.argv[1]).write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")

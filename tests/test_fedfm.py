@@ -28,12 +28,11 @@ from fedskew.algorithms.fedfm import (
     cg_loss,
     l2_loss,
     matching_term,
-    pre_relu_cross_entropy,
-    pre_relu_layers,
     uniform_anchors,
     weighted_anchors,
 )
 from fedskew.algorithms.fedfm_lite import FedFMLite
+from fedskew.algorithms.fedfm_remedies import pre_relu_cross_entropy, pre_relu_layers
 from fedskew.building import new_model, prepare
 from fedskew.cli import main
 from fedskew.config import ExperimentConfig

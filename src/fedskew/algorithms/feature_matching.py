@@ -23,8 +23,9 @@ Choices of the plug-in, marked [PROPOSAL] (FedFM's own are in ``fedskew.algorith
   round is then exactly the inner algorithm's.
 - The inner round addresses only the clients whose anchor reply arrived.
 - The plug-in's parameters are FedFM's (``lam``, ``cg_tau``, ``start_round``, ``fm_loss``,
-  ``anchor_agg``). If the inner algorithm already has a parameter of one of these names, the
-  plug-in's is renamed ``fm_<name>`` (FedACD has ``lam``, so FedACD + FM takes ``fm_lam``).
+  ``anchor_agg``, and the ``lam_warmup`` remedy of ``fedskew.algorithms.fedfm_remedies``).
+  If the inner algorithm already has a parameter of one of these names, the plug-in's is
+  renamed ``fm_<name>`` (FedACD has ``lam``, so FedACD + FM takes ``fm_lam``).
 
 Client state: the step-1 arrays are kept (as copies) only until the inner round's first
 message has restored them. The global anchors of the round are kept with their round number,

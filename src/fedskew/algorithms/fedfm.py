@@ -29,29 +29,14 @@ Anchor aggregation:
 
 Parameters: ``lam`` (lambda, 50), ``cg_tau`` (the CG temperature alpha, 0.1; not ``tau``,
 which MOON already uses), ``start_round`` (T_s, 20), ``fm_loss`` (cg|l2), ``anchor_agg``
-(weighted|uniform), ``lam_warmup`` (0: off), ``match_on`` (features|pre_relu; FedFM only)
-and FedAvg's ``server_lr`` (1.0). The defaults are the official code's, which the paper's
-sweeps found best.
+(weighted|uniform) and FedAvg's ``server_lr`` (1.0). The defaults are the official code's,
+which the paper's sweeps found best.
 
-``match_on`` = pre_relu is not in the paper either: the second candidate remedy. The
-anchors and the matching term then use the body's output before its last ReLU (after the
-normalisation, on a model with ``norm=bn``) instead of the features the head reads; the
-network and its cross-entropy are unchanged. The idea under test: post-ReLU features all
-lie in the positive orthant, which could be why the anchors are nearly collinear at the
-launching round and the CG loss keeps a high floor; before the ReLU they may point anywhere.
-REPRODUCTION.md measures both the anchors' spread and the accuracy (on simple-cnn the
-pre-ReLU anchors were better spread with BatchNorm and about as collinear without it, and
-the launch collapsed either way). It needs a body that
-ends with a ReLU (simple-cnn, cnn-cifar, fedavg-cnn, mlp; not resnet18, whose body ends in
-pooling).
-
-``lam_warmup`` = W > 0 is not in the paper: a candidate remedy for the launching round,
-where the full lam x l_FM arrives at once and, with a normalisation-free feature path, can
-drive the local models to NaN (REPRODUCTION.md, FedFM's stability). lam then grows linearly
-over the W rounds from the launching round on: lam x (r - T_s + 1) / W in round r, the full
-lam from round T_s + W - 1 on. Off by default, so the paper's behaviour is what runs unless
-asked. Whether it helps is measured in REPRODUCTION.md's stability table (on simple-cnn it
-did not; there --grad-clip kept the launch from collapsing).
+Not in the paper: two candidate remedies for the launching round, ``lam_warmup`` (0: off)
+and ``match_on`` (features|pre_relu; FedFM only). Both live in
+``fedskew.algorithms.fedfm_remedies``, off by default, and enter here only through its
+parameter mixins and three calls: ``lam_in_round`` (the round's lam), ``anchor_features``
+and ``matching_loss`` (what the client matches on).
 
 Choices the paper leaves open, marked [PROPOSAL]:
 - An anchor is *undefined* while it is all zero (a class no sampled client has held yet; the
@@ -83,7 +68,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -97,15 +81,14 @@ from fedskew.algorithm_interface import (
     ServerSetup,
     check_one_of,
 )
+from fedskew.algorithms import fedfm_remedies as remedies
 from fedskew.algorithms.fedavg import FedAvgParams
+from fedskew.algorithms.fedfm_remedies import LamWarmupParams, MatchOnParams
 from fedskew.algorithms.local import (
     FeatureFn,
-    LossFn,
-    LossOutput,
     LossTerm,
     apply_server_lr,
     class_feature_means,
-    cross_entropy_loss,
     set_arrays,
     train_client,
     trained_needs,
@@ -123,7 +106,6 @@ COUNTS = "fm.counts"  # message array: (C,) int64 class counts (up, weighted agg
 REUSED = "fm.reused"  # message string: "*" (or names): arrays step 1 delivered, not sent again
 
 FM_LOSSES = ("cg", "l2")
-MATCH_ON = ("features", "pre_relu")
 ANCHOR_AGGS = ("weighted", "uniform")
 
 _KEPT = "fm.kept/"  # client state prefix: the arrays of step 1 until step 2 loads them
@@ -133,31 +115,37 @@ _KEPT = "fm.kept/"  # client state prefix: the arrays of step 1 until step 2 loa
 
 
 @dataclass
-class FeatureMatchingParams:
-    """The feature-matching parameters (FedFM-Lite and the plug-in take them too)."""
+class PaperFMParams:
+    """The paper's feature-matching parameters."""
 
     lam: float = 50.0
     cg_tau: float = 0.1
     start_round: int = 20
     fm_loss: str = "cg"
     anchor_agg: str = "weighted"
-    lam_warmup: int = 0
+
+
+@dataclass
+class FeatureMatchingParams(LamWarmupParams, PaperFMParams):
+    """The paper's parameters, then the ``lam_warmup`` remedy; FedFM-Lite and the plug-in
+    take them too. (A dataclass takes its last base's fields first: this order is the one
+    the run folders record.)"""
 
     def validate(self) -> None:
         settings_of(self).validate()
 
 
 @dataclass
-class FedFMParams(FeatureMatchingParams, FedAvgParams):
-    """FedAvg's ``server_lr`` first, then the feature-matching parameters."""
+class FedFMParams(MatchOnParams, FeatureMatchingParams, FedAvgParams):
+    """FedAvg's ``server_lr`` first, then the feature-matching parameters, then the
+    ``match_on`` remedy."""
 
     algorithm: ClassVar[str] = "fedfm"
-    match_on: str = "features"
 
     def validate(self) -> None:
         FedAvgParams.validate(self)
         FeatureMatchingParams.validate(self)
-        check_one_of("fedfm", "match_on", self.match_on, MATCH_ON)
+        MatchOnParams.validate(self)
 
 
 @dataclass(frozen=True)
@@ -167,13 +155,11 @@ class FMSettings:
     start_round: int
     loss: str
     agg: str
-    warmup: int = 0
+    warmup: int = 0  # the lam_warmup remedy; 0 is the paper's constant lam
 
     def lam_in(self, rnd: int) -> float:
-        """lam in round ``rnd`` (0-based): the full lam, or its share of the warm-up."""
-        if self.warmup <= 0:
-            return self.lam
-        return self.lam * min(1.0, max(0, rnd - self.start_round + 1) / self.warmup)
+        """lam in round ``rnd`` (0-based)."""
+        return remedies.lam_in_round(self.lam, self.start_round, self.warmup, rnd)
 
     def validate(self, names: Mapping[str, str] | None = None) -> None:
         """``names`` maps a parameter to the name the user sees (the plug-in renames)."""
@@ -190,10 +176,7 @@ class FMSettings:
             raise UsageError(
                 f"feature matching: {name('start_round')} must be >= 0, got {self.start_round}"
             )
-        if self.warmup < 0:
-            raise UsageError(
-                f"feature matching: {name('lam_warmup')} must be >= 0 rounds, got {self.warmup}"
-            )
+        remedies.check_lam_warmup(self.warmup, name("lam_warmup"))
         check_one_of("feature matching", name("fm_loss"), self.loss, FM_LOSSES)
         check_one_of("feature matching", name("anchor_agg"), self.agg, ANCHOR_AGGS)
 
@@ -403,40 +386,6 @@ def reply_local_anchors(
     return Message(LOCAL_ANCHOR_KIND, arrays=local_anchor_arrays(ctx.model, ctx, agg, features))
 
 
-# --- matching before the last ReLU (match_on = pre_relu) -------------------------------------
-
-
-def pre_relu_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The body's layers up to (without) its final ReLU, or a one-line UsageError."""
-    body = getattr(model, "body", None)
-    layers = list(body) if isinstance(body, torch.nn.Sequential) else []
-    if not layers or not isinstance(layers[-1], torch.nn.ReLU):
-        last = type(layers[-1]).__name__ if layers else type(body).__name__
-        raise UsageError(
-            "fedfm: match_on=pre_relu needs a model whose body ends with a ReLU (simple-cnn, "
-            f"cnn-cifar, fedavg-cnn, mlp); this model's body ends with {last}"
-        )
-    return layers[:-1]
-
-
-def pre_relu_features(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
-    """The body's output before its final ReLU (``layers`` from ``pre_relu_layers``, taken
-    once per handler rather than per batch): what the head reads is relu() of it."""
-    for layer in layers:
-        x = layer(x)
-    return x
-
-
-def pre_relu_cross_entropy(
-    layers: Sequence[torch.nn.Module], model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
-) -> LossOutput:
-    """The plain cross-entropy of the unchanged network, handing the pre-ReLU features to the
-    matching term. Bind ``layers`` (``pre_relu_layers(model)``) with functools.partial."""
-    z = pre_relu_features(layers, x)
-    logits = model.head(F.relu(z))
-    return LossOutput(F.cross_entropy(logits, y), z, logits)
-
-
 def keep_received(state: ClientState, arrays: Mapping[str, torch.Tensor]) -> None:
     """Keep copies of step 1's arrays (replacing any left over from an earlier round)."""
     take_received(state)
@@ -491,9 +440,7 @@ class FedFMServer(ServerLogic):
 class FedFMClient(ClientLogic):
     def on_fm_anchors(self, msg: Message, ctx: ClientContext) -> Message:
         """Step 1: the local anchors under the global model, which is kept for step 2."""
-        features = None
-        if self.params.match_on == "pre_relu":
-            features = partial(pre_relu_features, pre_relu_layers(ctx.model))
+        features = remedies.anchor_features(self.params, ctx.model)
         return reply_local_anchors(msg, ctx, self.params.anchor_agg, features)
 
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
@@ -505,9 +452,7 @@ class FedFMClient(ClientLogic):
                 "round's anchor exchange"
             )
         set_arrays(ctx.model, model)
-        loss_fn: LossFn = cross_entropy_loss
-        if self.params.match_on == "pre_relu":
-            loss_fn = partial(pre_relu_cross_entropy, pre_relu_layers(ctx.model))
+        loss_fn = remedies.matching_loss(self.params, ctx.model)
         with loss_term_installed(ctx, received_anchor_term(msg, self.params, ctx.round)):
             result = train_client(ctx, loss_fn=loss_fn)
         return trained_reply(ctx, result.mean_loss)
@@ -523,10 +468,8 @@ class FedFM(Algorithm):
 
     @classmethod
     def adapt_model(cls, params: Any, model: torch.nn.Module) -> torch.nn.Module:
-        """The model is unchanged; match_on=pre_relu is refused up front where the body
-        does not end with a ReLU."""
-        if params.match_on == "pre_relu":
-            pre_relu_layers(model)
+        """The model is unchanged; a remedy it cannot take is refused up front."""
+        remedies.check_model(params, model)
         return model
 
     @classmethod

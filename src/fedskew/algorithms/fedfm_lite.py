@@ -7,7 +7,8 @@ then computes its local anchors with its *trained local model* and uploads them 
 counts under weighted aggregation). In a model round it also uploads its model, which the
 server FedAvg-averages; otherwise it keeps the model in its client state for the next round.
 The loss, the anchor aggregation and their parameters are FedFM's (``lam``, ``cg_tau``,
-``start_round``, ``fm_loss``, ``anchor_agg``; see ``fedskew.algorithms.fedfm``).
+``start_round``, ``fm_loss``, ``anchor_agg``; see ``fedskew.algorithms.fedfm``), and so is the
+``lam_warmup`` remedy (``fedskew.algorithms.fedfm_remedies``; off by default).
 
 Parameter ``a`` (default 5, the setting of the paper's headline claims; the paper sweeps
 {1, 2, 5, 10}): models are uploaded and averaged in rounds ``t`` (0-based) with

@@ -22,8 +22,8 @@ that factor. ``normaliser="momentum"`` (default) divides by ``a lr`` with ``a`` 
 momentum coefficients, so ``c_k+`` is the coefficient-weighted mean of the local gradients;
 ``a = K`` when momentum is 0, where this is exactly the paper's formula.
 ``normaliser="steps"`` divides by ``K lr`` as written in the paper, whatever the momentum
-(at momentum 0 both are the same; at 0.9 this one diverged on digits with ``--beta 0.1``).
-It is there to reproduce implementations that keep the plain formula.
+(at momentum 0 both are the same; at 0.9 ``c_k`` overshoots as above). It is there to
+reproduce implementations that keep the plain formula.
 Weight decay is part of the gradient the optimiser sees (the correction is added before the
 step, the decay inside it), so the control variates estimate the gradient of the weight-decayed
 local objective; every client applies the same decay, so its share in ``c`` and ``c_k`` is
@@ -46,11 +46,11 @@ near ``w`` only, and unlike the client's own gradient it does not fade once the 
 its data; so the client keeps moving along it, about ``K lr / (1 - rho) |c - c_k|`` in all (the
 paper's analysis likewise needs ``K lr`` small). When this local step budget is large (thousands
 of samples per client, several epochs, momentum 0.9 multiplying every step tenfold) the clients
-leave that region, the next control variates are measured far from the optimum, and accuracy
-swings or diverges where FedAvg does not. On digits with ``--beta 0.1`` this happened with full
-participation too, and with momentum 0 at the same ``lr / (1 - rho)``: the budget, not
-staleness or momentum as such, is the cause. Cut it: fewer local epochs, ``--momentum 0`` (the
-paper's plain SGD) at the same ``--lr``, or a smaller ``--lr``.
+leave that region, the next control variates are estimated far from the optimum, and accuracy
+can swing or diverge where FedAvg does not (benchmarks/results/baselines_findings.md,
+reproduction/NOTES.md). The budget is the cause, not staleness or momentum as such; cut it:
+fewer local epochs, ``--momentum 0`` (the paper's plain SGD) at the same ``--lr``, or a
+smaller ``--lr``.
 """
 
 from __future__ import annotations

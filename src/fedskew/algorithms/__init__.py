@@ -1,38 +1,86 @@
-"""Algorithm registry: every module of this package that defines an ``Algorithm``
-subclass with a ``name`` is found here, so adding an algorithm is adding one file."""
+"""Algorithm registry: the built-in algorithms by name, each imported only when it is asked
+for (running FedAvg imports FedAvg's module, not the other sixteen)."""
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Iterator, Mapping
 
 from fedskew.algorithm_interface import Algorithm
 from fedskew.errors import UsageError
 from fedskew.references import entry_points, import_reference, is_reference, load_entry_point
 
-_HELPERS = {"local", "feature_matching"}  # modules that hold no algorithm of their own
+# name -> the module of this package that defines it. Adding an algorithm is adding its file
+# and its line here; tests/test_algorithm_registry.py fails when the two disagree.
+BUILT_IN: dict[str, str] = {
+    "creff": "creff",
+    "fedacd": "fedacd",
+    "fedavg": "fedavg",
+    "fedcme": "fedcme",
+    "feddecorr": "feddecorr",
+    "feddyn": "feddyn",
+    "fedfm": "fedfm",
+    "fedfm-lite": "fedfm_lite",
+    "fedlc": "fedlc",
+    "fednh": "fednh",
+    "fednova": "fednova",
+    "fedntd": "fedntd",
+    "fedproto": "fedproto",
+    "fedprox": "fedprox",
+    "fedrod": "fedrod",
+    "fedrs": "fedrs",
+    "moon": "moon",
+    "scaffold": "scaffold",
+}
 
 
-def _discover() -> dict[str, type[Algorithm]]:
+def algorithms_of(module_name: str) -> dict[str, type[Algorithm]]:
+    """The named Algorithm subclasses that module ``module_name`` of this package defines."""
+    module = importlib.import_module(f"{__name__}.{module_name}")
+    return {
+        obj.name: obj
+        for obj in vars(module).values()
+        if isinstance(obj, type)
+        and issubclass(obj, Algorithm)
+        and obj.__module__ == module.__name__
+        and isinstance(getattr(obj, "name", None), str)
+    }
+
+
+def discover() -> dict[str, type[Algorithm]]:
+    """Every algorithm the package's modules define, by importing them all (the check of
+    BUILT_IN, and nothing else, needs this)."""
     found: dict[str, type[Algorithm]] = {}
     for info in pkgutil.iter_modules(__path__):
-        if info.name.startswith("_") or info.name in _HELPERS:
+        if info.name.startswith("_"):
             continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        for obj in vars(module).values():
-            if (
-                isinstance(obj, type)
-                and issubclass(obj, Algorithm)
-                and obj.__module__ == module.__name__
-                and isinstance(getattr(obj, "name", None), str)
-            ):
-                if obj.name in found:
-                    raise RuntimeError(f"two algorithms named '{obj.name}'")
-                found[obj.name] = obj
+        for name, cls in algorithms_of(info.name).items():
+            if name in found:
+                raise RuntimeError(f"two algorithms named '{name}'")
+            found[name] = cls
     return dict(sorted(found.items()))
 
 
-ALGORITHMS: dict[str, type[Algorithm]] = _discover()
+class _BuiltIn(Mapping[str, type[Algorithm]]):
+    """The built-in algorithms as a read-only mapping; a module is imported at its first
+    lookup. Iterating gives the names without importing anything."""
+
+    def __getitem__(self, name: str) -> type[Algorithm]:
+        module = BUILT_IN[name]  # KeyError for an unknown name, as a dict
+        cls = algorithms_of(module).get(name)
+        if cls is None:
+            raise RuntimeError(f"fedskew.algorithms.{module} defines no algorithm '{name}'")
+        return cls
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(BUILT_IN)
+
+    def __len__(self) -> int:
+        return len(BUILT_IN)
+
+
+ALGORITHMS: Mapping[str, type[Algorithm]] = _BuiltIn()
 
 
 def get_algorithm(name: str, feature_matching: bool = False) -> type[Algorithm]:

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from fedskew.algorithms import register_algorithm
 from fedskew.config import ExperimentConfig, build_config, normalise_keys, read_config_file
-from fedskew.data.sources import register_dataset
+from fedskew.data.user_datasets import register_dataset
 from fedskew.errors import UsageError
 from fedskew.experiment import run as run_experiment
 from fedskew.models import register_model

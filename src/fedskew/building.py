@@ -16,6 +16,7 @@ import torch
 from fedskew.algorithm_interface import Algorithm, LocalTrainConfig
 from fedskew.algorithms import get_algorithm
 from fedskew.config import ExperimentConfig
+from fedskew.data.datasets import DATASETS, Dataset
 from fedskew.data.federated import FederatedData
 from fedskew.data.partition import (
     PARTITIONS,
@@ -25,13 +26,8 @@ from fedskew.data.partition import (
     read_partition_file,
     resolve_partition_params,
 )
-from fedskew.data.sources import (
-    DATASETS,
-    Dataset,
-    default_model_for,
-    find_dataset_loader,
-    load_dataset,
-)
+from fedskew.data.sources import load_dataset
+from fedskew.data.user_datasets import default_model_for, find_dataset_loader
 from fedskew.device import ExecutionSettings, device_facts, resolve_device
 from fedskew.errors import UsageError
 from fedskew.models import build_model, find_model

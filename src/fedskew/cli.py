@@ -367,8 +367,8 @@ def format_summary(summary: dict[str, Any], folder: Path) -> str:
 
 def cmd_list(args: argparse.Namespace) -> int:
     from fedskew.algorithms import ALGORITHMS
+    from fedskew.data.datasets import DATASETS
     from fedskew.data.partition import PARTITIONS
-    from fedskew.data.sources import DATASETS
     from fedskew.models import MODELS
 
     sections = [

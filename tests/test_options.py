@@ -101,6 +101,10 @@ def test_values_read_alike_from_every_source(tmp_path):
     assert values["lr"] == 0.001 and values["tf32"] is True
     assert values["params"] == {"mu": 0.5}
     assert values["partition_params"] == {"min_size": 2, "beta": 0.3}
+    # --beta and --min-size keep their types (config.json and the config hash as before).
+    args = subparser("run").parse_args(["--beta", "1", "-P", "beta=3", "--min-size", "4"])
+    assert cli_values(args)["partition_params"] == {"beta": 1.0, "min_size": 4}
+    assert isinstance(cli_values(args)["partition_params"]["beta"], float)
     toml = tmp_path / "c.toml"
     toml.write_text('lr = "1e-3"\ntf32 = "on"\n')
     from_file = build_config(read_config_file(toml), {})
@@ -111,6 +115,8 @@ def test_values_read_alike_from_every_source(tmp_path):
     "args, message",
     [
         (["-p", "mu"], "-p/--param: expected key=value, got 'mu'"),
+        (["--beta", "x"], "beta expects float, got 'x'"),
+        (["--min-size", "1.5"], "min-size expects int, got '1.5'"),
         (["--engine", "flower"], "engine must be one of inprocess, flower-sim, got 'flower'"),
         (["--memory-format", "x"], "memory-format must be one of auto, channels_last"),
     ],

@@ -22,17 +22,21 @@ from fedskew.precision import check_precision
 def option(default: Any = dataclasses.MISSING, *, factory: Any = None, **metadata: Any) -> Any:
     """A config field with its option metadata: the one place an option is declared.
 
-    Keys (fedskew.options builds the command line from them, fedskew.options_reference the
-    docs): ``help``; ``default_text`` (how --help states the default; "" for none);
-    ``short`` (e.g. "-a") and ``flag`` (the long spelling where it is not --<key>);
-    ``metavar``; ``choices`` (shown, and checked by ``validate``); ``cli_choices`` (the
-    values the command line accepts, where fewer); ``action``: "true" / "false" (a flag
-    that sets it), "append" (repeatable), "pairs" (a table of repeatable KEY=VALUE items);
-    ``shortcuts`` (a table's keys that have their own flag: {key: help}); ``command``:
-    "experiment" (also an option of `fedskew partition`) or "run"; ``exclusive`` (a group
-    of options of which one may be given); ``cli``: False (no flag); tags ``execution``
-    (EXECUTION_ONLY), ``resumable`` (RESUME_MAY_CHANGE), ``measurement``
-    (MEASUREMENT_ONLY), ``flower``: False with ``flower_reason`` (NOT_IN_RUN_CONFIG)."""
+    fedskew.options builds the command line from the metadata, fedskew.options_reference
+    docs/options.md, and this module the tag lists below the class. Keys:
+
+    - ``help``; ``default_text``: how --help states the default ("" for none);
+    - ``short`` ("-a"); ``flag``: the long spelling where it is not --<key>; ``metavar``;
+    - ``choices``: shown in --help (``validate`` checks them); ``cli_choices``: the values
+      the command line accepts, where fewer;
+    - ``action``: "true" / "false" (a flag that sets it), "append" (repeatable), "pairs"
+      (a table given as repeatable KEY=VALUE items);
+    - ``shortcuts``: a table's keys with a flag of their own, {key: (int or float, help)};
+    - ``command``: "experiment" (an option of `fedskew partition` too) or "run" (default);
+    - ``exclusive``: a group of options of which one may be given; ``cli``: False, no flag;
+    - tags: ``execution`` (EXECUTION_ONLY), ``resumable`` (RESUME_MAY_CHANGE),
+      ``measurement`` (MEASUREMENT_ONLY), ``flower``: False with ``flower_reason``
+      (NOT_IN_FLOWER_RUN_CONFIG)."""
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -86,8 +90,8 @@ class ExperimentConfig:
     partition_params: dict[str, Any] = option(
         factory=dict, short="-P", flag="--partition-param", action="pairs", command="experiment",
         shortcuts={
-            "beta": "Dirichlet concentration (dirichlet, quantity)",
-            "min_size": "minimum samples per client (dirichlet, quantity)",
+            "beta": (float, "Dirichlet concentration (dirichlet, quantity)"),
+            "min_size": (int, "minimum samples per client (dirichlet, quantity)"),
         },
         help="other partition parameter, e.g. classes_per_client=2 (repeatable)",
     )
@@ -495,6 +499,11 @@ def parse_value(key: str, value: Any, where: str | None = None) -> Any:
         raise UsageError(f"{label} expects a number, got {value!r}")
     if kind is int and isinstance(value, float) and not value.is_integer():
         raise UsageError(f"{label} must be an integer, got {value!r}")
+    return parse_number(label, kind, value)
+
+
+def parse_number(label: str, kind: type, value: Any) -> Any:
+    """``value`` as an int or a float (``kind``), as Python reads it, else a one-line error."""
     try:
         return kind(value)
     except (TypeError, ValueError):

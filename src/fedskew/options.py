@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from fedskew.config import FIELDS, TABLES, ExperimentConfig, parse_value
+from fedskew.config import FIELDS, TABLES, ExperimentConfig, parse_number, parse_value
 from fedskew.errors import UsageError
 
 
@@ -89,7 +89,7 @@ def add_field_options(p: argparse.ArgumentParser, command: str) -> None:
             if group not in groups:
                 groups[group] = p.add_mutually_exclusive_group()
             target = groups[group]
-        for key, text in f.metadata.get("shortcuts", {}).items():
+        for key, (_, text) in f.metadata.get("shortcuts", {}).items():
             target.add_argument("--" + key.replace("_", "-"), dest=key, help=text)
         _add(target, f)
 
@@ -106,34 +106,34 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def raw_cli_values(args: argparse.Namespace) -> dict[str, Any]:
-    """The config values as given on the command line, unparsed (None: not given). A
-    table's shortcut flags (``--beta``) add their key to the table's KEY=VALUE items."""
+    """The config values as given on the command line, unparsed (None: not given); a
+    table's shortcut flags (``--beta``) count as values of the table."""
     values: dict[str, Any] = {}
     for f in cli_fields():
-        if not hasattr(args, f.name):
-            continue
-        value = getattr(args, f.name)
-        if f.name in TABLES:
-            items = [
-                f"{key}={getattr(args, key)}"
-                for key in f.metadata.get("shortcuts", {})
-                if getattr(args, key, None) is not None
-            ]
-            value = [*(value or []), *items] or None
-        values[f.name] = value
+        if hasattr(args, f.name):
+            values[f.name] = getattr(args, f.name)
+            if values[f.name] is None and any(
+                getattr(args, key, None) is not None for key in f.metadata.get("shortcuts", {})
+            ):
+                values[f.name] = []
     return values
 
 
 def cli_values(args: argparse.Namespace) -> dict[str, Any]:
     """The config values given on the command line, parsed (None: not given)."""
-    return {key: parse_cli_value(key, value) for key, value in raw_cli_values(args).items()}
+    values = {key: parse_cli_value(key, value) for key, value in raw_cli_values(args).items()}
+    for key in TABLES:
+        for name, (kind, _) in FIELDS[key].metadata.get("shortcuts", {}).items():
+            if getattr(args, name, None) is not None:  # --beta wins over -P beta=...
+                values[key][name] = parse_number(name.replace("_", "-"), kind, getattr(args, name))
+    return values
 
 
 def parse_cli_value(key: str, value: Any) -> Any:
     if value is None:
         return None
     f = FIELDS[key]
-    parsed = parse_value(key, value, where=" ".join(flags(f)).replace(" ", "/"))
+    parsed = parse_value(key, value, where="/".join(flags(f)))
     allowed = f.metadata.get("cli_choices")
     if allowed is not None and parsed not in allowed:  # values only an app may set
         raise UsageError(

@@ -96,7 +96,7 @@ def test_config_file_with_options_overriding(tmp_path):
         (["run", "--config", "missing.toml"], "config file not found"),
         (["run", "--dataset", "mnist", "--data-dir", "empty", "--no-download"], "mnist"),
         (["partition", "--partition", "classes", "-P", "classes_per_client=11"], "classes"),
-        (["run", "--rounds", "x"], "invalid int"),
+        (["run", "--rounds", "x"], "rounds expects int, got 'x'"),
     ],
 )
 def test_bad_input_gives_one_line_and_exit_2_or_1(tmp_path, args, needle):

@@ -23,6 +23,8 @@ LAYERS: list[tuple[str, ...]] = [
         "fedskew.machine",
         "fedskew.progress",
         "fedskew.config",
+        "fedskew.options",  # the command-line options, from config's option metadata
+        "fedskew.options_reference",
         "fedskew.data",
         "fedskew.models",
         "fedskew.metrics",

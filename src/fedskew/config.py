@@ -19,68 +19,215 @@ from fedskew.errors import UsageError
 from fedskew.precision import check_precision
 
 
+def option(default: Any = dataclasses.MISSING, *, factory: Any = None, **metadata: Any) -> Any:
+    """A config field with its option metadata: the one place an option is declared.
+
+    fedskew.options builds the command line from the metadata, fedskew.options_reference
+    docs/options.md, and this module the tag lists below the class. Keys:
+
+    - ``help``; ``default_text``: how --help states the default ("" for none);
+    - ``short`` ("-a"); ``flag``: the long spelling where it is not --<key>; ``metavar``;
+    - ``choices``: shown in --help (``validate`` checks them); ``cli_choices``: the values
+      the command line accepts, where fewer;
+    - ``action``: "true" / "false" (a flag that sets it), "append" (repeatable), "pairs"
+      (a table given as repeatable KEY=VALUE items);
+    - ``shortcuts``: a table's keys with a flag of their own, {key: (int or float, help)};
+    - ``command``: "experiment" (an option of `fedskew partition` too) or "run" (default);
+    - ``exclusive``: a group of options of which one may be given; ``cli``: False, no flag;
+    - tags: ``execution`` (EXECUTION_ONLY), ``resumable`` (RESUME_MAY_CHANGE),
+      ``measurement`` (MEASUREMENT_ONLY), ``flower``: False with ``flower_reason``
+      (NOT_IN_FLOWER_RUN_CONFIG)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
+CLIENTS_TOGETHER = ("auto", "off", "vmap")
+DIVERGENCE_POLICIES = ("stop", "drop")
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+ENGINES = ("inprocess", "flower-sim", "flower")  # "flower": set by the deployed ServerApp
+
+
 @dataclass
 class ExperimentConfig:
-    algorithm: str = "fedavg"
-    dataset: str = "digits"
-    data_dir: str | None = None
-    download: bool = True
-    model: str = "auto"  # "auto": the dataset's default model
-    model_options: dict[str, Any] = field(default_factory=dict)
-    num_clients: int = 20
-    participation: float | None = None  # fraction of clients per round, in (0, 1]
-    clients_per_round: int | None = None  # or a count; default 40 % of the clients
-    partition: str = "dirichlet"
-    partition_params: dict[str, Any] = field(default_factory=dict)
+    # fmt: off
+    algorithm: str = option(
+        "fedavg", short="-a", command="experiment", default_text="",
+        help="algorithm name (see `fedskew list`)",
+    )
+    dataset: str = option(
+        "digits", short="-d", command="experiment", default_text="digits, embedded",
+        help="dataset name",
+    )
+    data_dir: str | None = option(
+        None, command="experiment", execution=True, resumable=True, flower=False,
+        flower_reason="the server reads datasets from $FEDSKEW_DATA or its cache, a node from "
+        "its node config",
+        help="where datasets are looked for and downloaded to",
+    )
+    download: bool = option(
+        True, flag="--no-download", action="false", command="experiment", execution=True,
+        help="never download; use local files only",
+    )
+    model: str = option(
+        "auto", short="-m", default_text="",
+        help="model name, or auto for the dataset's default",
+    )
+    model_options: dict[str, Any] = option(
+        factory=dict, flag="--model-option", action="pairs",
+        help="model option, e.g. stem=imagenet (repeatable)",
+    )
+    num_clients: int = option(20, short="-n", command="experiment", help="number of clients")
+    participation: float | None = option(
+        None, exclusive="clients", default_text="0.4",
+        help="fraction of clients per round, in (0, 1]",
+    )
+    clients_per_round: int | None = option(
+        None, exclusive="clients", help="number of clients per round (instead of participation)"
+    )
+    partition: str = option("dirichlet", command="experiment", help="partition scheme")
+    partition_params: dict[str, Any] = option(
+        factory=dict, short="-P", flag="--partition-param", action="pairs", command="experiment",
+        shortcuts={
+            "beta": (float, "Dirichlet concentration (dirichlet, quantity)"),
+            "min_size": (int, "minimum samples per client (dirichlet, quantity)"),
+        },
+        help="other partition parameter, e.g. classes_per_client=2 (repeatable)",
+    )
     # A partition made elsewhere (.npz as fedskew saves it, or JSON index lists); it
     # replaces `partition`, and sets num_clients when that is not given.
-    partition_file: str | None = None
-    partition_overlap: bool = False  # may two clients of partition_file share a sample
-    rounds: int = 30
-    local_epochs: int = 2
-    batch_size: int = 32
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 1e-5
-    augment: bool = False
-    grad_clip: float = 0.0  # max gradient norm per local step; 0: off
-    memory_format: str = "auto"  # auto: channels_last for convolutional models
-    precision: str = "fp32"  # fp32, or bf16 autocast for forward passes (fedskew.precision)
-    device: str = "auto"  # auto (CUDA when available, else CPU), cpu, cuda, cuda:N
-    tf32: bool = False  # CUDA: TF32 tensor cores for fp32 products (fedskew.device)
-    deterministic: bool = False  # torch.use_deterministic_algorithms (+ cuBLAS workspace)
+    partition_file: str | None = option(
+        None, metavar="FILE", command="experiment", execution=True,
+        help="use this partition (.npz as fedskew saves it, or .json index lists per client)",
+    )
+    partition_overlap: bool = option(
+        False, action="true", command="experiment",
+        help="allow clients of --partition-file to share samples",
+    )
+    rounds: int = option(30, short="-r", help="communication rounds")
+    local_epochs: int = option(2, short="-e", help="local epochs per round")
+    batch_size: int = option(32, short="-b", help="local batch size")
+    lr: float = option(0.05, help="local learning rate")
+    momentum: float = option(0.9, help="local SGD momentum")
+    weight_decay: float = option(1e-5, help="local weight decay")
+    augment: bool = option(
+        False, action="true", help="random crop and flip on image batches (off by default)"
+    )
+    grad_clip: float = option(
+        0.0, default_text="0: off", help="clip each local step's gradient norm"
+    )
+    memory_format: str = option(
+        "auto", choices=MEMORY_FORMATS, default_text="auto: channels_last for convolutional "
+        "models", help="tensor layout",
+    )
+    precision: str = option(
+        "fp32", metavar="fp32|bf16", default_text="",
+        help="forward passes in fp32 (default) or under bf16 autocast; weights stay fp32",
+    )
+    device: str = option(
+        "auto", metavar="auto|cpu|cuda|cuda:N", execution=True, resumable=True,
+        default_text="auto: CUDA when available, else the CPU",
+        help="where clients train and the model is evaluated",
+    )
+    tf32: bool = option(
+        False, metavar="on|off", execution=True, resumable=True, default_text="off: fp32 is fp32",
+        help="CUDA: let fp32 products use TF32 tensor cores",
+    )
+    deterministic: bool = option(
+        False, action="true", execution=True, resumable=True,
+        help="PyTorch's deterministic algorithms (and the cuBLAS workspace setting): the same "
+        "metrics on every repeat of a CUDA run, somewhat slower",
+    )
     # Train a round's clients together: "vmap" stacks their parameters (torch.func) where the
     # algorithm's local step is plain cross-entropy; "off": one after another; "auto": vmap on
     # CUDA, one after another on the CPU (measured: benchmarks/clients_together.py).
-    clients_together: str = "auto"
-    params: dict[str, Any] = field(default_factory=dict)  # algorithm hyper-parameters
-    feature_matching: bool = False  # FedFM's anchor feature matching as a plug-in
-    eval_every: int = 1
+    clients_together: str = option(
+        "auto", metavar="auto|off|vmap", execution=True, resumable=True, flower=False,
+        flower_reason="a SuperNode answers for one client at a time",
+        default_text="auto: vmap on CUDA, off on the CPU",
+        help="train a round's clients together with stacked parameters (vmap) where the "
+        "algorithm's local step is plain cross-entropy; off: one after another",
+    )
+    params: dict[str, Any] = option(
+        factory=dict, short="-p", flag="--param", action="pairs",
+        help="algorithm hyper-parameter, e.g. mu=0.01 (repeatable)",
+    )
+    feature_matching: bool = option(
+        False, action="true",
+        help="add FedFM's anchor feature matching to the algorithm (plug-in)",
+    )
+    eval_every: int = option(1, help="evaluate every N rounds")
     # Metrics besides accuracy (fedskew.metrics.features), every N rounds and the last; 0: off.
-    feature_metrics_every: int = 0  # NMI (k-means) and silhouette of the test body features
-    local_risk_every: int = 0  # risk of the round's local models over client distributions
-    tsne: bool = False  # t-SNE plot of the final global model's test features: tsne.png
-    seed: int = 0
-    synthetic_alpha: float = 1.0
-    synthetic_beta: float = 1.0
-    checkpoint_every: int = 1  # rounds between checkpoints; 0: none
-    engine: str = "inprocess"  # inprocess | flower-sim (flower deployments start from `flwr run`)
-    reply_timeout: float = 0.0  # seconds a Flower round waits for replies; 0: no limit
+    feature_metrics_every: int = option(
+        0, metavar="N", measurement=True, default_text="0: off",
+        help="every N rounds and the last: NMI of k-means clusters and silhouette of the "
+        "global model's test features, as in FedFM Table IV",
+    )
+    local_risk_every: int = option(
+        0, metavar="N", measurement=True, default_text="0: off",
+        help="every N rounds and the last: risk of the round's local models over client "
+        "distributions, as in FedACD",
+    )
+    tsne: bool = option(
+        False, action="true", measurement=True,
+        help="write tsne.png into the run folder: t-SNE of the final global model's test "
+        "features, coloured by class",
+    )
+    seed: int = option(0, command="experiment", help="experiment seed")
+    synthetic_alpha: float = option(1.0, command="experiment", help="synthetic dataset alpha")
+    synthetic_beta: float = option(1.0, command="experiment", help="synthetic dataset beta")
+    checkpoint_every: int = option(1, default_text="1; 0: none", help="rounds between checkpoints")
+    engine: str = option(
+        "inprocess", choices=ENGINES, cli_choices=("inprocess", "flower-sim"), execution=True,
+        flower=False, flower_reason="a deployment is the Flower engine", default_text="",
+        help="inprocess (default) or flower-sim: Flower's simulation engine (needs .[flower]); "
+        "flower-deployed runs start from `flwr run`",
+    )
+    reply_timeout: float = option(
+        0.0, execution=True, default_text="0: no limit",
+        help="seconds a Flower round waits for client replies",
+    )
     # Client worker processes, one torch thread each; 0 or 1: in-process; "auto": see
     # effective_workers (chosen by benchmarks/throughput_repeats.py).
-    workers: int | str = "auto"
+    workers: int | str = option(
+        "auto", metavar="N|auto", execution=True, resumable=True, flower=False,
+        flower_reason="the SuperNodes are the workers",
+        default_text="auto: one per core with --precision bf16, in-process with fp32, as "
+        "measured in BENCHMARKS.md; results are the same either way",
+        help="run clients in N worker processes, one torch thread each; 0: in-process",
+    )
     # A client reply with NaN or Inf: "stop" ends the run naming round and client (the last
     # good checkpoint is kept); "drop" leaves the reply out of the round, as a lost one.
-    on_divergence: str = "stop"
-    out_dir: str = "runs"
-    name: str | None = None  # the run folder's name: one path component
-    quiet: bool = False
-    # Experiment trackers that get each round's metrics besides the run folder
-    # (fedskew.tracking): tensorboard, mlflow, wandb.
-    track: list[str] = field(default_factory=list)
-    # Where trackers keep their files (mlflow.db, tensorboard/, wandb/); default: the folder
-    # that holds the run folder. fedskew compare sets it to the grid folder.
-    track_dir: str | None = None
+    on_divergence: str = option(
+        "stop", choices=DIVERGENCE_POLICIES, default_text="",
+        help="a client reply with NaN or Inf: stop the run (default) or leave the reply out",
+    )
+    out_dir: str = option(
+        "runs", short="-o", execution=True, default_text="./runs", help="where run folders go"
+    )
+    name: str | None = option(
+        None, execution=True, default_text="algorithm-dataset-partition-seed-time",
+        help="run folder name: one path component",
+    )
+    quiet: bool = option(
+        False, short="-q", action="true", execution=True, resumable=True, flower=False,
+        flower_reason="the ServerApp logs, it shows no progress bar",
+        help="no progress bar or summary",
+    )
+    track: list[str] = option(
+        factory=list, action="append", metavar="tensorboard|mlflow|wandb", execution=True,
+        resumable=True,
+        help="also log each round's metrics, the config and the summary to this experiment "
+        "tracker (repeatable; needs pip install 'fedskew[NAME]')",
+    )
+    track_dir: str | None = option(
+        None, cli=False, execution=True, flower=False,
+        flower_reason="trackers keep their files beside the run folder, inside the output root",
+        help="where trackers keep their files (mlflow.db, tensorboard/, wandb/); default: the "
+        "folder that holds the run folder (fedskew compare sets it to the grid folder)",
+    )
+    # fmt: on
 
     def per_round(self) -> int:
         """Clients sampled per round, from the count or the fraction."""
@@ -172,31 +319,42 @@ class ExperimentConfig:
         return dataclasses.asdict(self)
 
 
-MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
-CLIENTS_TOGETHER = ("auto", "off", "vmap")
-DIVERGENCE_POLICIES = ("stop", "drop")
-TRACKERS = ("tensorboard", "mlflow", "wandb")
 FINITE = (
     "lr", "momentum", "weight_decay", "grad_clip", "participation", "reply_timeout",
     "synthetic_alpha", "synthetic_beta",
 )  # fmt: skip
-# How and where a run executes, not what it computes: left out of the configuration hash
-# that a checkpoint carries, and changeable when a run is resumed (engine: a run started
-# in one process can continue on Flower's simulation with the same metrics).
-# partition_file: its path may change (a resume falls back to the folder's partition.npz);
-# the partition itself is compared with the saved one on every resume.
+FIELDS = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
+TABLES = tuple(name for name, f in FIELDS.items() if f.metadata.get("action") == "pairs")
+
+
+def tagged(tag: str) -> tuple[str, ...]:
+    """The config keys whose option metadata carries ``tag``, in declaration order."""
+    return tuple(name for name, f in FIELDS.items() if f.metadata.get(tag))
+
+
+# How and where a run executes, not what it computes (tag ``execution``): left out of the
+# configuration hash that a checkpoint carries, and changeable when a run is resumed
+# (engine: a run started in one process can continue on Flower's simulation with the same
+# metrics). partition_file: its path may change (a resume falls back to the folder's
+# partition.npz); the partition itself is compared with the saved one on every resume.
 # device, tf32, deterministic and clients_together choose the hardware and kernels that
 # compute the same experiment (same data, partition, randomness and updates): a change moves
 # results by floating-point rounding only (CPU and CUDA agree within the tolerance docs/gpu.md
 # states), so they are left out of the hash and a run may be resumed on another device; each
 # process's device and settings are recorded in processes.jsonl.
-EXECUTION_ONLY = ("quiet", "workers", "data_dir", "download", "out_dir", "name", "engine",
-                  "reply_timeout", "partition_file", "device", "tf32", "deterministic",
-                  "clients_together", "track", "track_dir")  # fmt: skip
-# How and where a run executes, not what it computes: a resumed run may change them (a run
-# started here can be continued on another machine, with its own data folder, cores and GPU).
-RESUME_MAY_CHANGE = ("quiet", "workers", "data_dir", "device", "tf32", "deterministic",
-                     "clients_together", "track")  # fmt: skip
+EXECUTION_ONLY = tagged("execution")
+# Tag ``resumable``: a resumed run may change them (a run started here can be continued on
+# another machine, with its own data folder, cores and GPU).
+RESUME_MAY_CHANGE = tagged("resumable")
+# Tag ``measurement``: what a run measures besides its training; extra metrics never change
+# the model, so a checkpoint made with other values (or before these options existed) fits.
+MEASUREMENT_ONLY = tagged("measurement")
+# Keys a Flower deployment's run config does not take (tag ``flower``: False), with why.
+NOT_IN_FLOWER_RUN_CONFIG = {
+    name: f.metadata["flower_reason"]
+    for name, f in FIELDS.items()
+    if f.metadata.get("flower") is False
+}
 
 
 # Values that reach float32 tensors (learning rates, coefficients) must convert to them:
@@ -226,11 +384,6 @@ def check_run_name(name: str) -> None:
         )
 
 
-# What a run measures besides its training: extra metrics never change the model, so a
-# checkpoint made with other values (or before these options existed) still fits.
-MEASUREMENT_ONLY = ("feature_metrics_every", "local_risk_every", "tsne")
-
-
 def config_hash(cfg: ExperimentConfig) -> str:
     """A short hash of what a run computes (its configuration without EXECUTION_ONLY and
     MEASUREMENT_ONLY)."""
@@ -238,11 +391,6 @@ def config_hash(cfg: ExperimentConfig) -> str:
     values = {k: v for k, v in cfg.to_dict().items() if k not in skip}
     text = json.dumps(values, sort_keys=True, default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
-
-
-ENGINES = ("inprocess", "flower-sim", "flower")  # "flower": set by the deployed ServerApp
-FIELDS = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
-TABLES = ("model_options", "partition_params", "params")
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -298,11 +446,11 @@ def build_config(file_values: dict[str, Any], cli_values: dict[str, Any]) -> Exp
             if value is None:
                 continue
             if key in TABLES:
-                merged.setdefault(key, {}).update(value)
+                merged.setdefault(key, {}).update(parse_value(key, value))
             else:
                 merged[key] = value
     for key, value in list(merged.items()):
-        merged[key] = _typed(key, value)
+        merged[key] = parse_value(key, value)
     if merged.get("partition_file") is not None and "num_clients" not in merged:
         merged["num_clients"] = len(read_partition_file(merged["partition_file"]))
     cfg = ExperimentConfig(**merged)
@@ -310,18 +458,31 @@ def build_config(file_values: dict[str, Any], cli_values: dict[str, Any]) -> Exp
     return cfg
 
 
-def _typed(key: str, value: Any) -> Any:
+def parse_value(key: str, value: Any, where: str | None = None) -> Any:
+    """The value of config key ``key`` from any source: a command-line string, a config
+    file's TOML/YAML/JSON value, a Flower run config value or a saved config.json. The one
+    parser of option values, so that each source accepts the same spellings and refuses
+    the others with the same message. Tables take a mapping, a list of KEY=VALUE items (the
+    command line's repeatable flag) or a text of them ("lam=10 start_round=0"); ``where``
+    names the source in their messages."""
     f = FIELDS[key]
-    default = f.default if f.default is not dataclasses.MISSING else None
+    label = key.replace("_", "-")
     if key in TABLES:
-        return value
+        if isinstance(value, Mapping):
+            return dict(value)
+        if isinstance(value, str):
+            return parse_pairs(value, where or label)
+        if isinstance(value, (list, tuple)) and all(isinstance(i, str) for i in value):
+            return dict(parse_pair(item, where or label) for item in value)
+        raise UsageError(f"{where or label}: expected a table of key = value, got {value!r}")
+    default = f.default if f.default is not dataclasses.MISSING else None
     if key == "track":
         return parse_trackers(value)
     if isinstance(value, str) and "\0" in value:  # no path or name holds one
-        raise UsageError(f"{key.replace('_', '-')} contains a NUL character: {value!r}")
+        raise UsageError(f"{label} contains a NUL character: {value!r}")
     if default is None and key not in {"participation", "clients_per_round"}:
         if not isinstance(value, str):  # data_dir, name: text or nothing
-            raise UsageError(f"{key.replace('_', '-')} expects text, got {value!r}")
+            raise UsageError(f"{label} expects text, got {value!r}")
         return value
     if key == "workers":
         return parse_workers(value)
@@ -333,17 +494,20 @@ def _typed(key: str, value: Any) -> Any:
             return True
         if str(value).lower() in {"false", "0", "no", "off"}:
             return False
-        raise UsageError(f"{key.replace('_', '-')} expects true or false, got {value!r}")
+        raise UsageError(f"{label} expects true or false, got {value!r}")
     if kind in (int, float) and isinstance(value, bool):
-        raise UsageError(f"{key.replace('_', '-')} expects a number, got {value!r}")
+        raise UsageError(f"{label} expects a number, got {value!r}")
     if kind is int and isinstance(value, float) and not value.is_integer():
-        raise UsageError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
+        raise UsageError(f"{label} must be an integer, got {value!r}")
+    return parse_number(label, kind, value)
+
+
+def parse_number(label: str, kind: type, value: Any) -> Any:
+    """``value`` as an int or a float (``kind``), as Python reads it, else a one-line error."""
     try:
         return kind(value)
     except (TypeError, ValueError):
-        raise UsageError(
-            f"{key.replace('_', '-')} expects {kind.__name__}, got {value!r}"
-        ) from None
+        raise UsageError(f"{label} expects {kind.__name__}, got {value!r}") from None
 
 
 def parse_workers(value: Any) -> int | str:
@@ -421,15 +585,19 @@ def parse_scalar(text: str) -> Any:
     return text
 
 
-def parse_pairs(text: str, key: str) -> dict[str, Any]:
+def parse_pairs(text: str, where: str) -> dict[str, Any]:
     """``"lam=10 start_round=0"`` (spaces or commas) -> {name: value}."""
-    pairs: dict[str, Any] = {}
-    for item in text.replace(",", " ").split():
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise UsageError(f"{key}: expected key=value pairs, got {item!r}")
-        pairs[name.replace("-", "_")] = parse_scalar(value)
-    return pairs
+    return dict(parse_pair(item, where) for item in text.replace(",", " ").split())
+
+
+def parse_pair(item: str, where: str) -> tuple[str, Any]:
+    """``"lam=10"`` -> ("lam", 10): one item of a table, from the command line's repeatable
+    KEY=VALUE flags or a text of pairs (Flower's run config)."""
+    name, sep, value = item.partition("=")
+    name = name.strip().replace("-", "_")
+    if not sep or not name:
+        raise UsageError(f"{where}: expected key=value, got {item!r}")
+    return name, parse_scalar(value.strip())
 
 
 def params_from_values(

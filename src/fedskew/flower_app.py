@@ -43,11 +43,12 @@ from flwr.serverapp import Grid, ServerApp
 from fedskew.algorithm_interface import ClientLogic
 from fedskew.building import Prepared, execution_settings, prepare
 from fedskew.config import (
+    NOT_IN_FLOWER_RUN_CONFIG,
     TABLES,
     ExperimentConfig,
     build_config,
     normalise_keys,
-    parse_pairs,
+    parse_value,
     read_config_file,
 )
 from fedskew.device import apply_settings, resolve_device
@@ -75,15 +76,8 @@ OUTPUT_ROOT_VARIABLE = "FEDSKEW_OUTPUT_ROOT"
 SERVER_KEYS = ("resume", "node-wait", "setup-timeout")
 # The config keys of `fedskew run` that flower/pyproject.toml does not declare, and why
 # (flwr refuses a --run-config key the app does not declare: every other key must be there).
-NOT_IN_RUN_CONFIG = {
-    "data_dir": "the server reads datasets from $FEDSKEW_DATA or its cache, a node from its "
-    "node config",
-    "engine": "a deployment is the Flower engine",
-    "workers": "the SuperNodes are the workers",
-    "clients_together": "a SuperNode answers for one client at a time",
-    "quiet": "the ServerApp logs, it shows no progress bar",
-    "track_dir": "trackers keep their files beside the run folder, inside the output root",
-}
+# Declared with the options (tag flower: False in fedskew.config).
+NOT_IN_RUN_CONFIG = NOT_IN_FLOWER_RUN_CONFIG
 # Processes started by a Flower simulation carry this variable (see run_simulation).
 PROCESS_TAG_VARIABLE = "FEDSKEW_SIMULATION_TAG"
 
@@ -158,7 +152,7 @@ def config_from_run_config(run_config: dict[str, Any], root: Path) -> Experiment
             path = path_in_root(root, str(value), raw_key)
             file_values = normalise_keys(read_config_file(path), "config-file")
         elif key in TABLES:
-            values[key] = parse_pairs(str(value), f"run config '{raw_key}'")
+            values[key] = parse_value(key, str(value), f"run config '{raw_key}'")
         else:
             values[key] = value
     values = normalise_keys(values, "Flower run config")

@@ -589,7 +589,8 @@ def read_partition_file(path: str | Path) -> list[np.ndarray]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"cannot read partition file {p}: {str(exc).splitlines()[0]}") from None
     if isinstance(raw, dict):
-        keys = sorted(raw, key=lambda k: int(k) if str(k).isdigit() else -1)
+        # isdecimal, not isdigit: "²" is a digit that int() refuses.
+        keys = sorted(raw, key=lambda k: int(k) if str(k).isdecimal() else -1)
         if [str(k) for k in keys] != [str(i) for i in range(len(raw))]:
             raise UsageError(f"{p}: client ids must be 0..{len(raw) - 1}")
         raw = [raw[k] for k in keys]

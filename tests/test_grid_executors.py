@@ -117,6 +117,17 @@ def wait_for_rounds(unfinished: Path, rounds: int, proc: subprocess.Popen, timeo
     raise AssertionError(f"{unfinished} never reached round {rounds}")
 
 
+def stop_in_reverse(started: list[subprocess.Popen]) -> None:
+    """End the processes a fixture started, last first (daemons after their clients)."""
+    for proc in reversed(started):
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.fixture(scope="module")
 def local_grid(tmp_path_factory) -> Path:
     """The grid run by `--executor local`: what the other executors must reproduce."""
@@ -174,13 +185,7 @@ def ray_cluster(tmp_path_factory):
             assert all(p.poll() is None for p in started), (temp / "start.log").read_text()
         yield f"127.0.0.1:{port}"
     finally:
-        for proc in reversed(started):
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_in_reverse(started)
         log.close()
 
 
@@ -462,13 +467,7 @@ def slurm_cluster(tmp_path_factory):
             time.sleep(0.5)
         yield env
     finally:
-        for proc in reversed(started):
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_in_reverse(started)
         log.close()
         shutil.rmtree(d, ignore_errors=True)
 

@@ -48,6 +48,7 @@ LAYERS: list[tuple[str, ...]] = [
         "fedskew.flower_app",
         "fedskew.__main__",
         "fedskew.compare",
+        "fedskew.grid",  # compare's parts: plan, launch, status, tables
         "fedskew.grid_executors",
         "fedskew.reporting",
     ),

@@ -1,0 +1,313 @@
+"""Running a grid's planned runs: each its own ``fedskew run`` process, ``jobs`` at a time,
+a finished run skipped and an unfinished one resumed, one slot lock per run so that two
+compares on one grid do not start the same run, and the run processes stopped on a signal."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedskew.config import config_hash
+from fedskew.data.sources import load_dataset
+from fedskew.errors import FedskewError, UsageError
+from fedskew.grid.plan import Grid, PlannedRun
+from fedskew.locks import Busy, lock, unlock
+from fedskew.report.runs import INCOMPLETE
+from fedskew.runfolder import running_elsewhere, saved_config
+from fedskew.tracking import prepare as prepare_tracking
+
+# One lock file per planned run that a compare is starting or training (see run_one).
+SLOTS = ".compare-locks"
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_run(jobs: int, threads: int | None, cores: int) -> int:
+    if threads is None:
+        return max(1, cores // jobs)
+    if jobs * threads > cores:
+        raise UsageError(
+            f"{jobs} jobs x {threads} threads = {jobs * threads} threads on {cores} cores: "
+            "lower --jobs or --threads (jobs x threads <= cores)"
+        )
+    return threads
+
+
+def saved_hash(folder: Path) -> str:
+    """The configuration hash of a run folder's config.json, as it would rerun."""
+    return config_hash(saved_config(folder))
+
+
+def slot_of(root: Path, run: PlannedRun) -> Path:
+    """The lock file a compare holds while it starts and trains ``run`` (see run_one)."""
+    return root / SLOTS / (run.folder.replace("/", "__") + ".lock")
+
+
+def log_of(logs: Path, folder: str) -> Path:
+    """Where a failed attempt at the run of ``folder`` (relative to the grid) leaves its
+    output."""
+    return logs / (folder.replace("/", "__") + ".log")
+
+
+@dataclass
+class Outcome:
+    run: PlannedRun
+    status: str  # "done before", "finished", "resumed", "running elsewhere", "failed"
+    detail: str = ""
+    seconds: float = 0.0
+    returncode: int | None = None  # of the run's process, when it failed; < 0: a signal
+
+
+class Children:
+    """The run processes this compare has started. A Ctrl-C in a terminal reaches them all
+    (one process group), but a SIGTERM or a ``kill -INT`` to compare alone does not: without
+    this, compare would wait for hours while its runs go on, or die and leave them running
+    with nobody to report them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: set[subprocess.Popen[str]] = set()
+        self.stopping = False  # set once, under the lock; then no run starts
+        self.popen_options: dict[str, Any] = {}  # more subprocess.Popen arguments
+
+    def start(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str] | None:
+        """The run's process, or None once compare is stopping (no new run starts then)."""
+        with self._lock:
+            if self.stopping:
+                return None
+            proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                **self.popen_options,
+            )
+            self._running.add(proc)
+            return proc
+
+    def ended(self, proc: subprocess.Popen[str]) -> None:
+        with self._lock:
+            self._running.discard(proc)
+
+    def stop(self, own_grace: float = 5.0, term_grace: float = 60.0) -> None:
+        """Start nothing more, and end what runs: first give the runs ``own_grace`` seconds
+        to stop on a Ctrl-C they got themselves, then SIGTERM (which a run takes as Ctrl-C:
+        it keeps its finished rounds and frees its folder), then SIGKILL after
+        ``term_grace`` seconds. A second Ctrl-C or SIGTERM meanwhile goes straight to the
+        SIGKILL, so that an impatient user ends compare and its runs together rather than
+        compare alone. A run's finished rounds are on disk before its next one starts, so
+        even the kill loses none."""
+        with self._lock:
+            self.stopping = True
+            running = list(self._running)
+        hurry = threading.Event()
+        restore = _hurry_on_signals(hurry)
+        try:
+            steps = ((None, own_grace), (subprocess.Popen.terminate, term_grace),
+                     (subprocess.Popen.kill, 0.0))  # fmt: skip
+            for send, grace in steps:
+                alive = [p for p in running if p.poll() is None]
+                if not alive:
+                    return
+                if hurry.is_set():
+                    send, grace = subprocess.Popen.kill, 0.0
+                for proc in alive:
+                    if send is not None:
+                        send(proc)
+                if send is subprocess.Popen.kill:
+                    for proc in alive:
+                        proc.wait()
+                    return
+                deadline = time.monotonic() + grace
+                while (time.monotonic() < deadline and not hurry.is_set()
+                       and any(p.poll() is None for p in alive)):  # fmt: skip
+                    time.sleep(0.1)
+        finally:
+            restore()
+
+
+def _hurry_on_signals(hurry: threading.Event) -> Callable[[], None]:
+    """While compare stops its runs, a further SIGINT or SIGTERM sets ``hurry`` instead of
+    ending compare at once (which would leave the runs it has not yet signalled running,
+    with nobody to stop them). Returns what puts the previous handlers back. Handlers can
+    be set from the main thread only; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {
+        sig: signal.signal(sig, lambda _signum, _frame: hurry.set())
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
+def run_one(run: PlannedRun, root: Path, threads: int, logs: Path, children: Children) -> Outcome:
+    finished = root / run.folder
+    unfinished = finished.with_name(finished.name + INCOMPLETE)
+    want = config_hash(run.cfg)
+    for existing in (finished, unfinished):
+        if existing.is_dir():
+            try:
+                same = saved_hash(existing) == want
+            except (OSError, ValueError, FedskewError) as exc:
+                return Outcome(run, "failed", f"{existing} cannot be read: {exc}")
+            if not same:
+                return Outcome(
+                    run,
+                    "failed",
+                    f"{existing} holds a run with another configuration; move it away or "
+                    "change the grid",
+                )
+    if (finished / "summary.json").is_file():
+        return Outcome(run, "done before")
+    if children.stopping:
+        return Outcome(run, "failed", "not started (interrupted)")
+    # Another compare on this grid may be starting this very run: its folder appears only
+    # seconds later, from the run's own process, so the grid holds a slot per run meanwhile.
+    slot_path = slot_of(root, run)
+    try:
+        slot_path.parent.mkdir(exist_ok=True)
+        slot = lock(slot_path)
+    except Busy as busy:
+        return Outcome(run, "running elsewhere", f"{busy.holder}, another fedskew compare")
+    except OSError as exc:
+        return Outcome(run, "failed", f"cannot lock {slot_path}: {exc.strerror or exc}")
+    try:
+        if (finished / "summary.json").is_file():  # the other compare finished it just now
+            return Outcome(run, "done before")
+        holder = running_elsewhere(unfinished)
+        if holder is not None:  # `fedskew run --resume` by hand is training it now
+            return Outcome(run, "running elsewhere", holder)
+        return launch(run, threads, logs, finished, unfinished, children)
+    finally:
+        unlock(slot)
+
+
+def launch(
+    run: PlannedRun,
+    threads: int,
+    logs: Path,
+    finished: Path,
+    unfinished: Path,
+    children: Children,
+) -> Outcome:
+    """Run (or resume) one planned run in its own process."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fedskew-compare-") as tmp:
+        if unfinished.is_dir():
+            status = "resumed"
+            cmd = [sys.executable, "-m", "fedskew", "run", "--resume", str(unfinished), "-q"]
+            cmd += ["--workers", str(run.cfg.workers)]
+            for name in run.cfg.track:  # the grid's trackers, also for a run begun without
+                cmd += ["--track", name]
+        else:
+            status = "finished"
+            path = Path(tmp) / "run.json"
+            path.write_text(json.dumps(run.values), encoding="utf-8")
+            cmd = [sys.executable, "-m", "fedskew", "run", "-c", str(path)]
+        proc = children.start(cmd, env)
+        if proc is None:
+            return Outcome(run, "failed", "not started (interrupted)")
+        try:
+            stdout, stderr = proc.communicate()
+        finally:
+            children.ended(proc)
+    seconds = time.perf_counter() - started
+    if proc.returncode != 0 and children.stopping:
+        # Ended by this compare's own interrupt, not a failure of the run: no failure log,
+        # which would claim one; the folder resumes.
+        return Outcome(run, "failed", "interrupted", seconds)
+    log = log_of(logs, run.folder)
+    if proc.returncode != 0:
+        logs.mkdir(parents=True, exist_ok=True)
+        log.write_text(
+            f"$ {shlex.join(cmd)}\n(exit {proc.returncode})\n{stdout}\n{stderr}",
+            encoding="utf-8",
+        )
+        last = (stderr.strip().splitlines() or ["no message"])[-1]
+        return Outcome(run, "failed", f"{last} (log: {log})", seconds, proc.returncode)
+    # An earlier attempt's failure log would otherwise outlive the run that succeeded.
+    log.unlink(missing_ok=True)
+    summary = json.loads((finished / "summary.json").read_text(encoding="utf-8"))
+    acc = summary.get("final_accuracy")
+    detail = "" if acc is None else f"final accuracy {100 * acc:.2f} %"
+    return Outcome(run, status, detail, seconds)
+
+
+def prefetch(runs: list[PlannedRun], print_line: Callable[[str], None]) -> None:
+    """Find (or download) each dataset once here, before runs start side by side: parallel
+    runs would otherwise all download, or all decode into the cache, at once. A dataset that
+    cannot be had stops nothing here: its runs fail with the reason."""
+    seen = set()
+    for r in runs:
+        cfg = r.cfg
+        key = (cfg.dataset, cfg.data_dir, cfg.download)
+        if key in seen or cfg.dataset in ("digits", "synthetic"):
+            continue
+        seen.add(key)
+        print_line(f"data: {cfg.dataset} ...")
+        try:
+            data = load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download)
+        except Exception as exc:  # noqa: BLE001 - each run reports its own failure
+            print_line(f"data: {cfg.dataset}: {str(exc).splitlines()[0] if str(exc) else exc!r}")
+            continue
+        print_line(f"data: {cfg.dataset}: {data.source}")
+
+
+def run_grid(
+    grid: Grid,
+    runs: list[PlannedRun],
+    print_line: Callable[[str], None] = print,
+) -> list[Outcome]:
+    """Run (or skip, or resume) every planned run, ``grid.jobs`` at a time, each in its own
+    process; returns the outcomes in the order they completed."""
+    cores = available_cores()
+    threads = threads_per_run(grid.jobs, grid.threads, cores)
+    root = grid.out_dir.resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    todo = [r for r in runs if not (root / r.folder / "summary.json").is_file()]
+    prepare_tracking([r.cfg for r in todo])  # a missing tracker package stops all, up front
+    prefetch(todo, print_line)
+    children = Children()
+    outcomes: list[Outcome] = []
+    pool = ThreadPoolExecutor(max_workers=grid.jobs)
+    try:
+        futures = [pool.submit(run_one, r, root, threads, root / "logs", children) for r in runs]
+        for n, fut in enumerate(as_completed(futures), start=1):
+            o = fut.result()
+            outcomes.append(o)
+            took = f" in {o.seconds:.0f} s" if o.seconds else ""
+            detail = f": {o.detail}" if o.detail else ""
+            print_line(f"[{n}/{len(runs)}] {o.run.label}: {o.status}{took}{detail}")
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (fedskew.cli turns it into one)
+        children.stop()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise KeyboardInterrupt(
+            f"interrupted; unfinished runs keep their checkpoints in {root}: run the same "
+            "command again to resume them"
+        ) from None
+    pool.shutdown(wait=True)
+    return outcomes

@@ -1,0 +1,119 @@
+"""What a grid folder records: its plan (``compare.json``, which ``fedskew report`` reads)
+and the tables of its finished runs (``comparison.md``/.html/.csv, ``runs.csv``)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from fedskew.checkpoint import read_checkpoint
+from fedskew.durable import remove_stale_temps, write_bytes_durably
+from fedskew.grid.plan import Grid, PlannedRun
+from fedskew.protocol import largest_state
+from fedskew.report.document import Block, Heading, Para, write_report
+from fedskew.report.runs import MANIFEST, MANIFEST_FORMAT, RunRecord, find_runs
+from fedskew.report.tables import (
+    Options,
+    comparison_blocks,
+    comparison_csv,
+    configuration_blocks,
+    explanation,
+    per_run_table,
+    provenance_table,
+    runs_csv,
+)
+
+
+def manifest(grid: Grid, runs: list[PlannedRun], command: str) -> dict[str, Any]:
+    return {
+        "format": MANIFEST_FORMAT,
+        "command": command,
+        "source": grid.source,
+        "seeds": grid.seeds,
+        "reference": grid.options.reference,
+        "last": grid.options.last,
+        "target": grid.options.target,
+        "base": grid.base,
+        "settings": grid.settings,
+        "methods": grid.methods,
+        "runs": [
+            {"setting": r.setting, "method": r.method, "seed": r.seed, "folder": r.folder}
+            for r in runs
+        ],
+    }
+
+
+def client_state_memory(folder: Path) -> tuple[int, int] | None:
+    """(largest client's state in bytes, clients with state) in the folder's checkpoint,
+    or None when it has no checkpoint."""
+    path = folder / "checkpoint.npz"
+    if not path.is_file():
+        return None
+    return largest_state(read_checkpoint(path).clients)
+
+
+def recorded_client_state(rec: RunRecord) -> tuple[int, int] | None:
+    """The same pair from the finished run's summary, which holds it from the end of the run
+    without loading the checkpoint's arrays; else from the checkpoint (runs whose summary
+    predates the record); else None."""
+    summary = rec.summary or {}
+    size, count = summary.get("client_state_bytes_max"), summary.get("clients_with_state")
+    if isinstance(size, int) and isinstance(count, int):
+        return size, count
+    return client_state_memory(rec.folder)
+
+
+def collect(root: Path) -> list[RunRecord]:
+    """The grid's run folders read back, with each run's largest client state."""
+    records = find_runs(root)
+    for rec in records:
+        memory = recorded_client_state(rec)
+        if memory is not None:
+            rec.client_state_bytes, rec.client_state_clients = memory
+    return records
+
+
+def table_blocks(records: list[RunRecord], options: Options, command: str) -> list[Block]:
+    blocks: list[Block] = [
+        Heading(1, "Comparison"),
+        Para(
+            f"Computed from the run folders by `{command}`: every number below comes from "
+            "their config.json, metrics.jsonl, summary.json, processes.jsonl, partition.npz "
+            "and checkpoint.npz."
+        ),
+        Para(explanation(options)),
+    ]
+    blocks += comparison_blocks(records, options)
+    blocks += configuration_blocks(records)
+    blocks += [Heading(2, "Every run"), per_run_table(records, options)]
+    blocks += [Heading(2, "Where each run's numbers came from"), provenance_table(records)]
+    return blocks
+
+
+def write_tables(root: Path, records: list[RunRecord], options: Options, command: str) -> Path:
+    """``comparison.md`` (+ .html), ``comparison.csv`` and ``runs.csv`` in the grid folder."""
+    md, _ = write_report(table_blocks(records, options, command), root, "comparison", "Comparison")
+    write_bytes_durably(root / "comparison.csv", comparison_csv(records, options).encode())
+    write_bytes_durably(root / "runs.csv", runs_csv(records, options).encode())
+    return md
+
+
+def options_from_manifest(root: Path, fallback: Options) -> Options:
+    path = root / MANIFEST
+    if not path.is_file():
+        return fallback
+    m = json.loads(path.read_text(encoding="utf-8"))
+    return Options(reference=m.get("reference"), last=m.get("last", 10), target=m.get("target"))
+
+
+def command_line(argv: list[str]) -> str:
+    """The command as typed (``argv`` from the subcommand on)."""
+    return shlex.join(["fedskew", *argv])
+
+
+def write_manifest(root: Path, plan_record: dict[str, Any]) -> None:
+    remove_stale_temps(root)  # of a compare killed mid-write; another compare's live ones stay
+    text = json.dumps(plan_record, indent=2, default=str) + "\n"
+    write_bytes_durably(root / MANIFEST, text.encode("utf-8"))

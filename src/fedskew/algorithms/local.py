@@ -94,16 +94,6 @@ def crop_and_flip(x: torch.Tensor, draws: torch.Tensor, pad: int = AUGMENT_PAD) 
     return torch.where(flip[:, None, None, None], out.flip(-1), out)
 
 
-def augment_batch(x: torch.Tensor, gen: torch.Generator, pad: int = AUGMENT_PAD) -> torch.Tensor:
-    """Random crop with zero padding and horizontal flip, whole batch at once, drawn with
-    ``gen`` (an addressed CPU generator, so that they are the same on every device). The
-    training loops draw a whole epoch at once instead (:func:`draw_augmentation`)."""
-    if x.dim() != 4:
-        return x
-    draws = draw_augmentation(gen, [x.shape[0]], pad)
-    return crop_and_flip(x, draws.to(x.device, non_blocking=True), pad)
-
-
 def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:
     """Batch slices covering 0..n; a last batch of one sample joins the one before,
     because BatchNorm cannot train on a single sample."""

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedskew.metrics.evaluation import client_distribution_accuracy
+from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
 from fedskew.precision import autocast
 from fedskew.rng import derive_seed, numpy_rng
 
@@ -163,7 +163,6 @@ def risk_over_clients(per_class_accuracy: np.ndarray, client_counts: np.ndarray)
     return 1.0 - client_distribution_accuracy(per_class_accuracy, client_counts)
 
 
-@torch.inference_mode()
 def per_class_accuracy(
     model: torch.nn.Module,
     x: torch.Tensor,
@@ -172,26 +171,12 @@ def per_class_accuracy(
     batch_size: int = 1024,
     precision: str = "fp32",
 ) -> np.ndarray:
-    """Test accuracy per class (NaN for a class absent from ``y``), as ``evaluate`` counts
-    it (arg-max of the fp32 logits); batches of ``x`` go to the model's device."""
-    was_training = model.training
-    model.eval()
+    """Test accuracy per class (NaN for a class absent from ``y``), counted by ``evaluate``
+    (arg-max of the fp32 logits); ``x`` and ``y`` go to the model's device (nothing moves
+    when they are there already)."""
     device = device_of(model)
-    correct = torch.zeros(num_classes, dtype=torch.int64, device=device)
-    total = torch.zeros(num_classes, dtype=torch.int64, device=device)
-    for start in range(0, len(y), batch_size):
-        xb = x[start : start + batch_size].to(device)
-        yb = y[start : start + batch_size].to(device)
-        with autocast(precision, xb.device.type):
-            logits = model(xb)
-        hit = logits.float().argmax(dim=1) == yb
-        # Counted on the device, read back once (see evaluate).
-        correct.index_add_(0, yb, hit.long())
-        total.index_add_(0, yb, torch.ones_like(yb))
-    model.train(was_training)
-    correct_host, total_host = correct.cpu().numpy(), total.cpu().numpy()
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(total_host > 0, correct_host / np.maximum(total_host, 1), np.nan)
+    result = evaluate(model, x.to(device), y.to(device), num_classes, batch_size, precision)
+    return result.per_class_accuracy
 
 
 def local_model_risk(

@@ -49,14 +49,13 @@ import clients_together  # noqa: E402
 from machine import machine_facts  # noqa: E402
 
 from fedskew.algorithms import ALGORITHMS  # noqa: E402
-from fedskew.building import prepare  # noqa: E402
+from fedskew.building import new_model, prepare  # noqa: E402
 from fedskew.config import ExperimentConfig  # noqa: E402
 from fedskew.data.sources import Dataset, load_dataset, register_dataset  # noqa: E402
 from fedskew.device import device_facts, resolve_device  # noqa: E402
 from fedskew.engine.together import model_obstacle, plain_handler  # noqa: E402
 from fedskew.errors import FedskewError  # noqa: E402
 from fedskew.experiment import run  # noqa: E402
-from fedskew.models import build_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -206,7 +205,7 @@ def trains_together(algorithm: str) -> bool:
         algorithm=algorithm, params=PARAMS.get(algorithm, {}), **SETTING, workers=0, device="cpu"
     )
     prep = prepare(cfg)
-    model = build_model(SETTING["model"], prep.dataset.input_shape, 10, **SETTING["model_options"])
+    model = new_model(prep)
     handler, _ = plain_handler(prep.algorithm.Client(prep.params), "train")
     return handler is not None and not model_obstacle(model)
 

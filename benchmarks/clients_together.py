@@ -41,16 +41,16 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_facts  # noqa: E402
 
-from fedskew.algorithms.local import local_train, set_arrays  # noqa: E402
-from fedskew.building import new_model, prepare  # noqa: E402
+from fedskew.assembly.prepare import new_model, prepare  # noqa: E402
 from fedskew.config import ExperimentConfig  # noqa: E402
+from fedskew.core.device import device_name, resolve_device  # noqa: E402
+from fedskew.core.rng import torch_rng  # noqa: E402
 from fedskew.data.federated import sample_clients  # noqa: E402
 from fedskew.data.sources import load_dataset  # noqa: E402
-from fedskew.device import device_name, resolve_device  # noqa: E402
-from fedskew.engine.together import train_together  # noqa: E402
-from fedskew.experiment import run  # noqa: E402
+from fedskew.engines.together import train_together  # noqa: E402
 from fedskew.models import build_model  # noqa: E402
-from fedskew.rng import torch_rng  # noqa: E402
+from fedskew.runs.loop import run  # noqa: E402
+from fedskew.training.local import local_train, set_arrays  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH = 64
@@ -94,7 +94,7 @@ def experiment_config(args: argparse.Namespace, mode: str, out_dir: str) -> Expe
 def rounds_throughput(cfg: ExperimentConfig) -> dict[str, Any]:
     """Training samples per second of each round after the first, and the final accuracy."""
     if cfg.engine == "flower-sim":
-        from fedskew.flower_app import run_simulation
+        from fedskew.apps.flower import run_simulation
 
         folder, summary = run_simulation(cfg)
     else:

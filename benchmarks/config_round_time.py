@@ -46,8 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from fedskew import compare
-from fedskew.machine import machine_facts
+from fedskew.apps import compare
+from fedskew.core.machine import machine_facts
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -31,11 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_facts  # noqa: E402
 
-from fedskew.algorithms.local import set_arrays  # noqa: E402
-from fedskew.building import new_model, prepare  # noqa: E402
-from fedskew.checkpoint import read_checkpoint  # noqa: E402
+from fedskew.assembly.prepare import new_model, prepare  # noqa: E402
 from fedskew.config import ExperimentConfig  # noqa: E402
-from fedskew.experiment import run  # noqa: E402
+from fedskew.core.rng import numpy_rng  # noqa: E402
 from fedskew.metrics.features import (  # noqa: E402
     FEATURE_SAMPLE,
     body_features,
@@ -43,7 +41,9 @@ from fedskew.metrics.features import (  # noqa: E402
     feature_sample,
     tsne_embedding,
 )
-from fedskew.rng import numpy_rng  # noqa: E402
+from fedskew.runs.checkpoint import read_checkpoint  # noqa: E402
+from fedskew.runs.loop import run  # noqa: E402
+from fedskew.training.local import set_arrays  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SIZES = (500, 1000, 2000, 5000)

@@ -28,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_facts  # noqa: E402
 
 from fedskew.algorithms.feature_matching import cg_loss  # noqa: E402
-from fedskew.algorithms.local import set_arrays  # noqa: E402
-from fedskew.building import new_model, prepare  # noqa: E402
-from fedskew.checkpoint import load_checkpoint  # noqa: E402
+from fedskew.assembly.prepare import new_model, prepare  # noqa: E402
 from fedskew.config import build_config  # noqa: E402
 from fedskew.data.federated import sample_clients  # noqa: E402
-from fedskew.experiment import run  # noqa: E402
+from fedskew.runs.checkpoint import load_checkpoint  # noqa: E402
+from fedskew.runs.loop import run  # noqa: E402
+from fedskew.training.local import set_arrays  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SETTING = dict(

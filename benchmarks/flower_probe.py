@@ -41,7 +41,7 @@ def install(out: Path) -> None:
 
 def main() -> int:
     install(Path(sys.argv[1]))
-    from fedskew.cli import main as fedskew_main
+    from fedskew.apps.cli import main as fedskew_main
 
     return fedskew_main(sys.argv[2:])
 

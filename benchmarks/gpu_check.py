@@ -49,13 +49,13 @@ import clients_together  # noqa: E402
 from machine import machine_facts  # noqa: E402
 
 from fedskew.algorithms import ALGORITHMS  # noqa: E402
-from fedskew.building import new_model, prepare  # noqa: E402
+from fedskew.assembly.prepare import new_model, prepare  # noqa: E402
 from fedskew.config import ExperimentConfig  # noqa: E402
+from fedskew.core.device import device_facts, resolve_device  # noqa: E402
+from fedskew.core.errors import FedskewError  # noqa: E402
 from fedskew.data.sources import Dataset, load_dataset, register_dataset  # noqa: E402
-from fedskew.device import device_facts, resolve_device  # noqa: E402
-from fedskew.engine.together import model_obstacle, plain_handler  # noqa: E402
-from fedskew.errors import FedskewError  # noqa: E402
-from fedskew.experiment import run  # noqa: E402
+from fedskew.engines.together import model_obstacle, plain_handler  # noqa: E402
+from fedskew.runs.loop import run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

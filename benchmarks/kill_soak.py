@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from kill_child import differences, run_child, run_scenario, warm_up  # noqa: E402
 
-from fedskew.machine import machine_facts  # noqa: E402
+from fedskew.core.machine import machine_facts  # noqa: E402
 
 BASE = ["run", "--num-clients=4", "--clients-per-round=2", "--local-epochs=1", "--workers=0",
         "--quiet"]  # fmt: skip

@@ -1,5 +1,5 @@
-"""The benchmarks' machine description is the package's (fedskew.machine)."""
+"""The benchmarks' machine description is the package's (fedskew.core.machine)."""
 
-from fedskew.machine import machine_facts
+from fedskew.core.machine import machine_facts
 
 __all__ = ["machine_facts"]

@@ -225,7 +225,7 @@ def bf16_gain() -> float:
 def defaults_evidence(
     inproc: dict[str, Any], workers: dict | None, repeats: dict | None
 ) -> list[str]:
-    """Counts behind the defaults (src/fedskew/building.py use_channels_last, config.py
+    """Counts behind the defaults (src/fedskew/assembly/prepare.py use_channels_last, config.py
     effective_workers), computed from the measurements above."""
     pairs = wins = 0
     for result in (inproc, workers):
@@ -237,7 +237,7 @@ def defaults_evidence(
                 pairs += 1
                 wins += r["round_throughput"] > by[rep, precision, "contiguous"]["round_throughput"]
     lines = [
-        "What the defaults rest on (`use_channels_last` in src/fedskew/building.py, "
+        "What the defaults rest on (`use_channels_last` in src/fedskew/assembly/prepare.py, "
         "`effective_workers` in src/fedskew/config.py): channels_last had the higher round "
         f"throughput in {wins} of {pairs} channels_last/contiguous pairs of the first "
         "measurement"

@@ -39,8 +39,8 @@ from machine import machine_facts  # noqa: E402
 
 from fedskew.config import ExperimentConfig  # noqa: E402
 from fedskew.data.sources import load_dataset  # noqa: E402
-from fedskew.experiment import run  # noqa: E402
 from fedskew.models import build_model  # noqa: E402
+from fedskew.runs.loop import run  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PRECISIONS = ("fp32", "bf16")

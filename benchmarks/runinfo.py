@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from fedskew.runfolder import read_jsonl
+from fedskew.core.durable import read_jsonl
 
 NOT_RECORDED = "not recorded"
 

@@ -24,7 +24,7 @@ Three parts (``--parts partition,memory,state``, all by default):
    ``-p start_round=0`` (FedFM keeps anchors in client state once matching runs), run in this
    process through the CLI's own parser (the config is exactly that of the printed
    ``fedskew run`` command) with a checkpoint after every round; after each round the
-   checkpoint is read back (``fedskew.checkpoint.load_checkpoint``) and the bytes of
+   checkpoint is read back (``fedskew.runs.checkpoint.load_checkpoint``) and the bytes of
    every client's ``ClientState`` counted (``ClientState.nbytes``: tensor bytes + 8 per
    scalar). Reported per algorithm: the largest state a client held after any round, which
    entries it is made of, how many clients hold state against how many were ever sampled (the
@@ -91,9 +91,9 @@ def mib(n: float) -> float:
 
 
 def part_partition(args: argparse.Namespace) -> dict[str, Any]:
+    from fedskew.core.errors import UsageError
     from fedskew.data.partition import make_partition
     from fedskew.data.sources import load_dataset
-    from fedskew.errors import UsageError
 
     data = load_dataset(args.dataset, args.data_dir)
     labels = data.y_train.numpy()
@@ -264,7 +264,7 @@ class StateProbe:
         self.model_bytes = 0
 
     def __call__(self, record: dict[str, Any]) -> None:
-        from fedskew.checkpoint import load_checkpoint
+        from fedskew.runs.checkpoint import load_checkpoint
 
         self.sampled.update(record["clients"])
         done, server, clients, _ = load_checkpoint(next(self.out_dir.glob("*/checkpoint.npz")))
@@ -292,8 +292,8 @@ class StateProbe:
 
 
 def measure_state(algorithm: str, args: argparse.Namespace) -> dict[str, Any]:
-    from fedskew.cli import load_config, make_parser
-    from fedskew.experiment import run
+    from fedskew.apps.cli import load_config, make_parser
+    from fedskew.runs.loop import run
 
     name = f"state-{algorithm}"
     out_dir = WORK / "runs" / name

@@ -18,22 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-from fedskew.algorithm_interface import (
+from fedskew.core.errors import UsageError
+from fedskew.training.aggregation import weighted_average
+from fedskew.training.interface import (
     Algorithm,
     ClientContext,
     ClientLogic,
     ServerLogic,
     ServerSetup,
 )
-from fedskew.algorithms.local import (
-    set_arrays,
-    train_client,
-    trained_needs,
-    trained_reply,
-    weighted_average,
-)
-from fedskew.errors import UsageError
-from fedskew.protocol import Channel, Message, arrived
+from fedskew.training.local import set_arrays, train_client, trained_needs, trained_reply
+from fedskew.training.protocol import Channel, Message, arrived
 
 
 @dataclass

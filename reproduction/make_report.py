@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedskew import compare
+from fedskew.apps import compare
 from fedskew.report.runs import (
     RunRecord,
     estimated_seconds,
@@ -120,8 +120,7 @@ class Claim:
 
 FM_BASELINES = ["fedavg", "fedprox", "scaffold", "fednova", "moon", "feddyn"]
 TABLE_II_BEST = (
-    "FedFM best of FedAvg, FedProx, SCAFFOLD, FedNova, MOON, FedDyn on all six tasks "
-    "(Table II)"
+    "FedFM best of FedAvg, FedProx, SCAFFOLD, FedNova, MOON, FedDyn on all six tasks (Table II)"
 )
 ACD_BASELINES = [
     "fedavg",
@@ -762,7 +761,7 @@ def measures_section(grid: Grid | None) -> list[str]:
             f"Not measured ({', '.join(unmeasured)}): a local model's risk is scored on the "
             "model a client uploads, and these methods' replies hold no whole local model "
             "(the rule and the methods it skips: the docstring of "
-            "`src/fedskew/measurements.py`).",
+            "`src/fedskew/runs/measurements.py`).",
         ]
     return lines
 

@@ -3,10 +3,10 @@
 Not a test module: tests/test_kill.py and benchmarks/kill_soak.py use it, as a script
 (``python tests/kill_child.py PLAN.json RESULT.json``) or as a library. The script imports
 fedskew once and forks one child per run; a child wraps, from outside the package, the
-primitives of ``fedskew.durable`` (open, each write, fsync, rename) and the final rename of
-``fedskew.runfolder``, counts these events as ``kind:file``, and at the chosen event kills
+primitives of ``fedskew.core.durable`` (open, each write, fsync, rename) and the final rename of
+``fedskew.runs.folder``, counts these events as ``kind:file``, and at the chosen event kills
 itself with SIGKILL (at a write, after writing half of its bytes), or kills itself after a
-delay; then it calls ``fedskew.cli.main``. The package has no hook for this.
+delay; then it calls ``fedskew.apps.cli.main``. The package has no hook for this.
 
 Event kinds: ``open`` (before a file is opened for writing), ``write`` (each write call),
 ``fsync`` (before a file's or folder's fsync), ``replace`` (temp file complete, before the
@@ -64,7 +64,7 @@ def _label(path: Any) -> str:
 
 
 class _File:
-    """A file opened by fedskew.durable: each write is an event."""
+    """A file opened by fedskew.core.durable: each write is an event."""
 
     def __init__(self, fh: Any, name: str, killer: Killer, fd_names: dict[int, str]) -> None:
         self._fh, self._name, self._killer = fh, name, killer
@@ -89,7 +89,8 @@ class _File:
 
 
 class _Os:
-    """``os`` as fedskew.durable and fedskew.runfolder see it: fsync and rename are events."""
+    """``os`` as fedskew.core.durable and fedskew.runs.folder see it: fsync and rename are
+    events."""
 
     def __init__(self, killer: Killer, fd_names: dict[int, str]) -> None:
         self._killer, self._fd_names = killer, fd_names
@@ -114,8 +115,8 @@ class _Os:
 
 
 def instrument(killer: Killer) -> None:
-    import fedskew.durable as durable
-    import fedskew.runfolder as runfolder
+    import fedskew.core.durable as durable
+    import fedskew.runs.folder as runfolder
 
     fd_names: dict[int, str] = {}
 
@@ -147,7 +148,7 @@ def run_child(argv: list[str], spec: dict | None, log: Path, trace: Path | None)
                 timer = threading.Timer(spec["after"], os.kill, (os.getpid(), signal.SIGKILL))
                 timer.daemon = True
                 timer.start()
-            from fedskew.cli import main
+            from fedskew.apps.cli import main
 
             code = main(argv)
         except SystemExit as exc:
@@ -203,7 +204,7 @@ def differences(folder: Path, reference: Path) -> list[str]:
     aside): every metrics line, the summary, the configuration, the final model."""
     import numpy as np
 
-    from fedskew.checkpoint import read_checkpoint
+    from fedskew.runs.checkpoint import read_checkpoint
 
     found = []
     if sorted(p.name for p in folder.iterdir()) != sorted(p.name for p in reference.iterdir()):
@@ -237,7 +238,7 @@ def warm_up(argv: list[str], out: Path) -> None:
     thread, so that no thread pool is copied into the forks."""
     import torch
 
-    from fedskew.cli import main
+    from fedskew.apps.cli import main
 
     torch.set_num_threads(1)
     assert main([*argv, "--rounds=1", f"--out-dir={out}", "--name=warm-up"]) == 0

@@ -28,7 +28,7 @@ def test_a_run_imports_its_own_algorithm_only(tmp_path: Path) -> None:
     code = (
         "import json, sys\n"
         "from fedskew.config import ExperimentConfig\n"
-        "from fedskew.experiment import run\n"
+        "from fedskew.runs.loop import run\n"
         "def names():\n"
         "    return sorted(m.rsplit('.', 1)[1] for m in sys.modules\n"
         "                  if m.startswith('fedskew.algorithms.'))\n"

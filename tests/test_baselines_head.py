@@ -13,18 +13,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithm_interface import LocalTrainConfig, ServerSetup
 from fedskew.algorithms import creff, fednh, fedproto, fedrod, get_algorithm
-from fedskew.algorithms.local import TrainResult, set_arrays
-from fedskew.building import prepare
-from fedskew.cli import main
+from fedskew.apps.cli import main
+from fedskew.assembly.prepare import prepare
 from fedskew.config import ExperimentConfig
+from fedskew.core.errors import UsageError
 from fedskew.data.federated import FederatedData
-from fedskew.engine.inprocess import InProcessEngine
-from fedskew.errors import UsageError
-from fedskew.experiment import run
+from fedskew.engines.inprocess import InProcessEngine
 from fedskew.models import build_model
-from fedskew.protocol import Message
+from fedskew.runs.loop import run
+from fedskew.training.interface import LocalTrainConfig, ServerSetup
+from fedskew.training.local import TrainResult, set_arrays
+from fedskew.training.protocol import Message
 
 C, IN, HID = 4, 6, 8  # classes, input size, feature size of the small test model
 

@@ -13,16 +13,16 @@ import pytest
 import torch
 from torch import nn
 
-from fedskew.algorithm_interface import ClientContext, LocalTrainConfig
 from fedskew.algorithms import fedavg, feddecorr, fedlc, fedntd, fedrs, get_algorithm, moon
-from fedskew.algorithms.local import TrainResult, get_arrays
-from fedskew.cli import main
+from fedskew.apps.cli import main
+from fedskew.core.errors import UsageError
 from fedskew.data.federated import ClientData, FederatedData
-from fedskew.engine.inprocess import InProcessEngine
-from fedskew.errors import UsageError
+from fedskew.engines.inprocess import InProcessEngine
 from fedskew.models import build_model
 from fedskew.models.base import BodyHeadModel
-from fedskew.protocol import ClientState, Message
+from fedskew.training.interface import ClientContext, LocalTrainConfig
+from fedskew.training.local import TrainResult, get_arrays
+from fedskew.training.protocol import ClientState, Message
 
 # --- helpers ------------------------------------------------------------------------------
 

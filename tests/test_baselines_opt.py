@@ -15,18 +15,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithm_interface import ClientContext, LocalTrainConfig, ServerSetup
 from fedskew.algorithms.feddyn import FedDyn, dynamic_loss
 from fedskew.algorithms.fednova import FedNova, momentum_normaliser
 from fedskew.algorithms.fedprox import FedProx, proximal_loss
 from fedskew.algorithms.scaffold import Scaffold
-from fedskew.cli import main
+from fedskew.apps.cli import main
+from fedskew.core.errors import UsageError
 from fedskew.data.federated import ClientData, FederatedData
-from fedskew.engine.inprocess import InProcessEngine
-from fedskew.errors import UsageError
+from fedskew.engines.inprocess import InProcessEngine
 from fedskew.models import build_model
 from fedskew.models.base import BodyHeadModel
-from fedskew.protocol import SCALAR_BYTES, ClientState, Message
+from fedskew.training.interface import ClientContext, LocalTrainConfig, ServerSetup
+from fedskew.training.protocol import SCALAR_BYTES, ClientState, Message
 
 # --- helpers ----------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import pytest
 
 import fedskew
 from fedskew.algorithms import get_algorithm
-from fedskew.cli import main
+from fedskew.apps.cli import main
 from fedskew.data.partition import load_partition
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -97,7 +97,7 @@ def test_objects_defined_in_a_function_run_in_process_only(tmp_path):
     assert result.summary["algorithm"] == "local-fedavg"
     processes = result.summary["processes"]
     assert processes[0]["workers"] == 0  # spawned workers could not import it
-    with pytest.raises(fedskew.errors.UsageError, match="cannot be imported by name"):
+    with pytest.raises(fedskew.core.errors.UsageError, match="cannot be imported by name"):
         fedskew.run({**TINY, "out_dir": str(tmp_path), "engine": "flower-sim"}, algorithm=Local)
 
 

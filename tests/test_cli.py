@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fedskew.cli import main
+from fedskew.apps.cli import main
 
 FAST = ["--rounds", "3", "--local-epochs", "1", "--quiet"]
 

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedskew import compare
-from fedskew.cli import main
+from fedskew.apps import compare
+from fedskew.apps.cli import main
 from fedskew.config import ExperimentConfig, config_hash
-from fedskew.errors import UsageError
-from fedskew.experiment import run
-from fedskew.protocol import ClientState, largest_state
+from fedskew.core.errors import UsageError
+from fedskew.runs.loop import run
+from fedskew.training.protocol import ClientState, largest_state
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,21 +6,18 @@ import numpy as np
 import pytest
 import torch
 
-from fedskew.algorithm_interface import LocalTrainConfig
 from fedskew.algorithms import fedavg
 from fedskew.algorithms.fedavg import FedAvg
-from fedskew.algorithms.local import (
-    apply_server_lr,
-    local_train,
-    weighted_average,
-)
 from fedskew.config import ExperimentConfig
+from fedskew.core.errors import FedskewError, UsageError
+from fedskew.core.rng import derive_seed, numpy_rng, torch_rng
 from fedskew.data.federated import ClientData, sample_clients
-from fedskew.errors import FedskewError, UsageError
-from fedskew.experiment import run
 from fedskew.models import BodyHeadModel
-from fedskew.protocol import Message, needs, unmet
-from fedskew.rng import derive_seed, numpy_rng, torch_rng
+from fedskew.runs.loop import run
+from fedskew.training.aggregation import apply_server_lr, weighted_average
+from fedskew.training.interface import LocalTrainConfig
+from fedskew.training.local import local_train
+from fedskew.training.protocol import Message, needs, unmet
 
 
 def test_message_nbytes_counts_arrays_numbers_and_strings():
@@ -94,7 +91,7 @@ class _RecordingChannel:
 
 
 def test_fedavg_server_weights_by_sample_count():
-    from fedskew.algorithm_interface import ServerSetup
+    from fedskew.training.interface import ServerSetup
 
     init = {"w": torch.zeros(2)}
     setup = ServerSetup(
@@ -196,7 +193,7 @@ def test_local_train_only_sees_its_own_rows():
 
 
 def test_batch_bounds_cover_everything_and_never_leave_one_sample():
-    from fedskew.algorithms.local import batch_bounds
+    from fedskew.training.local import batch_bounds
 
     assert batch_bounds(10, 4) == [(0, 4), (4, 8), (8, 10)]
     assert batch_bounds(9, 4) == [(0, 4), (4, 9)]
@@ -222,7 +219,7 @@ def test_extra_loss_terms_see_features_logits_and_labels():
 
 
 def test_class_feature_means_by_hand():
-    from fedskew.algorithms.local import class_feature_means
+    from fedskew.training.local import class_feature_means
 
     x = torch.tensor([[1.0, 0.0], [3.0, 2.0], [5.0, 5.0], [7.0, 1.0], [9.0, 9.0]])
     y = torch.tensor([0, 0, 2, 2, 1])

@@ -20,9 +20,9 @@ import pytest
 import torch
 from PIL import Image
 
+from fedskew.core.errors import DataError, UsageError
 from fedskew.data import formats, sources
 from fedskew.data.sources import CIFAR10_CLASSES, DATASETS, Dataset, load_dataset
-from fedskew.errors import DataError, UsageError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 N_TRAIN, N_TEST = 20, 10

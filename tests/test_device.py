@@ -27,10 +27,10 @@ import torch
 from tiny_bn import NAME as TINY_BN
 
 from fedskew.algorithms import ALGORITHMS
-from fedskew.building import new_model, prepare
-from fedskew.cli import main
+from fedskew.apps.cli import main
+from fedskew.assembly.prepare import new_model, prepare
 from fedskew.config import ExperimentConfig, build_config, config_hash
-from fedskew.device import (
+from fedskew.core.device import (
     CUBLAS_VALUE,
     CUBLAS_VARIABLE,
     ExecutionSettings,
@@ -39,11 +39,11 @@ from fedskew.device import (
     resolve_device,
     settings_applied,
 )
-from fedskew.engine.client_runtime import ClientRuntime
-from fedskew.engine.inprocess import InProcessEngine
-from fedskew.errors import UsageError
-from fedskew.experiment import RunState, evaluate_global_model, play_round, run, server_setup
-from fedskew.protocol import ClientState, Message
+from fedskew.core.errors import UsageError
+from fedskew.engines.client_runtime import ClientRuntime
+from fedskew.engines.inprocess import InProcessEngine
+from fedskew.runs.loop import RunState, evaluate_global_model, play_round, run, server_setup
+from fedskew.training.protocol import ClientState, Message
 
 HAS_CUDA = cuda_count() > 0
 NO_CUDA = "no CUDA device here (CPU-only torch or no GPU): benchmarks/gpu_check.sh runs these"
@@ -134,8 +134,8 @@ def test_importing_fedskew_sets_the_cublas_variable_before_any_cuda_work() -> No
     env = {k: v for k, v in os.environ.items() if k != CUBLAS_VARIABLE}
     code = (
         "import os, sys\n"
-        "import fedskew.device\n"
-        "assert not fedskew.cuda_environment.CUDA_BEFORE_IMPORT\n"
+        "import fedskew.core.device\n"
+        "assert not fedskew.core.cuda_environment.CUDA_BEFORE_IMPORT\n"
         "print(os.environ.get('CUBLAS_WORKSPACE_CONFIG'))"
     )
     done = _python(code, env)
@@ -152,8 +152,8 @@ def test_deterministic_cuda_is_refused_in_one_line_when_cublas_cannot_comply(
     """With CUDA (pretended here), a deterministic run is checked before it starts: a
     variable with a non-reproducible value, or CUDA used before fedskew was imported, is a
     UsageError naming the fix, not PyTorch's RuntimeError at the first matrix product."""
-    import fedskew.cuda_environment as environment
-    import fedskew.device as device
+    import fedskew.core.cuda_environment as environment
+    import fedskew.core.device as device
 
     settings = ExecutionSettings(tf32=False, deterministic=True)
     before = ExecutionSettings.current()
@@ -182,7 +182,7 @@ def test_a_deterministic_cuda_run_after_an_ordinary_one_in_one_process(tmp_path:
     then a deterministic run. With the variable set at import, both run."""
     env = {k: v for k, v in os.environ.items() if k != CUBLAS_VARIABLE}
     code = (
-        "import torch, fedskew.experiment as e\n"
+        "import torch, fedskew.runs.loop as e\n"
         "from fedskew.config import ExperimentConfig\n"
         "a = torch.randn(64, 64, device='cuda'); (a @ a).sum().item()\n"
         "for det in (False, True):\n"
@@ -400,7 +400,7 @@ def test_cuda_local_steps_do_not_wait_for_the_host(case: str, tmp_path: Path) ->
 
 def test_workers_spread_over_the_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     import fedskew.config as config
-    import fedskew.engine.workers as workers
+    import fedskew.engines.workers as workers
 
     monkeypatch.setattr(workers, "cuda_count", lambda: 2)
     assert [workers.worker_device("cuda", i) for i in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]
@@ -419,7 +419,9 @@ def test_workers_spread_over_the_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_flower_simulation_gives_each_client_a_gpu_fraction(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    flower_app = pytest.importorskip("fedskew.flower_app")
+    pytest.importorskip("flwr")
+    import fedskew.apps.flower.simulation as flower_app
+
     assert flower_app.simulation_gpus_per_client(ExperimentConfig(device="cpu")) == 0.0
     with pytest.raises(UsageError, match="use --device cuda or auto"):
         flower_app.simulation_gpus_per_client(ExperimentConfig(device="cuda:1"))

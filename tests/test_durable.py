@@ -8,7 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
-from fedskew.durable import remove_stale_temps, temp_name, write_bytes_durably
+from fedskew.core.durable import remove_stale_temps, temp_name, write_bytes_durably
 
 
 def test_temp_names_differ_per_write_and_end_in_tmp(tmp_path: Path) -> None:
@@ -46,7 +46,8 @@ def test_concurrent_processes_write_one_file_whole(tmp_path: Path) -> None:
     # the slower one failed with "compare.json.tmp: No such file or directory".
     target = tmp_path / "compare.json"
     script = (
-        "import sys; from pathlib import Path; from fedskew.durable import write_bytes_durably\n"
+        "import sys; from pathlib import Path\n"
+        "from fedskew.core.durable import write_bytes_durably\n"
         "for _ in range(200): write_bytes_durably(Path(sys.argv[1]), sys.argv[2].encode() * 500)\n"
     )
     procs = [

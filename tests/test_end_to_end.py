@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fedskew.config import ExperimentConfig
-from fedskew.experiment import run
+from fedskew.runs.loop import run
 
 
 @pytest.mark.parametrize(

@@ -12,14 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from fedskew.algorithms.local import set_arrays
-from fedskew.building import new_model, prepare
-from fedskew.checkpoint import read_checkpoint
-from fedskew.cli import load_config, make_parser
+from fedskew.apps.cli import load_config, make_parser
+from fedskew.assembly.prepare import new_model, prepare
 from fedskew.config import ExperimentConfig, config_hash
-from fedskew.errors import UsageError
-from fedskew.experiment import run
-from fedskew.measurements import LocalModels, due, whole_model
+from fedskew.core.errors import UsageError
 from fedskew.metrics.features import (
     body_features,
     feature_quality,
@@ -27,7 +23,11 @@ from fedskew.metrics.features import (
     local_model_risk,
 )
 from fedskew.models.base import BodyHeadModel
-from fedskew.protocol import Message
+from fedskew.runs.checkpoint import read_checkpoint
+from fedskew.runs.loop import run
+from fedskew.runs.measurements import LocalModels, due, whole_model
+from fedskew.training.local import set_arrays
+from fedskew.training.protocol import Message
 
 SMALL = dict(rounds=3, num_clients=6, clients_per_round=3, local_epochs=1, workers=0, quiet=True)
 NEW_KEYS = {

@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch import nn
 
-from fedskew.algorithm_interface import ClientContext, LocalTrainConfig, ServerSetup
 from fedskew.algorithms.fedacd import (
     ConfusionAccumulator,
     FedACD,
@@ -28,13 +27,14 @@ from fedskew.algorithms.fedacd import (
     template_matrix_q,
 )
 from fedskew.algorithms.fedavg import FedAvgClient
-from fedskew.algorithms.local import get_arrays
-from fedskew.cli import main
+from fedskew.apps.cli import main
+from fedskew.core.errors import UsageError
+from fedskew.core.rng import torch_rng
 from fedskew.data.federated import ClientData
-from fedskew.errors import UsageError
 from fedskew.models import BodyHeadModel, build_model
-from fedskew.protocol import ClientState, Message
-from fedskew.rng import torch_rng
+from fedskew.training.interface import ClientContext, LocalTrainConfig, ServerSetup
+from fedskew.training.local import get_arrays
+from fedskew.training.protocol import ClientState, Message
 
 # --- helpers written for the tests, independent of the implementation ---------------------
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from fedskew.algorithm_interface import ClientContext, LocalTrainConfig, ServerSetup
 from fedskew.algorithms import fedcme, get_algorithm
 from fedskew.algorithms.fedcme import (
     EVAL_VECTOR,
@@ -27,18 +26,19 @@ from fedskew.algorithms.fedcme import (
     match_many_to_one,
     match_one_to_one,
 )
-from fedskew.algorithms.local import get_arrays
-from fedskew.building import new_model, prepare
-from fedskew.cli import main
+from fedskew.apps.cli import main
+from fedskew.assembly.prepare import new_model, prepare
 from fedskew.config import ExperimentConfig
+from fedskew.core.errors import UsageError
+from fedskew.core.rng import torch_rng
 from fedskew.data.federated import FederatedData
-from fedskew.engine.inprocess import InProcessEngine
-from fedskew.errors import UsageError
-from fedskew.experiment import run
+from fedskew.engines.inprocess import InProcessEngine
 from fedskew.models import build_model
 from fedskew.models.base import BodyHeadModel
-from fedskew.protocol import ClientState, Message
-from fedskew.rng import torch_rng
+from fedskew.runs.loop import run
+from fedskew.training.interface import ClientContext, LocalTrainConfig, ServerSetup
+from fedskew.training.local import get_arrays
+from fedskew.training.protocol import ClientState, Message
 
 # --- helpers ----------------------------------------------------------------------------------
 

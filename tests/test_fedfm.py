@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithm_interface import ClientContext, ClientLogic, ServerSetup
 from fedskew.algorithms import get_algorithm
 from fedskew.algorithms.feature_matching import AnchorChannel, with_feature_matching
 from fedskew.algorithms.fedavg import FedAvg, FedAvgParams
@@ -33,13 +32,14 @@ from fedskew.algorithms.fedfm import (
 )
 from fedskew.algorithms.fedfm_lite import FedFMLite
 from fedskew.algorithms.fedfm_remedies import pre_relu_cross_entropy, pre_relu_layers
-from fedskew.building import new_model, prepare
-from fedskew.cli import main
+from fedskew.apps.cli import main
+from fedskew.assembly.prepare import new_model, prepare
 from fedskew.config import ExperimentConfig
+from fedskew.core.errors import UsageError
 from fedskew.data.federated import sample_clients
-from fedskew.engine.inprocess import InProcessEngine
-from fedskew.errors import UsageError
-from fedskew.protocol import ClientState, Message
+from fedskew.engines.inprocess import InProcessEngine
+from fedskew.training.interface import ClientContext, ClientLogic, ServerSetup
+from fedskew.training.protocol import ClientState, Message
 
 FAST = ["--rounds", "3", "--local-epochs", "1", "--quiet"]
 C = 10  # digits classes

@@ -16,7 +16,6 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -24,15 +23,28 @@ import torch
 
 pytest.importorskip("flwr")
 
+from flower_grid import LocalGrid  # noqa: E402
 from flwr.app import Context, MetricRecord, RecordDict  # noqa: E402
-from flwr.app import Message as FlowerMessage  # noqa: E402
-from flwr.serverapp import Grid  # noqa: E402
-from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
-import fedskew.flower_app as flower_app  # noqa: E402
+import fedskew.apps.flower.server as flower_server  # noqa: E402
 from fedskew.algorithms import ALGORITHMS  # noqa: E402
+from fedskew.apps.flower import run_simulation  # noqa: E402
+from fedskew.apps.flower.client import client_app  # noqa: E402
+from fedskew.apps.flower.processes import end_processes, tagged_processes  # noqa: E402
+from fedskew.apps.flower.run_config import (  # noqa: E402
+    NOT_IN_RUN_CONFIG,
+    OUTPUT_ROOT_VARIABLE,
+    SERVER_KEYS,
+    config_from_run_config,
+    output_root,
+    path_in_root,
+    resumed_config,
+    server_options,
+)
+from fedskew.apps.flower.server import _server_main, serve, setup_limit  # noqa: E402
 from fedskew.config import ExperimentConfig, build_config  # noqa: E402
-from fedskew.engine.flower_codec import (  # noqa: E402
+from fedskew.core.errors import FedskewError, UsageError  # noqa: E402
+from fedskew.engines.flower_codec import (  # noqa: E402
     ARRAYS,
     SCALARS,
     RejectedReply,
@@ -42,98 +54,8 @@ from fedskew.engine.flower_codec import (  # noqa: E402
     decode,
     encode,
 )
-from fedskew.errors import FedskewError, UsageError  # noqa: E402
-from fedskew.experiment import run  # noqa: E402
-from fedskew.flower_app import (  # noqa: E402
-    OUTPUT_ROOT_VARIABLE,
-    _server_main,
-    client_app,
-    config_from_run_config,
-    end_processes,
-    output_root,
-    path_in_root,
-    resumed_config,
-    serve,
-    server_options,
-    setup_limit,
-    tagged_processes,
-)
-from fedskew.protocol import ArraySpec, Message  # noqa: E402
-
-
-class LocalGrid(Grid):
-    """Delivers messages to the ClientApp in this process, one Context per node.
-
-    ``drop`` lists (round, partition id) pairs whose reply is lost (round -1 is the setup);
-    ``corrupt`` maps such pairs to a function applied to the reply content;
-    ``setup_delay`` maps partition ids to the seconds their setup reply takes to come back
-    (``math.inf``: never).
-    """
-
-    def __init__(self, num_nodes: int, drop=(), corrupt=None, setup_delay=None) -> None:
-        # What Flower's runtime sets in a ServerApp process before messages are made.
-        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-        self.contexts = {
-            1000 + pid: Context(
-                run_id=1,
-                node_id=1000 + pid,
-                node_config={"partition-id": pid, "num-partitions": num_nodes},
-                state=RecordDict(),
-                run_config={},
-            )
-            for pid in range(num_nodes)
-        }
-        self.drop = set(drop)
-        self.corrupt = dict(corrupt or {})
-        self.setup_delay = dict(setup_delay or {})
-        self.sent_to: list[int] = []
-        self.pushed: dict[str, tuple[float, FlowerMessage | None]] = {}
-
-    def set_run(self, run) -> None:  # pragma: no cover - not used by fedskew
-        raise NotImplementedError
-
-    @property
-    def run(self):  # pragma: no cover
-        raise NotImplementedError
-
-    def create_message(self, *args, **kwargs):  # pragma: no cover
-        raise NotImplementedError
-
-    def get_node_ids(self) -> Iterable[int]:
-        return list(self.contexts)
-
-    def deliver(self, msg: FlowerMessage) -> FlowerMessage | None:
-        """The ClientApp's reply to ``msg``, or None when it is lost."""
-        node = msg.metadata.dst_node_id
-        self.sent_to.append(node)
-        reply = client_app(msg, self.contexts[node])
-        key = (int(msg.metadata.group_id or -1), node - 1000)
-        if key in self.drop:
-            return None
-        if key in self.corrupt:
-            self.corrupt[key](reply.content)
-        return reply
-
-    def push_messages(self, messages):
-        ids = []
-        for msg in messages:
-            msg.metadata.__dict__["_message_id"] = msg_id = uuid.uuid4().hex
-            delay = self.setup_delay.get(msg.metadata.dst_node_id - 1000, 0.0)
-            self.pushed[msg_id] = (time.monotonic() + delay, self.deliver(msg))
-            ids.append(msg_id)
-        return ids
-
-    def pull_messages(self, message_ids):
-        now, replies = time.monotonic(), []
-        for msg_id in message_ids:
-            ready, reply = self.pushed.get(msg_id, (math.inf, None))
-            if reply is not None and ready <= now:
-                replies.append(reply)
-                del self.pushed[msg_id]
-        return replies
-
-    def send_and_receive(self, messages, *, timeout=None) -> Iterable[FlowerMessage]:
-        return [r for r in map(self.deliver, messages) if r is not None]
+from fedskew.runs.loop import run  # noqa: E402
+from fedskew.training.protocol import ArraySpec, Message  # noqa: E402
 
 
 def digits_cfg(tmp_path: Path, algorithm: str, **extra) -> ExperimentConfig:
@@ -545,8 +467,8 @@ def test_two_nodes_claiming_one_partition_is_an_error(tmp_path):
 
 
 def test_slow_setup_says_which_partitions_are_still_starting(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(flower_app, "PROGRESS_SECONDS", 0.3)
-    monkeypatch.setattr(flower_app, "POLL_SECONDS", 0.05)
+    monkeypatch.setattr(flower_server, "PROGRESS_SECONDS", 0.3)
+    monkeypatch.setattr(flower_server, "POLL_SECONDS", 0.05)
     cfg = digits_cfg(tmp_path, "fedavg", clients_per_round=4, rounds=1)
     grid = LocalGrid(4, setup_delay={2: 1.0, 3: 1.0})
     with caplog.at_level(logging.WARNING, logger="fedskew"):
@@ -558,7 +480,7 @@ def test_slow_setup_says_which_partitions_are_still_starting(tmp_path, monkeypat
 
 
 def test_setup_gives_up_only_after_no_answer_for_the_limit(tmp_path, monkeypatch):
-    monkeypatch.setattr(flower_app, "POLL_SECONDS", 0.05)
+    monkeypatch.setattr(flower_server, "POLL_SECONDS", 0.05)
     # Answers keep coming (one every 0.3 s): a 0.5 s limit without an answer is not reached,
     # though the whole setup takes longer than that.
     cfg = digits_cfg(tmp_path / "a", "fedavg", clients_per_round=4, rounds=1)
@@ -579,9 +501,9 @@ def test_setup_gives_up_only_after_no_answer_for_the_limit(tmp_path, monkeypatch
 def test_setup_limit_grows_with_the_load(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.5, 0.5))
-    assert setup_limit(None) == flower_app.SETUP_TIMEOUT_SECONDS  # idle: the base
+    assert setup_limit(None) == flower_server.SETUP_TIMEOUT_SECONDS  # idle: the base
     monkeypatch.setattr(os, "getloadavg", lambda: (4.0, 4.0, 4.0))
-    assert setup_limit(None) == 2 * flower_app.SETUP_TIMEOUT_SECONDS  # load 4 on 2 cores
+    assert setup_limit(None) == 2 * flower_server.SETUP_TIMEOUT_SECONDS  # load 4 on 2 cores
     assert setup_limit(30.0) == 30.0  # setup-timeout wins
 
 
@@ -678,7 +600,7 @@ def test_failed_simulation_leaves_no_process(tmp_path, monkeypatch):
         orphans.append(orphan_sleeper(dict(os.environ)))
         raise FedskewError("setup failed")
 
-    monkeypatch.setattr(flower_app, "wait_for_nodes", fail_at_setup)
+    monkeypatch.setattr(flower_server, "wait_for_nodes", fail_at_setup)
     seen: set[int] = set()
     done = threading.Event()
 
@@ -692,7 +614,7 @@ def test_failed_simulation_leaves_no_process(tmp_path, monkeypatch):
     cfg = digits_cfg(tmp_path, "fedavg", num_clients=2, clients_per_round=2, rounds=1)
     try:
         with pytest.raises(FedskewError, match="setup failed"):
-            flower_app.run_simulation(cfg)
+            run_simulation(cfg)
     finally:
         done.set()
         sampler.join()
@@ -732,7 +654,7 @@ def test_deployed_run_resumes_through_the_run_config(tmp_path, monkeypatch):
     assert_same_curves(metrics(reference), metrics(finished))
 
     # fedskew run --resume refuses a deployed run rather than continuing it in-process.
-    from fedskew.cli import main
+    from fedskew.apps.cli import main
 
     cfg2 = digits_cfg(tmp_path / "fl2", "fedavg", rounds=3, name="dep2")
     cfg2.engine = "flower"
@@ -754,8 +676,8 @@ def test_the_flower_app_config_declares_fedskew_keys_with_fedskew_defaults(tmp_p
         )
     )
     declared = declared["tool"]["flwr"]["app"]["config"]
-    experiment = {k: v for k, v in declared.items() if k not in flower_app.SERVER_KEYS}
-    cfg = flower_app.config_from_run_config(experiment, tmp_path)
+    experiment = {k: v for k, v in declared.items() if k not in SERVER_KEYS}
+    cfg = config_from_run_config(experiment, tmp_path)
     default = ExperimentConfig()
     differs = {
         f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(default, f.name)
@@ -772,7 +694,7 @@ def test_the_flower_app_config_declares_fedskew_keys_with_fedskew_defaults(tmp_p
             assert f.name in names, f"flower/pyproject.toml does not declare {f.name}"
         else:
             assert f.name not in names and f.metadata["flower_reason"], f.name
-    assert flower_app.NOT_IN_RUN_CONFIG == {
+    assert NOT_IN_RUN_CONFIG == {
         f.name: f.metadata["flower_reason"]
         for f in dataclasses.fields(ExperimentConfig)
         if f.metadata.get("flower") is False

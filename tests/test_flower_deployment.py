@@ -32,10 +32,10 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from fedskew.checkpoint import load_checkpoint  # noqa: E402
-from fedskew.cli import main as fedskew_main  # noqa: E402
-from fedskew.flower_app import machine_load  # noqa: E402
-from fedskew.runfolder import read_jsonl
+from fedskew.apps.cli import main as fedskew_main  # noqa: E402
+from fedskew.apps.flower.server import machine_load  # noqa: E402
+from fedskew.core.durable import read_jsonl
+from fedskew.runs.checkpoint import load_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 APP_DIR = REPO / "flower"

@@ -77,9 +77,9 @@ RUNS: dict[str, list[str]] = {
 def run_one(out: Path, name: str) -> dict:
     """The run's metrics (timing fields left out), resolved parameters in their recorded
     order, and config hash."""
-    from fedskew.cli import main
+    from fedskew.apps.cli import main
     from fedskew.config import config_hash
-    from fedskew.runfolder import saved_config
+    from fedskew.runs.folder import saved_config
 
     assert main(["run", "-o", str(out), "--name", name, *TINY, *RUNS[name]]) == 0
     folder = out / name
@@ -111,7 +111,7 @@ def this_machine() -> dict[str, str]:
     """What decides which CPU kernels compute a run (see the module docstring)."""
     import torch
 
-    from fedskew.machine import machine_facts
+    from fedskew.core.machine import machine_facts
 
     return {
         "cpu": str(machine_facts()["cpu"]),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fedskew.errors import DataError
+from fedskew.core.errors import DataError
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 

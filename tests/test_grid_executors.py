@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from fedskew.cli import main
-from fedskew.grid_executors.slurm_array import array_spec
+from fedskew.apps.cli import main
+from fedskew.grid.executors.slurm_array import array_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = str(ROOT / "src")

@@ -14,9 +14,9 @@ from fedskew.algorithms.fedcme import alignment_loss
 from fedskew.algorithms.feddecorr import EPS as DECORR_EPS
 from fedskew.algorithms.feddecorr import decorrelation_loss
 from fedskew.algorithms.fedntd import not_true_logits
-from fedskew.algorithms.local import crop_and_flip, draw_augmentation
+from fedskew.core.rng import torch_rng
 from fedskew.metrics.evaluation import evaluate
-from fedskew.rng import torch_rng
+from fedskew.training.local import crop_and_flip, draw_augmentation
 
 
 def augment_batch_by_batch(x: torch.Tensor, gen: torch.Generator, pad: int = 4) -> torch.Tensor:

@@ -12,46 +12,18 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "fedskew"
 
 # Lowest first. A module is placed by the longest prefix of its dotted name listed here.
 LAYERS: list[tuple[str, ...]] = [
-    (  # leaves
-        "fedskew.version",
-        "fedskew.cuda_environment",
-        "fedskew.references",
-        "fedskew.errors",
-        "fedskew.rng",
-        "fedskew.precision",
-        "fedskew.device",
-        "fedskew.machine",
-        "fedskew.progress",
-        "fedskew.config",
-        "fedskew.options",  # the command-line options, from config's option metadata
-        "fedskew.options_reference",
-        "fedskew.data",
-        "fedskew.models",
-        "fedskew.metrics",
-        "fedskew.report",
-        "fedskew.durable",
-        "fedskew.locks",
-        "fedskew.runfolder",
-    ),
-    ("fedskew.protocol",),
-    ("fedskew.algorithm_interface",),
+    ("fedskew.version", "fedskew.core"),  # leaves: errors, randomness, devices, files
+    ("fedskew.data", "fedskew.models", "fedskew.metrics"),
+    ("fedskew.config",),  # the options, declared once
+    ("fedskew.report",),  # formats run folders' files into tables, plots and documents
+    ("fedskew.training",),  # what an algorithm is written against
     ("fedskew.algorithms",),
-    ("fedskew.building", "fedskew.checkpoint"),
-    ("fedskew.engine",),
-    ("fedskew.experiment", "fedskew.measurements", "fedskew.tracking"),
+    ("fedskew.assembly",),  # an experiment's pieces from its configuration
+    ("fedskew.engines",),  # carry the messages: in process, worker processes, Flower
+    ("fedskew.runs",),  # the round loop, run folders, checkpoints, measurements, tracking
+    ("fedskew.grid",),  # compare's grids and their executors
     # apps; the package's __init__ offers the Python API (fedskew.run)
-    # compare and reporting read checkpoints and start runs; report/ only formats.
-    (
-        "fedskew",
-        "fedskew.api",
-        "fedskew.cli",
-        "fedskew.flower_app",
-        "fedskew.__main__",
-        "fedskew.compare",
-        "fedskew.grid",  # compare's parts: plan, launch, status, tables
-        "fedskew.grid_executors",
-        "fedskew.reporting",
-    ),
+    ("fedskew", "fedskew.apps", "fedskew.__main__"),
 ]
 
 
@@ -104,6 +76,6 @@ def test_no_import_points_up(path: Path):
 
 
 def test_the_checker_sees_an_upward_import():
-    tree = ast.parse("def f():\n    from fedskew.experiment import run\n")
-    assert layer_of("fedskew.experiment") > layer_of("fedskew.engine.workers")
-    assert "fedskew.experiment" in imported(tree, "fedskew.engine.workers", False)
+    tree = ast.parse("def f():\n    from fedskew.runs.loop import run\n")
+    assert layer_of("fedskew.runs.loop") > layer_of("fedskew.engines.workers")
+    assert "fedskew.runs.loop" in imported(tree, "fedskew.engines.workers", False)

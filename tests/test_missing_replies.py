@@ -10,13 +10,13 @@ from collections.abc import Mapping
 import pytest
 import torch
 
-from fedskew.algorithm_interface import ServerSetup
 from fedskew.algorithms import ALGORITHMS, get_algorithm
 from fedskew.algorithms.feature_matching import ANCHORS, COUNTS
-from fedskew.building import Prepared, new_model, prepare
+from fedskew.assembly.prepare import Prepared, new_model, prepare
 from fedskew.config import ExperimentConfig
-from fedskew.engine.inprocess import InProcessEngine
-from fedskew.protocol import Expected, Message, NoReplies
+from fedskew.engines.inprocess import InProcessEngine
+from fedskew.training.interface import ServerSetup
+from fedskew.training.protocol import Expected, Message, NoReplies
 
 # Method settings that keep one round short and make every exchange happen in it.
 PARAMS: dict[str, dict[str, object]] = {

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedskew.errors import UsageError
+from fedskew.core.errors import UsageError
 from fedskew.models import MODELS, BodyHeadModel, build_model, split_names
 
 NUM_CLASSES = 10

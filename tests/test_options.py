@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from fedskew import config
-from fedskew.cli import main, make_parser
+from fedskew.apps.cli import main, make_parser
+from fedskew.apps.options import cli_fields, cli_values, flags
+from fedskew.apps.options_reference import reference
 from fedskew.config import ExperimentConfig, build_config, read_config_file
-from fedskew.errors import UsageError
-from fedskew.options import cli_fields, cli_values, flags
-from fedskew.options_reference import reference
+from fedskew.core.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def option_strings(command: str) -> set[str]:
 
 
 def test_docs_options_md_is_what_the_generator_writes():
-    """Run `python -m fedskew.options_reference > docs/options.md` after changing options."""
+    """Run `python -m fedskew.apps.options_reference > docs/options.md` after changing options."""
     assert (ROOT / "docs" / "options.md").read_text(encoding="utf-8") == reference()
 
 
@@ -87,7 +87,9 @@ def test_one_parser_and_one_message_for_the_command_line_a_file_and_flower(
     with pytest.raises(UsageError) as from_file:
         build_config(read_config_file(toml), {})
     assert str(from_file.value) == message
-    flower_app = pytest.importorskip("fedskew.flower_app")
+    pytest.importorskip("flwr")
+    import fedskew.apps.flower.run_config as flower_app
+
     with pytest.raises(UsageError) as from_flower:
         flower_app.config_from_run_config({key.replace("_", "-"): text}, tmp_path)
     assert str(from_flower.value) == message
@@ -125,3 +127,19 @@ def test_command_line_errors_are_one_line(capsys, args, message):
     assert main(["run", *args, "-q"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"fedskew: error: {message}") and err.count("\n") == 1
+
+
+def test_the_flower_app_run_config_is_written_from_the_option_metadata(tmp_path, capsys):
+    from fedskew.apps.flower import app_config
+
+    pyproject = Path(__file__).resolve().parents[1] / "flower" / "pyproject.toml"
+    assert app_config.main(["--check", str(pyproject)]) == 0, (
+        "flower/pyproject.toml's run config is stale: "
+        "python -m fedskew.apps.flower.app_config flower/pyproject.toml"
+    )
+    stale = tmp_path / "pyproject.toml"
+    stale.write_text(pyproject.read_text().replace("lr = 0.05\n", ""))
+    assert app_config.main(["--check", str(stale)]) == 1
+    assert "differs from the option metadata" in capsys.readouterr().err
+    assert app_config.main([str(stale)]) == 0
+    assert stale.read_text() == pyproject.read_text()

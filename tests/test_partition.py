@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fedskew.core.errors import FedskewError, UsageError
 from fedskew.data.partition import (
     PARTITIONS,
     load_partition,
@@ -15,7 +16,6 @@ from fedskew.data.partition import (
     partition_stats,
     save_partition,
 )
-from fedskew.errors import FedskewError, UsageError
 from fedskew.report.partition_plot import plot_partition
 
 SCHEMES = ["iid", "dirichlet", "shards", "classes", "niid2", "missing", "quantity"]

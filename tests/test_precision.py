@@ -13,19 +13,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedskew import experiment
-from fedskew.algorithm_interface import ClientContext, LocalTrainConfig
 from fedskew.algorithms.fedavg import FedAvg
-from fedskew.algorithms.local import LossOutput, get_arrays, local_train, make_optimizer
-from fedskew.cli import main
+from fedskew.apps.cli import main
 from fedskew.config import ExperimentConfig
+from fedskew.core.errors import UsageError
+from fedskew.core.precision import PRECISIONS, autocast, check_precision
 from fedskew.data.federated import ClientData
-from fedskew.errors import UsageError
-from fedskew.experiment import run
 from fedskew.metrics.evaluation import evaluate
 from fedskew.models import build_model
-from fedskew.precision import PRECISIONS, autocast, check_precision
-from fedskew.protocol import ClientState, Message
+from fedskew.runs import loop as experiment
+from fedskew.runs.loop import run
+from fedskew.training.interface import ClientContext, LocalTrainConfig
+from fedskew.training.local import LossOutput, get_arrays, local_train, make_optimizer
+from fedskew.training.protocol import ClientState, Message
 
 SHAPE = (1, 28, 28)
 

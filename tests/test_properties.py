@@ -30,10 +30,10 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
 from fedskew.algorithms import ALGORITHMS
-from fedskew.cli import main, make_parser
+from fedskew.apps.cli import main, make_parser
 from fedskew.config import FIELDS
 from fedskew.data.partition import PARTITIONS
-from fedskew.runfolder import LOCK
+from fedskew.runs.folder import LOCK
 
 # Function-scoped fixtures (capsys, tmp_path) are shared by a test's examples on purpose:
 # each example reads capsys clean and works in a folder of its own.
@@ -610,7 +610,7 @@ def metrics_without_timing(folder: Path) -> list[dict]:
 def unfinished_run(tmp_path_factory) -> tuple[Path, list[dict]]:
     """An unfinished 3-round run after its round 2 (made by interrupting it), and the
     metrics of the same run uninterrupted."""
-    import fedskew.experiment as experiment
+    import fedskew.runs.loop as experiment
 
     root = tmp_path_factory.mktemp("resume")
     assert main(["run", *SMALL, "--rounds=3", f"--out-dir={root}", "--name=ref"]) == 0

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from fedskew.config import ExperimentConfig
-from fedskew.experiment import run
+from fedskew.runs.loop import run
 
 
 @pytest.fixture(scope="module")

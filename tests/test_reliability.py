@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from fedskew.checkpoint import read_checkpoint, save_checkpoint
-from fedskew.cli import main
+from fedskew.apps.cli import main
 from fedskew.config import ExperimentConfig
-from fedskew.experiment import RunInterrupted, run
+from fedskew.runs.checkpoint import read_checkpoint, save_checkpoint
+from fedskew.runs.loop import RunInterrupted, run
 
 SMALL = dict(num_clients=4, clients_per_round=2, rounds=3, local_epochs=1, quiet=True, seed=1)
 TIMING = ("seconds", "eval_seconds")
@@ -133,9 +133,9 @@ def test_checkpoints_that_do_not_fit_the_run_are_refused(tmp_path, capsys, probl
     import torch
 
     from fedskew.algorithms.fedavg import FedAvg
-    from fedskew.building import new_model, prepare
+    from fedskew.assembly.prepare import new_model, prepare
     from fedskew.config import build_config, config_hash, normalise_keys
-    from fedskew.experiment import server_setup
+    from fedskew.runs.loop import server_setup
 
     folder = unfinished(tmp_path)
     saved = json.loads((folder / "config.json").read_text())
@@ -218,7 +218,7 @@ def test_divergence_drop_leaves_the_replies_out(tmp_path):
 
 
 def test_interrupt_from_the_command_line_names_the_folder(tmp_path, capsys, monkeypatch):
-    import fedskew.experiment as experiment
+    import fedskew.runs.loop as experiment
 
     real = experiment.keep_round
 

@@ -15,11 +15,11 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from fedskew.cli import main
+from fedskew.apps.cli import main
 from fedskew.config import ExperimentConfig
-from fedskew.experiment import run
 from fedskew.report.document import Heading, Image, Para, Table, to_html, to_markdown
 from fedskew.report.runs import find_runs, method_label
+from fedskew.runs.loop import run
 
 
 def _png() -> bytes:

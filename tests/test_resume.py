@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedskew.checkpoint import load_checkpoint, save_checkpoint
-from fedskew.cli import main
+from fedskew.apps.cli import main
 from fedskew.config import ExperimentConfig
-from fedskew.experiment import run
-from fedskew.protocol import ClientState
+from fedskew.runs.checkpoint import load_checkpoint, save_checkpoint
+from fedskew.runs.loop import run
+from fedskew.training.protocol import ClientState
 
 KEYS = ("round", "clients", "accuracy", "loss", "bytes_down", "bytes_up")
 
@@ -130,16 +130,19 @@ def test_checkpoint_round_trip_without_pickle(tmp_path):
         save_checkpoint(path, 4, server, clients)
 
 
-def test_cli_api_and_compare_resume_a_folder_alike(tmp_path, capsys):
-    """One way back from a run folder (runfolder.saved_config) for every caller: the same
-    unfinished folder resumed by the CLI, by fedskew.run and by fedskew compare ends with the
+def test_cli_api_compare_and_flower_resume_a_folder_alike(tmp_path, capsys, monkeypatch):
+    """One way back from a run folder (runs.folder.saved_config) for every caller: the same
+    unfinished folder resumed by the CLI, by fedskew.run, by fedskew compare and by a Flower
+    ServerApp (its clients on the real ClientApp, through an in-memory Grid) ends with the
     uninterrupted run's metrics; the API keeps the execution options it is given (workers
-    was silently dropped before) and refuses the others."""
+    was silently dropped before) and refuses the others. Without flwr installed the Flower
+    leg is left out."""
+    import importlib.util
     import shutil
 
     import fedskew
-    from fedskew import compare
-    from fedskew.errors import UsageError
+    from fedskew.apps import compare
+    from fedskew.core.errors import UsageError
 
     grid_file = tmp_path / "grid.toml"
     grid_file.write_text(
@@ -155,7 +158,8 @@ def test_cli_api_and_compare_resume_a_folder_alike(tmp_path, capsys):
         run(ExperimentConfig(**values), on_round=kill_after(1))
     unfinished = tmp_path / "grid" / f"{planned.folder}.incomplete"
     copies = {}
-    for how in ("cli", "api"):
+    with_flower = importlib.util.find_spec("flwr") is not None
+    for how in ("cli", "api", "flower") if with_flower else ("cli", "api"):
         copies[how] = tmp_path / how / unfinished.name
         shutil.copytree(unfinished, copies[how])
 
@@ -167,12 +171,25 @@ def test_cli_api_and_compare_resume_a_folder_alike(tmp_path, capsys):
     result = fedskew.run(resume=copies["api"], workers=2, quiet=True)
     assert main(["compare", "-c", str(grid_file)]) == 0
     assert f"{planned.folder}: resumed" in capsys.readouterr().out
+    if with_flower:
+        from flower_grid import LocalGrid
+        from flwr.app import Context, RecordDict
+
+        from fedskew.apps.flower.run_config import OUTPUT_ROOT_VARIABLE
+        from fedskew.apps.flower.server import _server_main
+
+        monkeypatch.setenv(OUTPUT_ROOT_VARIABLE, str(tmp_path / "flower"))
+        context = Context(run_id=2, node_id=0, node_config={}, state=RecordDict(),
+                          run_config={"resume": unfinished.name})  # fmt: skip
+        _server_main(LocalGrid(values["num_clients"]), context)
 
     finished = {
         "cli": tmp_path / "cli" / planned.folder,
         "api": result.folder,
         "compare": tmp_path / "grid" / planned.folder,
     }
+    if with_flower:
+        finished["flower"] = tmp_path / "flower" / planned.folder
     for how, folder in finished.items():
         assert metrics(folder) == metrics(reference), how
         processes = [json.loads(x) for x in (folder / "processes.jsonl").read_text().splitlines()]

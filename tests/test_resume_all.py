@@ -8,9 +8,9 @@ import json
 import pytest
 
 from fedskew.algorithms import ALGORITHMS
-from fedskew.cli import main
+from fedskew.apps.cli import main
 from fedskew.config import ExperimentConfig
-from fedskew.experiment import run
+from fedskew.runs.loop import run
 
 # Small but stateful: 6 clients, 3 per round, so clients are sampled again after a pause.
 COMMON = dict(rounds=4, local_epochs=1, num_clients=6, clients_per_round=3, quiet=True, seed=2)

@@ -14,19 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from fedskew.checkpoint import read_checkpoint
-from fedskew.cli import main
+from fedskew.apps.cli import main
 from fedskew.config import ExperimentConfig
-from fedskew.durable import _alive
-from fedskew.errors import FedskewError
-from fedskew.experiment import run
-from fedskew.runfolder import LOCK, RunFolder, running_elsewhere
+from fedskew.core.durable import _alive
+from fedskew.core.errors import FedskewError
+from fedskew.runs.checkpoint import read_checkpoint
+from fedskew.runs.folder import LOCK, RunFolder, running_elsewhere
+from fedskew.runs.loop import run
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="advisory locks are POSIX only")
 
 # A process that holds a run folder as a training run does, until it is killed.
 HOLDER = (
-    "import sys, time; from pathlib import Path; from fedskew.runfolder import RunFolder\n"
+    "import sys, time; from pathlib import Path; from fedskew.runs.folder import RunFolder\n"
     "f = RunFolder.reopen(Path(sys.argv[1])); f.claim(); print('held', flush=True)\n"
     "time.sleep(120)\n"
 )
@@ -122,7 +122,7 @@ def test_resume_of_a_folder_in_use_stops_with_one_line_and_writes_nothing(tmp_pa
 
 def test_compare_leaves_a_run_that_another_process_trains(tmp_path, capsys):
     out, file = _grid_file(tmp_path, rounds=2)
-    from fedskew import compare
+    from fedskew.apps import compare
 
     grid = compare.grid_from(compare.read_file(file), str(file), {}, None, {})
     prox = next(r for r in compare.plan(grid) if r.folder == "prox-s0")
@@ -146,7 +146,7 @@ def test_compare_leaves_a_run_that_another_process_trains(tmp_path, capsys):
 
 
 SLOT_HOLDER = (
-    "import sys, time; from pathlib import Path; from fedskew.locks import lock\n"
+    "import sys, time; from pathlib import Path; from fedskew.core.locks import lock\n"
     "p = Path(sys.argv[1]); p.parent.mkdir(parents=True, exist_ok=True); fd = lock(p)\n"
     "print('held', flush=True); time.sleep(120)\n"
 )
@@ -155,7 +155,7 @@ SLOT_HOLDER = (
 def test_two_compares_starting_one_run_start_it_once(tmp_path, capsys):
     # The run's folder appears only once its process has loaded the data; until then the
     # compare that starts it holds the grid's slot for it, and a second compare leaves it.
-    from fedskew import compare
+    from fedskew.apps import compare
 
     out, file = _grid_file(tmp_path, rounds=1)
     slot = out / compare.SLOTS / "prox-s0.lock"
@@ -194,7 +194,7 @@ def test_two_compares_at_once_share_the_grid_without_duplicates(tmp_path):
 
 
 def test_status_says_where_each_run_stands_and_changes_nothing(tmp_path, capsys):
-    from fedskew import compare
+    from fedskew.apps import compare
 
     extra = '[methods.nova]\nalgorithm = "fednova"\n[methods.dyn]\nalgorithm = "feddyn"\n'
     out, file = _grid_file(tmp_path, rounds=2, extra=extra)

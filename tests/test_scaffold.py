@@ -13,14 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithm_interface import ClientContext, LocalTrainConfig, ServerSetup
 from fedskew.algorithms.scaffold import Scaffold
-from fedskew.cli import main
+from fedskew.apps.cli import main
+from fedskew.core.errors import UsageError
 from fedskew.data.federated import ClientData
-from fedskew.errors import UsageError
 from fedskew.models import build_model
 from fedskew.models.base import BodyHeadModel
-from fedskew.protocol import SCALAR_BYTES, ClientState, Message
+from fedskew.training.interface import ClientContext, LocalTrainConfig, ServerSetup
+from fedskew.training.protocol import SCALAR_BYTES, ClientState, Message
 
 D, C = 3, 2  # input features, classes of the tiny linear model
 

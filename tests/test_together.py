@@ -11,17 +11,17 @@ import pytest
 import torch
 from tiny_bn import NAME as TINY_BN
 
-from fedskew.algorithm_interface import ClientContext, LocalTrainConfig
 from fedskew.algorithms.fedavg import FedAvgClient
-from fedskew.algorithms.local import local_train, set_arrays
-from fedskew.building import new_model, prepare
+from fedskew.assembly.prepare import new_model, prepare
 from fedskew.config import ExperimentConfig
-from fedskew.device import ExecutionSettings, cuda_count, settings_applied
-from fedskew.engine.inprocess import InProcessEngine
-from fedskew.engine.together import plain_handler, resolve_mode, train_together
-from fedskew.experiment import RunState, evaluate_global_model, play_round, server_setup
-from fedskew.protocol import Message
-from fedskew.rng import torch_rng
+from fedskew.core.device import ExecutionSettings, cuda_count, settings_applied
+from fedskew.core.rng import torch_rng
+from fedskew.engines.inprocess import InProcessEngine
+from fedskew.engines.together import plain_handler, resolve_mode, train_together
+from fedskew.runs.loop import RunState, evaluate_global_model, play_round, server_setup
+from fedskew.training.interface import ClientContext, LocalTrainConfig
+from fedskew.training.local import local_train, set_arrays
+from fedskew.training.protocol import Message
 
 NO_CUDA = "no CUDA device here (CPU-only torch or no GPU): benchmarks/gpu_check.sh runs these"
 DEVICES = [

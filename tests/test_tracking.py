@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from fedskew import compare
-from fedskew.cli import main
+from fedskew.apps import compare
+from fedskew.apps.cli import main
 from fedskew.config import ExperimentConfig
-from fedskew.experiment import run
-from fedskew.tracking.base import scalars
+from fedskew.runs.loop import run
+from fedskew.runs.tracking.base import scalars
 
 # Every tracker whose package is here (CI installs all three: .[track]).
 MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
@@ -188,7 +188,7 @@ def test_a_missing_package_is_one_line_before_any_work(tmp_path, monkeypatch, ca
     for module in [m for m in sys.modules if m == "mlflow" or m.startswith("mlflow.")]:
         monkeypatch.setitem(sys.modules, module, None)
     monkeypatch.setitem(sys.modules, "mlflow", None)
-    monkeypatch.delitem(sys.modules, "fedskew.tracking.mlflow_tracker", raising=False)
+    monkeypatch.delitem(sys.modules, "fedskew.runs.tracking.mlflow_tracker", raising=False)
     out = tmp_path / "runs"
     assert main(["run", "-r", "1", "-n", "4", "-o", str(out), "--track", "mlflow"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedskew.building import new_model, prepare
-from fedskew.cli import main
+from fedskew.apps.cli import main
+from fedskew.assembly.prepare import new_model, prepare
 from fedskew.config import ExperimentConfig
-from fedskew.engine.inprocess import InProcessEngine
-from fedskew.engine.workers import WorkerPoolEngine, decode_frame, encode_frame
-from fedskew.errors import FedskewError, UsageError
-from fedskew.experiment import run
-from fedskew.protocol import ClientState, Message
+from fedskew.core.errors import FedskewError, UsageError
+from fedskew.engines.inprocess import InProcessEngine
+from fedskew.engines.workers import WorkerPoolEngine, decode_frame, encode_frame
+from fedskew.runs.loop import run
+from fedskew.training.protocol import ClientState, Message
 
 SMALL = ["-n", "6", "--clients-per-round", "4", "-e", "1", "-q"]
 TIMING = ("seconds", "eval_seconds")
@@ -273,7 +273,7 @@ def test_a_default_bf16_run_uses_workers_and_records_them(tmp_path, monkeypatch)
 
 
 def test_auto_workers_stay_inside_the_memory(tmp_path, monkeypatch):
-    from fedskew.engine import workers as pool
+    from fedskew.engines import workers as pool
 
     gib = 2**30
     monkeypatch.setattr(pool, "available_memory_bytes", lambda: 8 * gib)

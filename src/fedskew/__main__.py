@@ -1,5 +1,5 @@
 import sys
 
-from fedskew.cli import main
+from fedskew.apps.cli import main
 
 sys.exit(main())

@@ -13,16 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedskew.core.device import check_device_spec, cuda_count
+from fedskew.core.errors import UsageError
+from fedskew.core.precision import check_precision
 from fedskew.data.partition import read_partition_file
-from fedskew.device import check_device_spec, cuda_count
-from fedskew.errors import UsageError
-from fedskew.precision import check_precision
 
 
 def option(default: Any = dataclasses.MISSING, *, factory: Any = None, **metadata: Any) -> Any:
     """A config field with its option metadata: the one place an option is declared.
 
-    fedskew.options builds the command line from the metadata, fedskew.options_reference
+    fedskew.apps.options builds the command line from the metadata, fedskew.apps.options_reference
     docs/options.md, and this module the tag lists below the class. Keys:
 
     - ``help``; ``default_text``: how --help states the default ("" for none);
@@ -36,7 +36,8 @@ def option(default: Any = dataclasses.MISSING, *, factory: Any = None, **metadat
     - ``exclusive``: a group of options of which one may be given; ``cli``: False, no flag;
     - tags: ``execution`` (EXECUTION_ONLY), ``resumable`` (RESUME_MAY_CHANGE),
       ``measurement`` (MEASUREMENT_ONLY), ``flower``: False with ``flower_reason``
-      (NOT_IN_FLOWER_RUN_CONFIG)."""
+      (NOT_IN_FLOWER_RUN_CONFIG); ``flower_note``: the comment of its key in the Flower app's
+      run config (fedskew.apps.flower.app_config writes flower/pyproject.toml's table)."""
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -68,6 +69,8 @@ class ExperimentConfig:
     )
     download: bool = option(
         True, flag="--no-download", action="false", command="experiment", execution=True,
+        flower_note="the ServerApp may download a dataset it lacks (each node reads its own "
+        "copy)",
         help="never download; use local files only",
     )
     model: str = option(
@@ -99,6 +102,7 @@ class ExperimentConfig:
     # replaces `partition`, and sets num_clients when that is not given.
     partition_file: str | None = option(
         None, metavar="FILE", command="experiment", execution=True,
+        flower_note="relative to the output root; .npz as fedskew saves it or .json lists",
         help="use this partition (.npz as fedskew saves it, or .json index lists per client)",
     )
     partition_overlap: bool = option(
@@ -128,6 +132,7 @@ class ExperimentConfig:
     device: str = option(
         "auto", metavar="auto|cpu|cuda|cuda:N", execution=True, resumable=True,
         default_text="auto: CUDA when available, else the CPU",
+        flower_note="the ServerApp's device for evaluation; each SuperNode resolves its own",
         help="where clients train and the model is evaluated",
     )
     tf32: bool = option(
@@ -204,10 +209,13 @@ class ExperimentConfig:
         help="a client reply with NaN or Inf: stop the run (default) or leave the reply out",
     )
     out_dir: str = option(
-        "runs", short="-o", execution=True, default_text="./runs", help="where run folders go"
+        "runs", short="-o", execution=True, default_text="./runs", help="where run folders go",
+        flower_note='a folder inside the output root ("": the root itself); no absolute path, '
+        "no ..",
     )
     name: str | None = option(
         None, execution=True, default_text="algorithm-dataset-partition-seed-time",
+        flower_note="the run folder's name: one path component",
         help="run folder name: one path component",
     )
     quiet: bool = option(
@@ -218,6 +226,8 @@ class ExperimentConfig:
     track: list[str] = option(
         factory=list, action="append", metavar="tensorboard|mlflow|wandb", execution=True,
         resumable=True,
+        flower_note='experiment trackers, comma-separated: "mlflow,tensorboard" (files under '
+        "out-dir)",
         help="also log each round's metrics, the config and the summary to this experiment "
         "tracker (repeatable; needs pip install 'fedskew[NAME]')",
     )

@@ -7,9 +7,9 @@ import importlib
 import pkgutil
 from collections.abc import Iterator, Mapping
 
-from fedskew.algorithm_interface import Algorithm
-from fedskew.errors import UsageError
-from fedskew.references import entry_points, import_reference, is_reference, load_entry_point
+from fedskew.core.errors import UsageError
+from fedskew.core.references import entry_points, import_reference, is_reference, load_entry_point
+from fedskew.training.interface import Algorithm
 
 # name -> the module of this package that defines it. Adding an algorithm is adding its file
 # and its line here; tests/test_algorithm_registry.py fails when the two disagree.
@@ -121,8 +121,7 @@ def check_algorithm_class(obj: object, name: str) -> type[Algorithm]:
     """``obj`` if it is a complete algorithm class, else a one-line UsageError."""
     if not (isinstance(obj, type) and issubclass(obj, Algorithm)):
         raise UsageError(
-            f"algorithm '{name}' is {obj!r}, not a subclass of "
-            "fedskew.algorithm_interface.Algorithm"
+            f"algorithm '{name}' is {obj!r}, not a subclass of fedskew.training.interface.Algorithm"
         )
     missing = [attr for attr in ("name", "Params", "Server", "Client") if not hasattr(obj, attr)]
     if missing:

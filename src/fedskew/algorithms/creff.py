@@ -39,7 +39,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithm_interface import (
+from fedskew.core.errors import UsageError
+from fedskew.core.rng import torch_rng
+from fedskew.data.federated import ClientData
+from fedskew.training.aggregation import weighted_average
+from fedskew.training.interface import (
     Algorithm,
     ClientContext,
     ClientLogic,
@@ -47,7 +51,7 @@ from fedskew.algorithm_interface import (
     ServerSetup,
     check_one_of,
 )
-from fedskew.algorithms.local import (
+from fedskew.training.local import (
     PlainTraining,
     TrainResult,
     batch_bounds,
@@ -56,12 +60,8 @@ from fedskew.algorithms.local import (
     set_arrays,
     trained_needs,
     trained_reply,
-    weighted_average,
 )
-from fedskew.data.federated import ClientData
-from fedskew.errors import UsageError
-from fedskew.protocol import ArraySpec, Channel, Message, arrived
-from fedskew.rng import torch_rng
+from fedskew.training.protocol import ArraySpec, Channel, Message, arrived
 
 DIS_METRICS = ("ours", "mse", "cos")
 HEAD_WEIGHT, HEAD_BIAS = "head.weight", "head.bias"

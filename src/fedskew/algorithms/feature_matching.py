@@ -42,7 +42,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from fedskew.algorithm_interface import Algorithm, ClientContext, ServerSetup
 from fedskew.algorithms.fedfm import (
     ANCHOR_KIND,
     ANCHORS,
@@ -60,7 +59,8 @@ from fedskew.algorithms.fedfm import (
     settings_of,
     take_received,
 )
-from fedskew.protocol import ArraySpec, Channel, Expected, Message
+from fedskew.training.interface import Algorithm, ClientContext, ServerSetup
+from fedskew.training.protocol import ArraySpec, Channel, Expected, Message
 
 # The plug-in, and FedFM's pieces that callers import from here (re-exported).
 __all__ = [

@@ -50,9 +50,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic, check_one_of
 from fedskew.algorithms.fedavg import FedAvgServer
-from fedskew.algorithms.local import (
+from fedskew.core.errors import UsageError
+from fedskew.core.precision import in_fp32
+from fedskew.data.federated import ClientData
+from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, check_one_of
+from fedskew.training.local import (
     LossOutput,
     batch_bounds,
     get_arrays,
@@ -60,10 +63,7 @@ from fedskew.algorithms.local import (
     train_client,
     trained_needs,
 )
-from fedskew.data.federated import ClientData
-from fedskew.errors import UsageError
-from fedskew.precision import in_fp32
-from fedskew.protocol import Expected, Message
+from fedskew.training.protocol import Expected, Message
 
 EPS = 1e-8  # added to denominators of P and of Delta
 WEIGHTINGS = ("inverse", "softmax", "uniform")

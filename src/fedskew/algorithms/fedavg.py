@@ -13,18 +13,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic, ServerLogic
-from fedskew.algorithms.local import (
+from fedskew.core.errors import UsageError
+from fedskew.training.aggregation import apply_server_lr, weighted_average
+from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, ServerLogic
+from fedskew.training.local import (
     PlainTraining,
-    apply_server_lr,
     run_plain,
     set_arrays,
     trained_needs,
     trained_reply,
-    weighted_average,
 )
-from fedskew.errors import UsageError
-from fedskew.protocol import Channel, Expected, Message, arrived
+from fedskew.training.protocol import Channel, Expected, Message, arrived
 
 
 @dataclass

@@ -91,7 +91,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithm_interface import (
+from fedskew.core.errors import UsageError
+from fedskew.core.precision import in_fp32
+from fedskew.core.rng import SERVER, numpy_rng
+from fedskew.data.federated import ClientData
+from fedskew.training.aggregation import weighted_average
+from fedskew.training.interface import (
     Algorithm,
     ClientContext,
     ClientLogic,
@@ -99,7 +104,7 @@ from fedskew.algorithm_interface import (
     ServerSetup,
     check_one_of,
 )
-from fedskew.algorithms.local import (
+from fedskew.training.local import (
     LossFn,
     LossOutput,
     class_feature_means,
@@ -108,13 +113,16 @@ from fedskew.algorithms.local import (
     train_client,
     trained_needs,
     trained_reply,
-    weighted_average,
 )
-from fedskew.data.federated import ClientData
-from fedskew.errors import UsageError
-from fedskew.precision import in_fp32
-from fedskew.protocol import ArraySpec, Channel, Expected, Message, NoReplies, arrived, needs
-from fedskew.rng import SERVER, numpy_rng
+from fedskew.training.protocol import (
+    ArraySpec,
+    Channel,
+    Expected,
+    Message,
+    NoReplies,
+    arrived,
+    needs,
+)
 
 EPS = 1e-12
 EXCHANGES = ("head", "body", "model", "none")

@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
-from fedskew.algorithms.local import LossOutput, set_arrays, train_client, trained_reply
-from fedskew.errors import UsageError
-from fedskew.precision import in_fp32
-from fedskew.protocol import Message
+from fedskew.core.errors import UsageError
+from fedskew.core.precision import in_fp32
+from fedskew.training.interface import Algorithm, ClientContext, ClientLogic
+from fedskew.training.local import LossOutput, set_arrays, train_client, trained_reply
+from fedskew.training.protocol import Message
 
 EPS = 1e-8
 

@@ -32,25 +32,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithm_interface import (
+from fedskew.algorithms.fednova import trained_keys
+from fedskew.core.errors import UsageError
+from fedskew.core.precision import in_fp32
+from fedskew.training.aggregation import weighted_average
+from fedskew.training.interface import (
     Algorithm,
     ClientContext,
     ClientLogic,
     ServerLogic,
     ServerSetup,
 )
-from fedskew.algorithms.fednova import trained_keys
-from fedskew.algorithms.local import (
-    LossOutput,
-    get_arrays,
-    set_arrays,
-    train_client,
-    trained_needs,
-    weighted_average,
-)
-from fedskew.errors import UsageError
-from fedskew.precision import in_fp32
-from fedskew.protocol import Channel, Message, arrived
+from fedskew.training.local import LossOutput, get_arrays, set_arrays, train_client, trained_needs
+from fedskew.training.protocol import Channel, Message, arrived
 
 STATE_PREFIX = "feddyn.grad/"  # the client's g_k in its state
 

@@ -73,7 +73,13 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithm_interface import (
+from fedskew.algorithms import fedfm_remedies as remedies
+from fedskew.algorithms.fedavg import FedAvgParams
+from fedskew.algorithms.fedfm_remedies import LamWarmupParams, MatchOnParams
+from fedskew.core.errors import UsageError
+from fedskew.core.precision import in_fp32
+from fedskew.training.aggregation import apply_server_lr, weighted_average
+from fedskew.training.interface import (
     Algorithm,
     ClientContext,
     ClientLogic,
@@ -81,23 +87,24 @@ from fedskew.algorithm_interface import (
     ServerSetup,
     check_one_of,
 )
-from fedskew.algorithms import fedfm_remedies as remedies
-from fedskew.algorithms.fedavg import FedAvgParams
-from fedskew.algorithms.fedfm_remedies import LamWarmupParams, MatchOnParams
-from fedskew.algorithms.local import (
+from fedskew.training.local import (
     FeatureFn,
     LossTerm,
-    apply_server_lr,
     class_feature_means,
     set_arrays,
     train_client,
     trained_needs,
     trained_reply,
-    weighted_average,
 )
-from fedskew.errors import UsageError
-from fedskew.precision import in_fp32
-from fedskew.protocol import ArraySpec, Channel, ClientState, Message, Needs, arrived, needs
+from fedskew.training.protocol import (
+    ArraySpec,
+    Channel,
+    ClientState,
+    Message,
+    Needs,
+    arrived,
+    needs,
+)
 
 ANCHOR_KIND = "fm_anchors"  # step 1, server -> client: the global model
 LOCAL_ANCHOR_KIND = "fm_local_anchors"  # step 1, client -> server

@@ -36,13 +36,6 @@ from dataclasses import dataclass
 
 import torch
 
-from fedskew.algorithm_interface import (
-    Algorithm,
-    ClientContext,
-    ClientLogic,
-    ServerLogic,
-    ServerSetup,
-)
 from fedskew.algorithms.fedfm import (
     ANCHORS,
     COUNTS,
@@ -57,9 +50,17 @@ from fedskew.algorithms.fedfm import (
     received_anchor_term,
     settings_of,
 )
-from fedskew.algorithms.local import get_arrays, set_arrays, train_client, weighted_average
-from fedskew.errors import UsageError
-from fedskew.protocol import ArraySpec, Channel, Message, arrived, needs
+from fedskew.core.errors import UsageError
+from fedskew.training.aggregation import weighted_average
+from fedskew.training.interface import (
+    Algorithm,
+    ClientContext,
+    ClientLogic,
+    ServerLogic,
+    ServerSetup,
+)
+from fedskew.training.local import get_arrays, set_arrays, train_client
+from fedskew.training.protocol import ArraySpec, Channel, Message, arrived, needs
 
 _KEPT = "fmlite.model/"  # client state prefix: the local model between model rounds
 

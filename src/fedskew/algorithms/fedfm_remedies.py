@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithm_interface import check_one_of
-from fedskew.algorithms.local import FeatureFn, LossFn, LossOutput, cross_entropy_loss
-from fedskew.errors import UsageError
+from fedskew.core.errors import UsageError
+from fedskew.training.interface import check_one_of
+from fedskew.training.local import FeatureFn, LossFn, LossOutput, cross_entropy_loss
 
 # --- lam_warmup ------------------------------------------------------------------------------
 

@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
-from fedskew.algorithms.local import LossOutput, set_arrays, train_client, trained_reply
-from fedskew.errors import UsageError
-from fedskew.protocol import Message
+from fedskew.core.errors import UsageError
+from fedskew.training.interface import Algorithm, ClientContext, ClientLogic
+from fedskew.training.local import LossOutput, set_arrays, train_client, trained_reply
+from fedskew.training.protocol import Message
 
 MISSING_COUNT = 1e-8
 

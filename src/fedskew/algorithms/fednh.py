@@ -29,8 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic, ServerLogic
-from fedskew.algorithms.local import (
+from fedskew.core.errors import UsageError
+from fedskew.data.federated import ClientData
+from fedskew.models.resnet import BasicBlock
+from fedskew.training.aggregation import weighted_average
+from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, ServerLogic
+from fedskew.training.local import (
     PlainTraining,
     TrainResult,
     get_arrays,
@@ -38,12 +42,8 @@ from fedskew.algorithms.local import (
     set_arrays,
     trained_needs,
     trained_reply,
-    weighted_average,
 )
-from fedskew.data.federated import ClientData
-from fedskew.errors import UsageError
-from fedskew.models.resnet import BasicBlock
-from fedskew.protocol import ArraySpec, Channel, Message, arrived
+from fedskew.training.protocol import ArraySpec, Channel, Message, arrived
 
 PROTOTYPES = "head.prototypes"
 SCALE = "head.scale"

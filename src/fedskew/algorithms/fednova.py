@@ -32,16 +32,16 @@ from dataclasses import dataclass
 
 import torch
 
-from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic, ServerLogic
-from fedskew.algorithms.local import (
+from fedskew.training.aggregation import weighted_average
+from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, ServerLogic
+from fedskew.training.local import (
     get_arrays,
     set_arrays,
     train_client,
     trained_needs,
     trained_reply,
-    weighted_average,
 )
-from fedskew.protocol import Channel, Message, arrived
+from fedskew.training.protocol import Channel, Message, arrived
 
 # BatchNorm keeps these as buffers; the forward pass moves them, not the optimiser.
 _RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")

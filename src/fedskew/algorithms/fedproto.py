@@ -32,7 +32,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithm_interface import (
+from fedskew.core.errors import UsageError
+from fedskew.core.precision import in_fp32
+from fedskew.training.aggregation import weighted_average
+from fedskew.training.interface import (
     Algorithm,
     ClientContext,
     ClientLogic,
@@ -40,7 +43,7 @@ from fedskew.algorithm_interface import (
     ServerSetup,
     check_one_of,
 )
-from fedskew.algorithms.local import (
+from fedskew.training.local import (
     LossOutput,
     class_feature_means,
     get_arrays,
@@ -48,11 +51,8 @@ from fedskew.algorithms.local import (
     train_client,
     trained_needs,
     trained_reply,
-    weighted_average,
 )
-from fedskew.errors import UsageError
-from fedskew.precision import in_fp32
-from fedskew.protocol import ArraySpec, Channel, Message, arrived
+from fedskew.training.protocol import ArraySpec, Channel, Message, arrived
 
 DISTANCES = ("mse", "sq")
 PROTOS, PROTO_CLASSES, PROTO_COUNTS = "proto.values", "proto.classes", "proto.counts"

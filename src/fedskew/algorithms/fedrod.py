@@ -31,24 +31,24 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithm_interface import (
+from fedskew.core.errors import UsageError
+from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
+from fedskew.training.aggregation import weighted_average
+from fedskew.training.interface import (
     Algorithm,
     ClientContext,
     ClientLogic,
     ServerLogic,
     check_one_of,
 )
-from fedskew.algorithms.local import (
+from fedskew.training.local import (
     LossOutput,
     set_arrays,
     train_client,
     trained_needs,
     trained_reply,
-    weighted_average,
 )
-from fedskew.errors import UsageError
-from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
-from fedskew.protocol import Channel, Message, arrived
+from fedskew.training.protocol import Channel, Message, arrived
 
 PHEAD_INITS = ("zeros", "generic")
 PHEAD_WEIGHT = "personal_head.weight"

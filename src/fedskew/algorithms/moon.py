@@ -37,9 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedskew.algorithm_interface import Algorithm, ClientContext, ClientLogic
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
-from fedskew.algorithms.local import (
+from fedskew.core.errors import UsageError
+from fedskew.core.precision import in_fp32
+from fedskew.training.interface import Algorithm, ClientContext, ClientLogic
+from fedskew.training.local import (
     LossOutput,
     frozen_copy,
     get_arrays,
@@ -47,9 +49,7 @@ from fedskew.algorithms.local import (
     train_client,
     trained_reply,
 )
-from fedskew.errors import UsageError
-from fedskew.precision import in_fp32
-from fedskew.protocol import Message
+from fedskew.training.protocol import Message
 
 PREV = "moon.prev."  # client-state prefix of the previous local model
 LOG2 = math.log(2.0)

@@ -59,7 +59,10 @@ from dataclasses import dataclass
 
 import torch
 
-from fedskew.algorithm_interface import (
+from fedskew.algorithms.fednova import momentum_normaliser, trained_keys
+from fedskew.core.errors import UsageError
+from fedskew.training.aggregation import apply_server_lr, weighted_average
+from fedskew.training.interface import (
     Algorithm,
     ClientContext,
     ClientLogic,
@@ -67,17 +70,8 @@ from fedskew.algorithm_interface import (
     ServerSetup,
     check_one_of,
 )
-from fedskew.algorithms.fednova import momentum_normaliser, trained_keys
-from fedskew.algorithms.local import (
-    apply_server_lr,
-    get_arrays,
-    set_arrays,
-    train_client,
-    trained_needs,
-    weighted_average,
-)
-from fedskew.errors import UsageError
-from fedskew.protocol import ArraySpec, Channel, Message, arrived
+from fedskew.training.local import get_arrays, set_arrays, train_client, trained_needs
+from fedskew.training.protocol import ArraySpec, Channel, Message, arrived
 
 C_PREFIX = "c/"  # the server's control variate in the "train" message
 DC_PREFIX = "dc/"  # the client's delta c_k in its reply

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedskew.core.errors import DataError, UsageError
+from fedskew.core.rng import numpy_rng
 from fedskew.data.datasets import DATASETS, DIGIT_CLASSES, Dataset, _normalised
-from fedskew.errors import DataError, UsageError
-from fedskew.rng import numpy_rng
 
 SYNTHETIC_FEATURES = 60
 SYNTHETIC_CLASSES = 10

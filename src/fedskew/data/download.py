@@ -23,7 +23,7 @@ import zipfile
 import zlib
 from pathlib import Path
 
-from fedskew.errors import DataError
+from fedskew.core.errors import DataError
 
 log = logging.getLogger("fedskew.data")
 

@@ -1,6 +1,6 @@
 """FederatedData: the dataset's tensors held once, plus one index array per client.
 
-The tensors and the clients' index tensors live on the run's device (``fedskew.building``
+The tensors and the clients' index tensors live on the run's device (``fedskew.assembly.prepare``
 puts them there once); a batch is gathered there, with no copy from host memory per step.
 """
 
@@ -90,7 +90,7 @@ class FederatedData:
 def sample_clients(seed: int, rnd: int, num_clients: int, per_round: int) -> list[int]:
     """The clients of round ``rnd``: a pure function of the seed, so every algorithm
     and every engine sees the same clients."""
-    from fedskew.rng import numpy_rng
+    from fedskew.core.rng import numpy_rng
 
     if per_round >= num_clients:
         return list(range(num_clients))

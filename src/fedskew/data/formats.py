@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from fedskew.core.errors import DataError
 from fedskew.data.download import create_unique
-from fedskew.errors import DataError
 
 log = logging.getLogger("fedskew.data")
 

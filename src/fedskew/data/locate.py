@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fedskew.core.errors import DataError
 from fedskew.data import download as dl
 from fedskew.data.probes import (
     _cifar10_binary,
@@ -27,7 +28,6 @@ from fedskew.data.probes import (
     _Raw,
     _tinyimagenet,
 )
-from fedskew.errors import DataError
 
 # --------------------------------------------------------------------------- where to look
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fedskew.durable import replace_durably
-from fedskew.errors import DataError, FedskewError, UsageError
-from fedskew.rng import numpy_rng
+from fedskew.core.durable import replace_durably
+from fedskew.core.errors import DataError, FedskewError, UsageError
+from fedskew.core.rng import numpy_rng
 
 
 @dataclass(frozen=True)

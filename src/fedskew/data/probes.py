@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
+from fedskew.core.errors import DataError
 from fedskew.data import download as dl
 from fedskew.data import formats as fmt
 from fedskew.data.datasets import CIFAR10_CLASSES
-from fedskew.errors import DataError
 
 log = logging.getLogger("fedskew.data")
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedskew.core.errors import DataError
 from fedskew.data.bundled import (
     DIGITS_SPLIT_SEED,
     DIGITS_TEST_FRACTION,
@@ -59,7 +60,6 @@ from fedskew.data.user_datasets import (
     load_user_dataset,
     register_dataset,
 )
-from fedskew.errors import DataError
 
 __all__ = [
     "CIFAR10_CLASSES",

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from fedskew.core.errors import DataError, UsageError
+from fedskew.core.references import entry_points, import_reference, is_reference, load_entry_point
 from fedskew.data.datasets import DATASETS, Dataset
-from fedskew.errors import DataError, UsageError
-from fedskew.references import entry_points, import_reference, is_reference, load_entry_point
 
 _REGISTERED_LOADERS: dict[str, Callable[..., Dataset]] = {}
 

@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from fedskew.config import config_hash
+from fedskew.core.errors import FedskewError, UsageError
+from fedskew.core.locks import Busy, lock, unlock
 from fedskew.data.sources import load_dataset
-from fedskew.errors import FedskewError, UsageError
 from fedskew.grid.plan import Grid, PlannedRun
-from fedskew.locks import Busy, lock, unlock
 from fedskew.report.runs import INCOMPLETE
-from fedskew.runfolder import running_elsewhere, saved_config
-from fedskew.tracking import prepare as prepare_tracking
+from fedskew.runs.folder import running_elsewhere, saved_config
+from fedskew.runs.tracking import prepare as prepare_tracking
 
 # One lock file per planned run that a compare is starting or training (see run_one).
 SLOTS = ".compare-locks"
@@ -302,7 +302,7 @@ def run_grid(
             took = f" in {o.seconds:.0f} s" if o.seconds else ""
             detail = f": {o.detail}" if o.detail else ""
             print_line(f"[{n}/{len(runs)}] {o.run.label}: {o.status}{took}{detail}")
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (fedskew.cli turns it into one)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (fedskew.apps.cli turns it into one)
         children.stop()
         pool.shutdown(wait=True, cancel_futures=True)
         raise KeyboardInterrupt(

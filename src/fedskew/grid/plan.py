@@ -13,15 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from fedskew.algorithms import get_algorithm
-from fedskew.building import check_names
+from fedskew.assembly.prepare import check_names
 from fedskew.config import (
     TABLES,
     ExperimentConfig,
     build_config,
     normalise_keys,
 )
-from fedskew.errors import UsageError
-from fedskew.grid_executors import EXECUTOR_KEYS
+from fedskew.core.errors import UsageError
+from fedskew.grid.executors import EXECUTOR_KEYS
 from fedskew.report.tables import Options
 
 SECTIONS = ("compare", "experiment", "methods", "settings", "axes")
@@ -53,7 +53,7 @@ class Grid:
     jobs: int = 1
     threads: int | None = None
     source: str = ""  # the compare file, if any
-    executor: dict[str, Any] = field(default_factory=dict)  # fedskew.grid_executors checks it
+    executor: dict[str, Any] = field(default_factory=dict)  # fedskew.grid.executors checks it
 
 
 @dataclass

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 
-from fedskew.errors import FedskewError
+from fedskew.core.durable import read_jsonl
+from fedskew.core.errors import FedskewError
+from fedskew.core.locks import holder
 from fedskew.grid.launch import log_of, slot_of
 from fedskew.grid.plan import Grid, PlannedRun
-from fedskew.locks import holder
 from fedskew.report.runs import INCOMPLETE, estimated_seconds, find_runs
-from fedskew.runfolder import read_jsonl, running_elsewhere
+from fedskew.runs.folder import running_elsewhere
 
 
 def status_lines(grid: Grid, runs: list[PlannedRun]) -> list[str]:

@@ -8,10 +8,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from fedskew.checkpoint import read_checkpoint
-from fedskew.durable import remove_stale_temps, write_bytes_durably
+from fedskew.core.durable import remove_stale_temps, write_bytes_durably
 from fedskew.grid.plan import Grid, PlannedRun
-from fedskew.protocol import largest_state
 from fedskew.report.document import Block, Heading, Para, write_report
 from fedskew.report.runs import MANIFEST, MANIFEST_FORMAT, RunRecord, find_runs
 from fedskew.report.tables import (
@@ -24,6 +22,8 @@ from fedskew.report.tables import (
     provenance_table,
     runs_csv,
 )
+from fedskew.runs.checkpoint import read_checkpoint
+from fedskew.training.protocol import largest_state
 
 
 def manifest(grid: Grid, runs: list[PlannedRun], command: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedskew.precision import autocast
+from fedskew.core.precision import autocast
 
 
 @dataclass
@@ -30,7 +30,7 @@ def evaluate(
 ) -> EvalResult:
     """Accuracy, mean loss and per-class accuracy in one batched pass without autograd.
 
-    The forward pass runs under ``precision`` (see fedskew.precision); the loss, the
+    The forward pass runs under ``precision`` (see fedskew.core.precision); the loss, the
     arg-max and the per-class counts are taken from the logits in fp32. The model and the
     test tensors share a device; the loss (summed in float64) and the counts (integers:
     deterministic on CUDA too) are accumulated there and read back once, after the last

@@ -15,7 +15,7 @@ scikit-learn; the rest is open and chosen here:
   k-means with scikit-learn's defaults (k-means++, ``n_init=10``), seeded from the
   experiment seed; NMI with the arithmetic-mean normalisation (scikit-learn's default).
 * The subsample: :data:`FEATURE_SAMPLE` test samples drawn once from the experiment seed
-  (``fedskew.rng``, purpose ``"feature-sample"``), the same every round and for every
+  (``fedskew.core.rng``, purpose ``"feature-sample"``), the same every round and for every
   method of that seed, so curves and methods are compared on the same points; a smaller
   test set is used whole. Why 2,000 (``benchmarks/results/feature_metrics_cost.md``,
   CIFAR-10, FedAvg's CNN after 3 rounds, 10 subsamples per size): the spread from
@@ -42,7 +42,7 @@ Choices:
 * The error is the 0-1 error (FedACD's risk is a misclassification probability), not the
   cross-entropy.
 * The local models are the models the round's clients uploaded after local training (the
-  run loop reads them from the replies; see ``fedskew.experiment``).
+  run loop reads them from the replies; see ``fedskew.runs.loop``).
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedskew.core.precision import autocast
+from fedskew.core.rng import derive_seed, numpy_rng
 from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
-from fedskew.precision import autocast
-from fedskew.rng import derive_seed, numpy_rng
 
 FEATURE_SAMPLE = 2000  # test samples whose features are scored (see the module docstring)
 SAMPLE_PURPOSE = "feature-sample"

@@ -6,11 +6,11 @@ import inspect
 import operator
 from typing import Any
 
-from fedskew.errors import UsageError
+from fedskew.core.errors import UsageError
+from fedskew.core.references import entry_points, import_reference, is_reference, load_entry_point
 from fedskew.models.base import BodyHeadModel, ModelInfo
 from fedskew.models.cnn import build_cnn_cifar, build_fedavg_cnn, build_mlp, build_simple_cnn
 from fedskew.models.resnet import build_resnet18
-from fedskew.references import entry_points, import_reference, is_reference, load_entry_point
 
 __all__ = [
     "MODELS",

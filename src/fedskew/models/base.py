@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedskew.errors import UsageError
+from fedskew.core.errors import UsageError
 
 
 class BodyHeadModel(nn.Module):

@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 from torch import nn
 
-from fedskew.errors import UsageError
+from fedskew.core.errors import UsageError
 from fedskew.models.base import (
     BodyHeadModel,
     conv_out,

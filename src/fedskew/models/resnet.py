@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fedskew.errors import UsageError
+from fedskew.core.errors import UsageError
 from fedskew.models.base import (
     BodyHeadModel,
     image_shape,

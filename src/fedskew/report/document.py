@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedskew.durable import write_bytes_durably
+from fedskew.core.durable import write_bytes_durably
 
 
 @dataclass

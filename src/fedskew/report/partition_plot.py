@@ -9,7 +9,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from fedskew.errors import FedskewError
+from fedskew.core.errors import FedskewError
 
 # Above these sizes per-cell labels and per-client ticks become unreadable clutter.
 _MAX_ANNOTATED_CELLS = 200

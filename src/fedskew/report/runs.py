@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedskew.core.durable import read_jsonl
+from fedskew.core.errors import FedskewError
 from fedskew.data.partition import load_partition, partition_digest
-from fedskew.errors import FedskewError
-from fedskew.runfolder import read_jsonl
 
 NOT_RECORDED = "not recorded"
 INCOMPLETE = ".incomplete"
@@ -50,7 +50,7 @@ class RunRecord:
     partition_digest: str | None = None  # of the clients' sample indices, None when unknown
     images: list[Path] = field(default_factory=list)  # t-SNE pictures the run wrote
     # Largest client state at the end (bytes), from the last checkpoint or else the summary;
-    # filled in by whoever may read checkpoints (fedskew.compare), None when neither has it.
+    # filled in by whoever may read checkpoints (fedskew.apps.compare), None when neither has it.
     client_state_bytes: int | None = None
     client_state_clients: int | None = None
 

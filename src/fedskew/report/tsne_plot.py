@@ -11,8 +11,8 @@ from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from fedskew.durable import write_bytes_durably
-from fedskew.errors import FedskewError
+from fedskew.core.durable import write_bytes_durably
+from fedskew.core.errors import FedskewError
 
 _MAX_LEGEND = 20  # more classes than this get a colour bar instead of a legend
 

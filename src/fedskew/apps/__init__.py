@@ -1,0 +1,2 @@
+"""What users start: the Python API, the command line (``fedskew``), ``fedskew compare``
+and ``fedskew report``, and the Flower app."""

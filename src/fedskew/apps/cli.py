@@ -1,0 +1,442 @@
+"""The ``fedskew`` command line: run, list, partition."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from fedskew.apps.options import add_experiment_options, add_run_options, cli_values, raw_cli_values
+from fedskew.core.errors import FedskewError, Terminated, UsageError
+
+
+def load_config(args: argparse.Namespace):
+    from fedskew.config import build_config, read_config_file
+
+    file_values = read_config_file(args.config) if args.config is not None else {}
+    if getattr(args, "participation", None) is not None:
+        file_values.pop("clients_per_round", None)
+    if getattr(args, "clients_per_round", None) is not None:
+        file_values.pop("participation", None)
+    return build_config(file_values, cli_values(args))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fedskew.core.progress import RoundProgress
+    from fedskew.runs.loop import run
+
+    resume = None
+    if args.resume is not None:  # also --resume "": an error, never a new run
+        cfg, resume = resume_config(args)
+        if cfg.engine == "flower":
+            raise UsageError(
+                "this run was deployed on a Flower federation: continue it there with "
+                f"flwr run flower <connection> --run-config 'resume=\"{resume}\"'"
+            )
+    else:
+        cfg = load_config(args)
+    progress = RoundProgress(cfg.rounds, f"{cfg.algorithm} on {cfg.dataset}", disable=cfg.quiet)
+    try:
+        if cfg.engine == "flower-sim":
+            run_flower = flower_simulation()
+            folder, summary = run_flower(
+                cfg, on_round=progress.update, on_start=progress.start, resume=resume
+            )
+        else:
+            folder, summary = run(
+                cfg, on_round=progress.update, resume=resume, on_start=progress.start
+            )
+    finally:
+        progress.close()
+    if not cfg.quiet:
+        print(format_summary(summary, folder))
+    return 0
+
+
+def flower_simulation():
+    """The Flower simulation entry point, or a one-line error when Flower is missing."""
+    try:
+        from fedskew.apps.flower import run_simulation
+    except ImportError as exc:
+        raise UsageError(
+            f"--engine flower-sim needs Flower: pip install 'fedskew[flower]' ({exc})"
+        ) from None
+    return run_simulation
+
+
+def resume_config(args: argparse.Namespace):
+    """The configuration saved in an unfinished run folder, with only the execution options
+    of RESUME_MAY_CHANGE taken from the command line."""
+    from fedskew.config import RESUME_MAY_CHANGE
+    from fedskew.runs.folder import RunFolder, saved_config
+
+    given = sorted(k for k, v in raw_cli_values(args).items() if v is not None)
+    refused = [k for k in given if k not in RESUME_MAY_CHANGE]
+    if refused or args.config is not None:
+        names = ", ".join(refused) or "config"
+        raise UsageError(f"--resume takes its configuration from the run folder; drop: {names}")
+    values = {k: v for k, v in cli_values(args).items() if v is not None}
+    folder = RunFolder.reopen(Path(args.resume))
+    return saved_config(folder.path, values, "--resume"), folder.path
+
+
+def format_summary(summary: dict[str, Any], folder: Path) -> str:
+    def pct(v: float | None) -> str:
+        return "n/a" if v is None else f"{100 * v:.2f} %"
+
+    mb = 1024 * 1024
+    return "\n".join(
+        [
+            f"{summary['algorithm']} on {summary['dataset']} ({summary['model']}), "
+            f"{summary['partition']} partition, {summary['num_clients']} clients, "
+            f"{summary['clients_per_round']} per round, {summary['rounds']} rounds, "
+            f"seed {summary['seed']}",
+            f"  final accuracy {pct(summary['final_accuracy'])}"
+            f"   best {pct(summary['best_accuracy'])}"
+            f"   on clients' label distributions {pct(summary['final_client_dist_accuracy'])}",
+            f"  traffic {summary['total_bytes_down'] / mb:.2f} MiB down, "
+            f"{summary['total_bytes_up'] / mb:.2f} MiB up;  training "
+            f"{summary['train_seconds']:.1f} s ({summary['train_samples_per_second']} samples/s);"
+            f"  evaluation {summary['eval_seconds']:.1f} s",
+            f"  run folder: {folder}",
+        ]
+    )
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from fedskew.algorithms import ALGORITHMS
+    from fedskew.data.datasets import DATASETS
+    from fedskew.data.partition import PARTITIONS
+    from fedskew.models import MODELS
+
+    sections = [
+        ("algorithms", {n: a.description for n, a in ALGORITHMS.items()}),
+        ("datasets", {n: d.description for n, d in DATASETS.items()}),
+        ("models", {n: m.description for n, m in MODELS.items()}),
+        (
+            "partitions",
+            {
+                n: p.description
+                + (
+                    " [" + ", ".join(f"{k}={v}" for k, v in p.params.items()) + "]"
+                    if p.params
+                    else ""
+                )
+                for n, p in PARTITIONS.items()
+            },
+        ),
+    ]
+    names = [s for s, _ in sections]
+    unknown = [w for w in args.what if w not in names]
+    if unknown:
+        raise UsageError(f"nothing to list called '{unknown[0]}'; choose from: {', '.join(names)}")
+    wanted = args.what or names
+    for title, items in sections:
+        if title not in wanted:
+            continue
+        print(f"{title}:")
+        width = max(len(n) for n in items)
+        for name in sorted(items):
+            print(f"  {name.ljust(width)}  {items[name]}")
+    return 0
+
+
+def cmd_partition(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from fedskew.assembly.prepare import build_partition, check_names, load_experiment_data
+    from fedskew.data.partition import partition_stats, save_partition
+
+    cfg = load_config(args)
+    check_names(cfg)
+    if args.plot is not None:  # also "": an error, never silently no plot
+        _check_output_file(args.plot)
+    if args.save is not None:
+        _check_output_file(args.save)
+    dataset = load_experiment_data(cfg)
+    partition = build_partition(cfg, dataset)
+    counts = partition_stats(partition, dataset.y_train.numpy(), dataset.num_classes)
+    sizes = counts.sum(axis=1)
+    classes_held = (counts > 0).sum(axis=1)
+    print(
+        f"{cfg.partition} partition of {cfg.dataset} ({len(dataset.y_train)} training samples, "
+        f"{dataset.num_classes} classes) into {len(partition)} clients, seed {cfg.seed}"
+    )
+    print(
+        f"  samples per client: min {sizes.min()}, median {int(np.median(sizes))}, "
+        f"max {sizes.max()};  classes per client: mean {classes_held.mean():.2f}, "
+        f"min {classes_held.min()}, max {classes_held.max()}"
+    )
+    if len(partition) <= 30 and dataset.num_classes <= 20:
+        header = "client " + " ".join(f"{c:>5}" for c in range(dataset.num_classes)) + "  total"
+        print(header)
+        for k, row in enumerate(counts):
+            print(f"{k:>6} " + " ".join(f"{v:>5}" for v in row) + f"  {row.sum():>5}")
+    if args.plot is not None:
+        from fedskew.report.partition_plot import plot_partition
+
+        title = f"{cfg.dataset}: {cfg.partition} {cfg.partition_params or ''}, seed {cfg.seed}"
+        plot_partition(counts, Path(args.plot), title=title, class_names=dataset.class_names)
+        print(f"  plot written to {args.plot}")
+    if args.save is not None:
+        save_partition(
+            Path(args.save), partition, {"scheme": cfg.partition, **cfg.partition_params}
+        )
+        print(f"  partition written to {args.save}")
+    return 0
+
+
+def _check_output_file(text: str) -> None:
+    if not text or "\0" in text:
+        raise UsageError(f"cannot write {text!r}: not a file name")
+    path = Path(text)
+    if path.is_dir():
+        raise UsageError(f"cannot write {path}: it is a folder")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise FedskewError(f"cannot write {path}: folder {parent} does not exist")
+
+
+def add_compare_options(p: argparse.ArgumentParser) -> None:
+    """``fedskew compare``: the experiment and run options (they set the base experiment),
+    then the grid's own."""
+    add_experiment_options(p)
+    add_run_options(p)
+    for action in p._actions:
+        if action.dest == "config":
+            action.help = (
+                "compare file (tables [compare], [experiment], [methods.NAME], [settings.NAME], "
+                "[axes]) or a `fedskew run` config file as the base experiment"
+            )
+        elif action.dest == "out_dir":
+            action.help = "the grid folder (default: [compare] out_dir, or runs/<file name>)"
+    g = p.add_argument_group("grid")
+    g.add_argument(
+        "--methods",
+        nargs="+",
+        metavar="NAME",
+        help="methods to run: algorithm names with their defaults, or a subset of the file's",
+    )
+    g.add_argument("--seeds", nargs="+", type=int, metavar="S", help="seeds (default 0)")
+    g.add_argument("--reference", help="method for the paired differences (default fedavg)")
+    g.add_argument("--last", type=int, help="evaluated rounds averaged (default 10)")
+    g.add_argument("--target", type=float, help="accuracy in percent: rounds to reach it")
+    g.add_argument("--jobs", type=int, help="runs at once, each its own process (default 1)")
+    g.add_argument(
+        "--threads", type=int, help="torch threads per run (default cores / jobs; jobs x threads "
+        "<= cores)"
+    )  # fmt: skip
+    g.add_argument("--only", nargs="+", metavar="RUN", help="run only these runs (e.g. fedprox-s1)")
+    g.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: rebuild the tables from the grid folder's runs",
+    )
+    g.add_argument(
+        "--status",
+        action="store_true",
+        help="run and write nothing: where each run stands, who trains it, CPU time left",
+    )
+    from fedskew.grid.executors.options import add_executor_options
+
+    add_executor_options(p)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from fedskew.apps import compare
+    from fedskew.grid.executors import dispatch
+    from fedskew.grid.executors.options import executor_overrides
+
+    if args.resume or args.name:
+        raise UsageError("compare names and resumes its runs itself; drop --resume and --name")
+    command = compare.command_line(getattr(args, "argv", []))
+    overrides = {
+        "seeds": args.seeds, "reference": args.reference, "last": args.last,
+        "target": args.target, "jobs": args.jobs, "threads": args.threads,
+        "out_dir": args.out_dir, **executor_overrides(args),
+    }  # fmt: skip
+    failed = 0
+    if args.status and args.report_only:
+        raise UsageError("--status and --report-only: pick one")
+    if args.status and not args.config and not args.methods:
+        raise UsageError("--status needs the grid: -c FILE (or --methods)")
+    if args.report_only and not args.config and not args.methods:
+        # The grid folder says what it holds (compare.json), or its run folders do.
+        root = Path(args.out_dir or "runs/compare")
+        options = compare.options_from_manifest(root, compare.Options())
+        for key in ("reference", "last", "target"):
+            if overrides[key] is not None:
+                setattr(options, key, overrides[key])
+    else:
+        raw = compare.read_file(args.config) if args.config else {}
+        base = {
+            k: v
+            for k, v in cli_values(args).items()
+            if v is not None and k not in ("out_dir", "quiet", "name")
+        }
+        grid = compare.grid_from(raw, args.config or "", base, args.methods, overrides)
+        planned = runs = compare.plan(grid)
+        if args.only:
+            by_label = {r.label: r for r in planned}
+            unknown = [x for x in args.only if x not in by_label]
+            if unknown:
+                raise UsageError(
+                    f"not a run of this grid: {unknown[0]} (runs: {', '.join(by_label)})"
+                )
+            runs = [by_label[x] for x in args.only]
+        root, options = grid.out_dir, grid.options
+        if args.status:
+            print("\n".join(compare.status_lines(grid, runs)))
+            return 0
+        if not args.report_only:  # checked before anything is written
+            executor = dispatch.executor_settings(grid, args.dry_run)
+        root.mkdir(parents=True, exist_ok=True)
+        compare.write_manifest(root, compare.manifest(grid, planned, command))
+        if not args.report_only:
+            print(
+                f"{len(runs)} runs in {root} ({len(grid.settings)} setting(s) x "
+                f"{len(grid.methods)} method(s) x {len(grid.seeds)} seed(s)), "
+                f"{dispatch.describe(grid, executor)}"
+            )
+            outcomes = dispatch.execute(grid, planned, runs, executor, args.dry_run)
+            if outcomes is None:  # submitted to Slurm: its last job writes the tables
+                return 0
+            failed = sum(o.status == "failed" for o in outcomes)
+    md = compare.write_tables(root, compare.collect(root), options, command)
+    print(f"tables: {md}, {root / 'comparison.csv'}, {root / 'runs.csv'}")
+    print(f"full report (curves, partition, provenance): fedskew report {root}")
+    return 1 if failed else 0
+
+
+def cmd_grid_task(args: argparse.Namespace) -> int:
+    from fedskew.grid.executors.slurm_array import run_array_task
+
+    return run_array_task(Path(args.runs), args.index)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from fedskew.apps.reporting import make_report
+
+    md, page = make_report(Path(args.folder), Path(args.out) if args.out else None)
+    print(f"report: {md} and {page} (self-contained)")
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedskew",
+        description="Federated learning under label and quantity skew.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p_run = sub.add_parser("run", help="run a federated experiment (default: FedAvg on digits)")
+    add_experiment_options(p_run)
+    add_run_options(p_run)
+    p_run.set_defaults(func=cmd_run)
+
+    p_list = sub.add_parser("list", help="list algorithms, datasets, models and partitions")
+    p_list.add_argument(
+        "what", nargs="*", help="sections to show: algorithms, datasets, models, partitions"
+    )
+    p_list.set_defaults(func=cmd_list)
+
+    p_part = sub.add_parser("partition", help="make and show a partition without training")
+    add_experiment_options(p_part)
+    p_part.add_argument("--plot", help="write a PNG: class counts per client and client sizes")
+    p_part.add_argument("--save", help="write the partition as .npz")
+    p_part.set_defaults(func=cmd_partition)
+
+    p_cmp = sub.add_parser(
+        "compare", help="run methods x settings x seeds; tables in the papers' form"
+    )
+    add_compare_options(p_cmp)
+    p_cmp.set_defaults(func=cmd_compare)
+
+    p_task = sub.add_parser(
+        "grid-task", help="run one run of a compare grid's runs list (a Slurm array task's job)"
+    )
+    p_task.add_argument("runs", help="the grid's slurm/runs.json, as compare --executor slurm "
+                        "writes it")  # fmt: skip
+    p_task.add_argument(
+        "--index", type=int, help="which run (default: $SLURM_ARRAY_TASK_ID)"
+    )  # fmt: skip
+    p_task.set_defaults(func=cmd_grid_task)
+
+    p_rep = sub.add_parser(
+        "report", help="Markdown and HTML report of a run or a grid folder, from its files"
+    )
+    p_rep.add_argument("folder", help="a run folder, or a folder of runs (fedskew compare's)")
+    p_rep.add_argument("-o", "--out", help="where report.md/.html go (default: the folder)")
+    p_rep.set_defaults(func=cmd_report)
+    return parser
+
+
+def one_line(message: str) -> str:
+    """An error message as one printable line: the names, values and paths it quotes come
+    from the user and may hold newlines or other control characters (escaped here)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+
+
+def _terminate_as_interrupt(signum: int, frame: object) -> None:
+    """SIGTERM (``kill``, a batch system's time limit, a container stopping) ends a command
+    the way Ctrl-C does: a run keeps its finished rounds, frees its folder and says how to
+    resume; ``fedskew compare`` passes it on to the runs it started. A second SIGTERM
+    kills at once, for a process stuck in its clean-up (compare, while it stops its runs,
+    takes it as the word to kill them: ``compare.Children.stop``)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise Terminated
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Python delivers signals to the main thread only; a caller's own handler comes back
+    # afterwards (tests and notebooks call main in-process).
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args))
+    except UsageError as exc:
+        print(f"fedskew: error: {one_line(str(exc))}", file=sys.stderr)
+        return exc.exit_code
+    except FedskewError as exc:
+        print(f"fedskew: error: {one_line(str(exc))}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt as exc:
+        # A run that has a folder says which one to resume (fedskew.runs.loop.RunInterrupted).
+        text = one_line(str(exc))
+        print(f"fedskew: {text}" if text else "fedskew: interrupted", file=sys.stderr)
+        by_sigterm = isinstance(exc, Terminated) or isinstance(exc.__context__, Terminated)
+        return 128 + signal.SIGTERM if by_sigterm else 130
+    except BrokenPipeError:
+        # The reader (e.g. `| head`) went away: stop quietly, as command-line tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+    except OSError as exc:
+        # The file system refused a path or a write (name too long, no permission, disk
+        # full, ...) wherever it happened: one line naming the file. A run folder stays
+        # resumable, as after a kill.
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"fedskew: error: {one_line(where + (exc.strerror or str(exc)))}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

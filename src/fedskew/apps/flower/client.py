@@ -1,0 +1,71 @@
+"""The ClientApp: each message goes to the algorithm's client handler through the node's
+client runtime, with the client's state kept in the node's ``context.state``."""
+
+from __future__ import annotations
+
+from flwr.app import ConfigRecord, Context
+from flwr.app import Message as FlowerMessage
+from flwr.clientapp import ClientApp
+
+from fedskew.core.errors import FedskewError, UsageError
+from fedskew.engines.client_runtime import ClientRuntime, runtime_from_config_json
+from fedskew.engines.flower_codec import (
+    CONFIG_RECORD,
+    SETUP,
+    clear_state,
+    decode,
+    encode,
+    load_state,
+    store_state,
+)
+from fedskew.training.protocol import Message
+
+_RUNTIMES: dict[str, ClientRuntime] = {}  # config JSON -> runtime; one process, many nodes
+
+
+def _runtime(config_json: str, data_dir: str | None) -> ClientRuntime:
+    """What a node builds once per experiment: data, partition, scratch model, logic."""
+    key = f"{config_json}\n{data_dir}"
+    runtime = _RUNTIMES.get(key)
+    if runtime is None:
+        _RUNTIMES.clear()  # a node serves one experiment at a time
+        # The node runs the client side itself, on its own device and copy of the data.
+        node = {"engine": "inprocess", **({"data_dir": data_dir} if data_dir else {})}
+        runtime = runtime_from_config_json(config_json, "setup message", node)
+        _RUNTIMES[key] = runtime
+    return runtime
+
+
+def _partition_id(context: Context) -> int:
+    value = context.node_config.get("partition-id")
+    if value is None:
+        raise UsageError("this SuperNode has no 'partition-id' in its node config")
+    return int(value)
+
+
+client_app = ClientApp()
+
+
+@client_app.train()
+def _client_main(message: FlowerMessage, context: Context) -> FlowerMessage:
+    msg, envelope = decode(message.content)
+    pid = _partition_id(context)
+    data_dir = context.node_config.get("data-dir")
+    data_dir = str(data_dir) if data_dir else None
+    if msg.kind == SETUP:
+        # A new experiment: state left by an earlier one on this node must not leak in.
+        clear_state(context.state)
+        context.state[CONFIG_RECORD] = ConfigRecord({"json": msg.strings["config"]})
+        _runtime(msg.strings["config"], data_dir)  # load data now, not in round 1
+        reply = Message("ready", scalars={"partition_id": float(pid)})
+        return FlowerMessage(encode(reply, {}), reply_to=message)
+    if CONFIG_RECORD not in context.state:
+        raise FedskewError("message before the setup message")
+    runtime = _runtime(str(context.state.config_records[CONFIG_RECORD]["json"]), data_dir)
+    cid = int(envelope["client_id"])
+    if cid != pid:
+        raise FedskewError(f"message for client {cid} reached the node of partition {pid}")
+    state = load_state(context.state)
+    reply = runtime.handle(cid, int(envelope["round"]), msg, state)
+    store_state(state, context.state)
+    return FlowerMessage(encode(reply, {}), reply_to=message)

@@ -1,0 +1,217 @@
+"""The ServerApp: wait for the nodes, send each the experiment (the setup handshake), then
+run the round loop with a Flower engine."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import Context
+from flwr.app import Message as FlowerMessage
+from flwr.serverapp import Grid, ServerApp
+
+from fedskew.apps.flower.run_config import (
+    NODE_WAIT_SECONDS,
+    SERVER_KEYS,
+    SETUP_TIMEOUT_SECONDS,
+    config_from_run_config,
+    output_root,
+    resumed_config,
+    server_options,
+)
+from fedskew.assembly.prepare import Prepared
+from fedskew.config import ExperimentConfig
+from fedskew.core.errors import FedskewError, UsageError
+from fedskew.engines.flower_codec import SETUP, decode, encode
+from fedskew.engines.flower_engine import MESSAGE_TYPE, FlowerEngine
+from fedskew.runs.loop import run
+from fedskew.training.interface import ClientLogic
+from fedskew.training.protocol import Message
+
+log = logging.getLogger("fedskew")
+PROGRESS_SECONDS = 30.0  # a slow setup or node wait says where it stands this often
+POLL_SECONDS = 0.5
+
+
+def machine_load() -> float:
+    """Runnable processes per core over the last minute (1.0 where unknown or lower)."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return 1.0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1.0, load / (cores or 1))
+
+
+def setup_limit(timeout: float | None) -> float:
+    """Seconds the setup may go without an answer: ``timeout``, or SETUP_TIMEOUT_SECONDS
+    times the load per core (a machine busy twice over its cores gets twice as long)."""
+    return timeout if timeout is not None else SETUP_TIMEOUT_SECONDS * machine_load()
+
+
+def ranges(numbers: Iterable[int]) -> str:
+    """'0, 2-4, 7' for [0, 2, 3, 4, 7]."""
+    parts: list[list[int]] = []
+    for n in sorted(numbers):
+        if parts and parts[-1][1] == n - 1:
+            parts[-1][1] = n
+        else:
+            parts.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
+
+
+def wait_for_nodes(grid: Grid, wanted: int, timeout: float = NODE_WAIT_SECONDS) -> list[int]:
+    """Node ids once ``wanted`` nodes are connected, or those there are after ``timeout``."""
+    start = time.monotonic()
+    next_report = start + PROGRESS_SECONDS
+    nodes = list(grid.get_node_ids())
+    while len(nodes) < wanted and time.monotonic() - start < timeout:
+        if time.monotonic() >= next_report:
+            next_report += PROGRESS_SECONDS
+            log.warning(
+                "Flower: %d of %d nodes connected after %.0f s (waiting up to %.0f s: node-wait)",
+                len(nodes), wanted, time.monotonic() - start, timeout,
+            )  # fmt: skip
+        time.sleep(POLL_SECONDS)
+        nodes = list(grid.get_node_ids())
+    return nodes
+
+
+def handshake(
+    grid: Grid, nodes: list[int], cfg: ExperimentConfig, timeout: float | None = None
+) -> dict[int, int]:
+    """Send the configuration to every node; return {client id: node id}.
+
+    Waits as long as the nodes keep answering: it gives up only after ``setup_limit(timeout)``
+    seconds without any answer, so the wait grows with the number of nodes and the machine's
+    load. A slow setup says every PROGRESS_SECONDS which partitions are still starting."""
+    text = json.dumps(cfg.to_dict())
+    messages = [
+        FlowerMessage(
+            encode(Message(SETUP, strings={"config": text}), {"round": -1, "client_id": -1}),
+            node,
+            MESSAGE_TYPE,
+        )
+        for node in nodes
+    ]
+    pending: dict[str, int] = {}  # message id -> node id
+    for msg_id, node in zip(grid.push_messages(messages), nodes, strict=True):
+        if msg_id:
+            pending[str(msg_id)] = node
+        else:
+            log.warning("node %d: the setup message could not be sent", node)
+    node_of: dict[int, int] = {}
+    start = last_answer = time.monotonic()
+    next_report = start + PROGRESS_SECONDS
+    while pending:
+        for reply in grid.pull_messages(list(pending)):
+            node = pending.pop(reply.metadata.reply_to_message_id, None)
+            if node is None:
+                continue
+            last_answer = time.monotonic()
+            cid = _setup_reply(reply, node, cfg, node_of)
+            if cid is not None:
+                node_of[cid] = node
+        now = time.monotonic()
+        limit = setup_limit(timeout)
+        if not pending or now - last_answer > limit:
+            break
+        if now >= next_report:
+            next_report += PROGRESS_SECONDS
+            log.warning(
+                "Flower setup: %d of %d nodes ready after %.0f s; partitions still starting: "
+                "%s (gives up after %.0f s without an answer: setup-timeout)",
+                len(node_of), len(nodes), now - start, _starting(cfg, node_of), limit,
+            )  # fmt: skip
+        time.sleep(POLL_SECONDS)
+    absent = sorted(set(range(cfg.num_clients)) - set(node_of))
+    if len(absent) == cfg.num_clients:
+        raise FedskewError(
+            f"no Flower node answered the setup message within {time.monotonic() - start:.0f} s "
+            f"(partitions {ranges(absent)} still starting; a busy machine may need a longer "
+            "setup-timeout)"
+        )
+    if absent:
+        log.warning("no node holds partitions %s; they count as missing", ranges(absent))
+    return node_of
+
+
+def _starting(cfg: ExperimentConfig, node_of: dict[int, int]) -> str:
+    return ranges(set(range(cfg.num_clients)) - set(node_of)) or "none"
+
+
+def _setup_reply(
+    reply: FlowerMessage, node: int, cfg: ExperimentConfig, node_of: dict[int, int]
+) -> int | None:
+    """The partition id a node answered the setup with (None: it failed the setup)."""
+    if reply.has_error():
+        log.warning("node %d failed the setup: %s", node, reply.error.reason)
+        return None
+    msg, _ = decode(reply.content)
+    cid = int(msg.scalars["partition_id"])
+    if cid in node_of:
+        raise UsageError(f"nodes {node_of[cid]} and {node} both hold partition {cid}")
+    if not 0 <= cid < cfg.num_clients:
+        raise UsageError(f"node {node} holds partition {cid}, outside 0..{cfg.num_clients - 1}")
+    return cid
+
+
+def serve(
+    grid: Grid,
+    cfg: ExperimentConfig,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+    on_start: Callable[[int], None] | None = None,
+    resume: Path | None = None,
+    node_wait: float = NODE_WAIT_SECONDS,
+    setup_timeout: float | None = None,
+) -> tuple[Path, dict[str, Any]]:
+    """Run the experiment through ``grid``: the body of the ServerApp. It waits up to
+    ``node_wait`` seconds for one node per client, then starts with those connected; the
+    setup waits as :func:`handshake` says."""
+    cfg.validate()
+    nodes = wait_for_nodes(grid, cfg.num_clients, node_wait)
+    node_of = handshake(grid, nodes, cfg, setup_timeout)
+    timeout = cfg.reply_timeout or None
+
+    def engine_factory(
+        prep: Prepared, client_logic: ClientLogic, model: torch.nn.Module
+    ) -> FlowerEngine:
+        declared = prep.algorithm.reply_arrays(prep.params, model, prep.dataset.num_classes)
+        return FlowerEngine(grid, node_of, model.state_dict(), timeout=timeout, declared=declared)
+
+    return run(cfg, on_round=on_round, resume=resume, on_start=on_start,
+               engine_factory=engine_factory)  # fmt: skip
+
+
+server_app = ServerApp()
+
+
+@server_app.main()
+def _server_main(grid: Grid, context: Context) -> None:
+    # fedskew's warnings (lost or rejected replies) go where Flower's own log goes.
+    fedskew_log = logging.getLogger("fedskew")
+    if not fedskew_log.handlers:
+        for handler in logging.getLogger("flwr").handlers:
+            fedskew_log.addHandler(handler)
+        fedskew_log.setLevel(logging.INFO)
+    try:
+        root = output_root()
+        run_config = dict(context.run_config)
+        options = server_options(run_config)
+        resume_dir = str(run_config.get("resume", "") or "")
+        experiment = {k: v for k, v in run_config.items() if k not in SERVER_KEYS}
+        if resume_dir:
+            cfg, resume = resumed_config(resume_dir, root)
+        else:
+            cfg, resume = config_from_run_config(experiment, root), None
+        folder, summary = serve(grid, cfg, resume=resume, **options)
+    except FedskewError as exc:
+        log.error("fedskew: %s", exc)  # one line, above Flower's traceback
+        raise
+    log.info("fedskew run finished: %s, final accuracy %s", folder, summary.get("final_accuracy"))

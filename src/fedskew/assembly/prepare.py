@@ -1,0 +1,220 @@
+"""Building an experiment from its configuration: data, partition, model, algorithm.
+
+This layer knows no engine and no run folder. The run loop, every engine's client side
+(worker processes, Flower nodes) and the benchmarks build the same experiment from the same
+configuration here, so that every process holds the same data, partition and model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedskew.algorithms import get_algorithm
+from fedskew.config import ExperimentConfig
+from fedskew.core.device import ExecutionSettings, device_facts, resolve_device
+from fedskew.core.errors import UsageError
+from fedskew.core.rng import derive_seed
+from fedskew.data.datasets import DATASETS, Dataset
+from fedskew.data.federated import FederatedData
+from fedskew.data.partition import (
+    PARTITIONS,
+    check_partition,
+    make_partition,
+    partition_digest,
+    read_partition_file,
+    resolve_partition_params,
+)
+from fedskew.data.sources import load_dataset
+from fedskew.data.user_datasets import default_model_for, find_dataset_loader
+from fedskew.models import build_model, find_model
+from fedskew.training.interface import Algorithm, LocalTrainConfig
+from fedskew.version import __version__
+
+
+@dataclass
+class Prepared:
+    """Everything built before the first round."""
+
+    cfg: ExperimentConfig
+    dataset: Dataset
+    model_name: str
+    partition: list[np.ndarray]
+    fed: FederatedData
+    algorithm: type[Algorithm]
+    params: Any
+    train: LocalTrainConfig
+    channels_last: bool = False
+    # Where clients train and the model is evaluated; ``fed`` and ``test`` live there (the
+    # dataset's own tensors stay in host memory for partitions, metrics and reports).
+    device: torch.device = torch.device("cpu")
+    test: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def x_test(self) -> torch.Tensor:
+        return self.dataset.x_test if self.test is None else self.test[0]
+
+    @property
+    def y_test(self) -> torch.Tensor:
+        return self.dataset.y_test if self.test is None else self.test[1]
+
+
+def resolve_model_name(cfg: ExperimentConfig, dataset: Dataset | None = None) -> str:
+    """The model's name (``auto``: the dataset's default); unknown names fail here."""
+    name = default_model_for(cfg.dataset, dataset) if cfg.model == "auto" else cfg.model
+    find_model(name)
+    return name
+
+
+def check_names(cfg: ExperimentConfig) -> None:
+    """Fail on unknown names before any data is loaded."""
+    get_algorithm(cfg.algorithm)
+    if cfg.dataset not in DATASETS:
+        find_dataset_loader(cfg.dataset)
+    if cfg.partition not in PARTITIONS:
+        raise UsageError(
+            f"unknown partition '{cfg.partition}'; choose from: {', '.join(sorted(PARTITIONS))}"
+        )
+    if cfg.partition_file is None:
+        resolve_partition_params(cfg.partition, dict(cfg.partition_params))
+    if cfg.model != "auto" or cfg.dataset in DATASETS:
+        resolve_model_name(cfg)
+
+
+def build_partition(cfg: ExperimentConfig, dataset: Dataset) -> list[np.ndarray]:
+    if cfg.partition_file is not None:
+        partition = read_partition_file(cfg.partition_file)
+        check_partition(partition, len(dataset.y_train), cfg.partition_file, cfg.partition_overlap)
+        if len(partition) != cfg.num_clients:
+            raise UsageError(
+                f"{cfg.partition_file} has {len(partition)} clients but num-clients is "
+                f"{cfg.num_clients}"
+            )
+        return partition
+    if cfg.partition == "natural":
+        if dataset.natural_partition is None:
+            raise UsageError("partition 'natural' needs a dataset with its own clients (synthetic)")
+        return dataset.natural_partition
+    labels = dataset.y_train.numpy()
+    return make_partition(
+        labels,
+        cfg.num_clients,
+        cfg.partition,
+        seed=cfg.seed,
+        num_classes=dataset.num_classes,
+        **cfg.partition_params,
+    )
+
+
+def load_experiment_data(cfg: ExperimentConfig) -> Dataset:
+    return load_dataset(
+        cfg.dataset,
+        cfg.data_dir,
+        download=cfg.download,
+        num_clients=cfg.num_clients,
+        seed=cfg.seed,
+        synthetic_alpha=cfg.synthetic_alpha,
+        synthetic_beta=cfg.synthetic_beta,
+    )
+
+
+def execution_settings(cfg: ExperimentConfig) -> ExecutionSettings:
+    """The process-wide switches of ``cfg`` (TF32, deterministic algorithms)."""
+    return ExecutionSettings(tf32=cfg.tf32, deterministic=cfg.deterministic)
+
+
+def prepare(cfg: ExperimentConfig) -> Prepared:
+    """Data, partition, algorithm and training settings of ``cfg``; the training and test
+    tensors are put on the run's device once (a no-op on the CPU)."""
+    check_names(cfg)
+    device = resolve_device(cfg.device)
+    algorithm = get_algorithm(cfg.algorithm, feature_matching=cfg.feature_matching)
+    params = algorithm.make_params(cfg.params)
+    dataset = load_experiment_data(cfg)
+    partition = build_partition(cfg, dataset)
+    empty = [k for k, p in enumerate(partition) if len(p) == 0]
+    if empty:
+        raise UsageError(
+            f"partition '{cfg.partition}' left {len(empty)} client(s) without data "
+            f"(first: client {empty[0]}); use fewer clients or another partition"
+        )
+    train = LocalTrainConfig(
+        epochs=cfg.local_epochs,
+        batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+        augment=cfg.augment,
+        grad_clip=cfg.grad_clip,
+        precision=cfg.precision,
+    )
+    model_name = resolve_model_name(cfg, dataset)
+    channels_last = use_channels_last(cfg, dataset, model_name)
+    if channels_last:
+        dataset.x_train = dataset.x_train.contiguous(memory_format=torch.channels_last)
+        dataset.x_test = dataset.x_test.contiguous(memory_format=torch.channels_last)
+    fed = FederatedData(
+        dataset.x_train.to(device),
+        dataset.y_train.to(device),
+        partition,
+        dataset.num_classes,
+    )
+    test = (dataset.x_test.to(device), dataset.y_test.to(device))
+    return Prepared(
+        cfg, dataset, model_name, partition, fed, algorithm, params, train, channels_last,
+        device, test,
+    )  # fmt: skip
+
+
+def new_model(prep: Prepared) -> torch.nn.Module:
+    """The initial model, seeded from the experiment seed without touching global RNG state."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(prep.cfg.seed, -1, -1, "model-init"))
+        model = build_model(
+            prep.model_name,
+            prep.dataset.input_shape,
+            prep.dataset.num_classes,
+            **prep.cfg.model_options,
+        )
+        model = prep.algorithm.adapt_model(prep.params, model)
+    if prep.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    # Initialised on the CPU from the seed above, then moved: the same initial weights on
+    # every device.
+    return model.to(prep.device)
+
+
+def use_channels_last(cfg: ExperimentConfig, dataset: Dataset, model_name: str) -> bool:
+    """channels_last is faster for convolutions on CPU (measured in benchmarks/), and the
+    same for everything else, so 'auto' turns it on for models with convolutions."""
+    if cfg.memory_format != "auto":
+        return cfg.memory_format == "channels_last" and len(dataset.input_shape) == 3
+    if len(dataset.input_shape) != 3:
+        return False
+    probe = build_model(model_name, dataset.input_shape, dataset.num_classes, **cfg.model_options)
+    return any(isinstance(m, torch.nn.Conv2d) for m in probe.modules())
+
+
+def resolved_facts(prep: Prepared, per_round: int) -> dict[str, Any]:
+    return {
+        "model": prep.model_name,
+        "clients_per_round": per_round,
+        "num_clients": len(prep.partition),
+        # partition.npz stays out of shared results (it is large); its digest in config.json
+        # lets a report check that compared runs had the same clients without it.
+        "partition_digest": partition_digest(prep.partition),
+        "algorithm": prep.algorithm.name,
+        "algorithm_params": vars(prep.params),
+        "dataset_source": prep.dataset.source,
+        "num_classes": prep.dataset.num_classes,
+        "train_samples": int(len(prep.dataset.y_train)),
+        "test_samples": int(len(prep.dataset.y_test)),
+        "fedskew_version": __version__,
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "channels_last": prep.channels_last,
+        **device_facts(prep.device),
+    }

@@ -1,0 +1,187 @@
+"""The client side every engine runs: answer one message for one client.
+
+A :class:`ClientRuntime` is what a process needs to answer messages for any client: the
+federated data, one scratch model, the algorithm's client logic, the local-training
+settings, the seed and the test set. The in-process engine holds one; a worker process and
+a Flower node each build one from the experiment configuration (``fedskew.assembly.prepare``).
+
+The runtime is also the device boundary. Messages and client states are device-free (host
+tensors, as the wire, Flower's records and checkpoints need); the data and the scratch model
+live on the run's device. So on a GPU the arrays of an incoming message and the client's
+state go to the device before the handler runs, and the reply's arrays and the state come
+back to host memory after it: between messages a client's state takes no GPU memory, however
+many clients there are. On the CPU nothing is moved or copied.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any, Self
+
+import torch
+
+from fedskew.assembly.prepare import Prepared, execution_settings, new_model, prepare
+from fedskew.config import build_config, normalise_keys
+from fedskew.core.device import apply_settings, to_cpu, to_device
+from fedskew.data.federated import FederatedData
+from fedskew.engines.together import model_obstacle, plain_handler, resolve_mode, train_together
+from fedskew.training.interface import ClientContext, ClientLogic, LocalTrainConfig
+from fedskew.training.local import PlainTraining, set_arrays
+from fedskew.training.protocol import ClientState, Message
+
+log = logging.getLogger("fedskew")
+
+
+def runtime_from_config_json(
+    config_json: str, who: str, local: Mapping[str, Any] | None = None
+) -> ClientRuntime:
+    """The client runtime of a run, from its configuration as JSON (``ExperimentConfig.to_dict``,
+    as a run folder's config.json and the messages to workers and Flower nodes carry it):
+    what a worker process or a Flower node builds once per run. ``local`` overrides what is
+    the process's own (a node's data folder); ``who`` names the source in errors. The run's
+    device and TF32/determinism switches are applied for the process's lifetime, before any
+    CUDA work."""
+    raw = {**json.loads(config_json), **(local or {})}
+    cfg = build_config(normalise_keys(raw, who), {})
+    apply_settings(execution_settings(cfg))
+    return ClientRuntime.from_prepared(prepare(cfg))
+
+
+class ClientRuntime:
+    """Builds a client's context for a message and calls the algorithm's client logic."""
+
+    def __init__(
+        self,
+        client_logic: ClientLogic,
+        data: FederatedData,
+        model: torch.nn.Module,
+        train: LocalTrainConfig,
+        seed: int,
+        test: tuple[torch.Tensor, torch.Tensor] | None = None,
+        clients_together: str = "off",
+    ) -> None:
+        self.client_logic = client_logic
+        self.data = data
+        self.model = model
+        self.train = train
+        self.seed = seed
+        self.test = test
+        self.device = data.x.device
+        # "vmap": handle_together trains an exchange's clients at once where it can.
+        self.clients_together = resolve_mode(clients_together, self.device)
+        self._said: set[str] = set()  # reasons for training one after another, logged once
+
+    @classmethod
+    def from_prepared(
+        cls,
+        prep: Prepared,
+        client_logic: ClientLogic | None = None,
+        model: torch.nn.Module | None = None,
+    ) -> Self:
+        """The runtime of a prepared experiment; a new client logic and scratch model unless
+        the caller already has them."""
+        return cls(
+            prep.algorithm.Client(prep.params) if client_logic is None else client_logic,
+            prep.fed,
+            new_model(prep) if model is None else model,
+            prep.train,
+            prep.cfg.seed,
+            test=(prep.x_test, prep.y_test),
+            clients_together=prep.cfg.clients_together,
+        )
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the data and model are in host memory (nothing crosses the boundary)."""
+        return self.device.type == "cpu"
+
+    def context(self, cid: int, rnd: int, state: ClientState) -> ClientContext:
+        """The context a handler of client ``cid`` gets in round ``rnd``."""
+        return ClientContext(
+            client_id=cid,
+            round=rnd,
+            seed=self.seed,
+            data=self.data.client(cid),
+            model=self.model,
+            state=state,
+            train=self.train,
+            test_x=None if self.test is None else self.test[0],
+            test_y=None if self.test is None else self.test[1],
+        )
+
+    def inbound(self, msg: Message, state: ClientState) -> Message:
+        """The message with its arrays on the device, and the state moved there (in place)."""
+        if self.on_host:
+            return msg
+        state.arrays.update(to_device(state.arrays, self.device))
+        return Message(
+            msg.kind,
+            arrays=to_device(msg.arrays, self.device),
+            scalars=msg.scalars,
+            strings=msg.strings,
+        )
+
+    def outbound(self, reply: Message, state: ClientState) -> Message:
+        """The reply with its arrays in host memory, and the state moved back (in place)."""
+        if self.on_host:
+            return reply
+        state.arrays.update(to_cpu(state.arrays))
+        return Message(
+            reply.kind, arrays=to_cpu(reply.arrays), scalars=reply.scalars, strings=reply.strings
+        )
+
+    def handle(self, cid: int, rnd: int, msg: Message, state: ClientState) -> Message:
+        msg = self.inbound(msg, state)
+        reply = self.client_logic.handle(msg, self.context(cid, rnd, state))
+        return self.outbound(reply, state)
+
+    def handle_together(
+        self, rnd: int, messages: Mapping[int, Message], states: Mapping[int, ClientState]
+    ) -> dict[int, Message] | None:
+        """The replies of several clients trained together (``engine.together``), or None
+        when these messages must be handled one after another (the reason is logged once).
+        Each client's handler runs up to its local training and after it as it would alone;
+        only the training itself is shared."""
+        reason = self._together_obstacle(messages)
+        if reason:
+            if reason not in self._said:
+                self._said.add(reason)
+                log.info("clients trained one after another: %s", reason)
+            return None
+        plans: dict[int, tuple[PlainTraining, ClientContext, Message]] = {}
+        starts: dict[int, dict[str, torch.Tensor]] = {}
+        for cid, msg in messages.items():
+            msg = self.inbound(msg, states[cid])
+            ctx = self.context(cid, rnd, states[cid])
+            split, _ = plain_handler(self.client_logic, msg.kind)
+            assert split is not None
+            plans[cid] = (split(msg, ctx), ctx, msg)
+            starts[cid] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        cids = list(messages)
+        results, finals = train_together(
+            self.model,
+            [plans[c][1].data for c in cids],
+            self.train,
+            [plans[c][1].rng(plans[c][0].purpose) for c in cids],
+            [starts[c] for c in cids],
+            [self.train.epochs if plans[c][0].epochs is None else plans[c][0].epochs for c in cids],
+        )
+        replies: dict[int, Message] = {}
+        for cid, result, final in zip(cids, results, finals, strict=True):
+            set_arrays(self.model, final)
+            replies[cid] = self.outbound(plans[cid][0].finish(result), states[cid])
+        return replies
+
+    def _together_obstacle(self, messages: Mapping[int, Message]) -> str:
+        """Why these messages cannot be trained together ("" when they can)."""
+        for kind in sorted({m.kind for m in messages.values()}):
+            split, reason = plain_handler(self.client_logic, kind)
+            if split is None:
+                return reason
+        if self.train.precision != "fp32":
+            # Measured on torch 2.13: inside torch.func.vmap the kernels run in fp32 whatever
+            # autocast says, which would not be the precision policy asked for.
+            return f"{self.train.precision} autocast does not reach kernels inside torch.func.vmap"
+        return model_obstacle(self.model)

@@ -1,0 +1,524 @@
+"""The run loop: rounds, evaluation, checkpoints and the run folder, above the engines.
+
+``run`` builds the experiment (``fedskew.assembly.prepare``), starts an engine, opens the run
+folder (or reopens one to resume it), then plays the rounds: the server logic plays each
+round over the engine, the global model is evaluated on the test set, the round's state
+goes to the checkpoint and its metrics to ``metrics.jsonl``. The engine is used only
+through the :class:`~fedskew.engines.base.Engine` interface.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedskew.assembly.prepare import (
+    Prepared,
+    check_names,
+    execution_settings,
+    new_model,
+    prepare,
+    resolved_facts,
+)
+from fedskew.config import ExperimentConfig, config_hash, effective_workers
+from fedskew.core.device import device_facts, settings_applied
+from fedskew.core.errors import FedskewError, UsageError
+from fedskew.core.machine import machine_facts, software_facts
+from fedskew.data.federated import sample_clients
+from fedskew.engines.base import Engine, ServerSideClientStates
+from fedskew.engines.inprocess import InProcessEngine
+from fedskew.engines.workers import WorkerPoolEngine, affordable_workers
+from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
+from fedskew.runs.checkpoint import (
+    check_checkpoint,
+    load_server_state,
+    read_checkpoint,
+    save_checkpoint,
+    server_state,
+)
+from fedskew.runs.folder import RunFolder, check_writable
+from fedskew.runs.measurements import Measurements, final_values
+from fedskew.runs.tracking import TrackingSession, check_available
+from fedskew.training.interface import ClientLogic, ServerLogic, ServerSetup
+from fedskew.training.local import set_arrays
+from fedskew.training.protocol import Expected, Message, NoReplies, largest_state
+
+RoundCallback = Callable[[dict[str, Any]], None]
+# Builds the engine of a run from the prepared experiment, the client logic and the
+# scratch model the run loop made (the in-process engine uses both).
+EngineFactory = Callable[[Prepared, ClientLogic, torch.nn.Module], Engine]
+log = logging.getLogger("fedskew")
+
+
+def run(
+    cfg: ExperimentConfig,
+    on_round: RoundCallback | None = None,
+    resume: Path | None = None,
+    on_start: Callable[[int], None] | None = None,
+    engine_factory: EngineFactory | None = None,
+) -> tuple[Path, dict[str, Any]]:
+    """Run the experiment (or continue the one in ``resume``); return the finished run
+    folder and the summary.
+
+    ``engine_factory`` builds the engine that carries the algorithm's messages; by default
+    the in-process engine, or the worker-pool engine when ``cfg.workers`` asks for worker
+    processes (see :func:`default_engine_factory`). The Flower ServerApp passes one that
+    sends them through Flower's Grid. The engine is closed when the run ends, also on
+    errors. An engine that may lose replies gets its faults recorded per round, and a
+    round in which no client replied is skipped with the server state put back.
+
+    The run's TF32 and determinism switches hold while it runs and are put back after it.
+    """
+    cfg.validate()
+    with settings_applied(execution_settings(cfg)):
+        return _run(cfg, on_round, resume, on_start, engine_factory)
+
+
+def _run(
+    cfg: ExperimentConfig,
+    on_round: RoundCallback | None,
+    resume: Path | None,
+    on_start: Callable[[int], None] | None,
+    engine_factory: EngineFactory | None,
+) -> tuple[Path, dict[str, Any]]:
+    check_names(cfg)
+    check_available(cfg.track)  # a missing tracker package: one line, before any work
+    if resume is None:
+        check_writable(Path(cfg.out_dir))
+    prep = prepare(cfg)
+    per_round = cfg.per_round()
+    if per_round > len(prep.partition):
+        raise UsageError(f"{per_round} clients per round but only {len(prep.partition)} clients")
+    factory = default_engine_factory(cfg) if engine_factory is None else engine_factory
+    model = new_model(prep)
+    eval_model = new_model(prep)
+    setup = server_setup(prep, model)
+    server = prep.algorithm.Server(prep.params, setup)
+    client_logic = prep.algorithm.Client(prep.params)
+    engine = factory(prep, client_logic, model)
+    measurements = Measurements(prep, eval_model)
+    state = RunState(prep, setup, server, engine, eval_model, per_round, measurements=measurements)
+    tracking = TrackingSession()  # none until the run folder is open
+    try:
+        open_folder(state, resume)
+        tracking = TrackingSession.start(cfg, state.run_folder, state.history)
+        started = time.perf_counter()
+        if on_start is not None:
+            on_start(state.start_round)
+        for rnd in range(state.start_round, cfg.rounds):
+            record = play_round(state, rnd)
+            if setup.is_eval_round(rnd):
+                t1 = time.perf_counter()
+                state.last_eval = evaluate_global_model(state)
+                record.update(state.last_eval)
+                record["eval_seconds"] = round(time.perf_counter() - t1, 4)
+            record.update(measurements.measure(rnd, server, skipped="skipped" in record))
+            keep_round(state, rnd, record)
+            tracking.log_round(record)
+            if on_round is not None:
+                on_round(record)
+        if cfg.tsne:
+            measurements.write_tsne(cfg.rounds - 1, server, state.run_folder.path)
+        folder, summary = finish(state, time.perf_counter() - started)
+        tracking.finish(folder, summary)
+        return folder, summary
+    except KeyboardInterrupt:
+        tracking.close("killed")
+        if state.folder is None:
+            raise
+        raise RunInterrupted(state) from None
+    finally:
+        tracking.close("failed")  # nothing left to close after a finish or an interrupt
+        engine.close()
+        if state.folder is not None:
+            state.folder.release()
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run, once its folder exists: says which folder to resume and how.
+    A KeyboardInterrupt still, for code that catches that."""
+
+    def __init__(self, state: RunState) -> None:
+        done = state.history[-1]["round"] if state.history else 0
+        folder = state.run_folder.path
+        super().__init__(
+            f"interrupted after round {done} of {state.cfg.rounds}; the run folder {folder} "
+            f"keeps the finished rounds: continue with  fedskew run --resume {folder}"
+        )
+        self.folder = folder
+
+
+def default_engine_factory(cfg: ExperimentConfig) -> EngineFactory:
+    """The in-process engine, or worker processes when ``cfg.workers`` (or ``auto``) asks
+    for two or more; ``auto`` never starts more workers than half the available memory
+    holds copies of the dataset (each worker holds one)."""
+    workers = effective_workers(cfg)
+
+    def build(prep: Prepared, client_logic: ClientLogic, model: torch.nn.Module) -> Engine:
+        count = workers
+        if count >= 2 and cfg.workers == "auto":
+            data = (prep.dataset.x_train, prep.dataset.x_test)
+            count = min(count, affordable_workers(sum(t.nbytes for t in data)))
+        if count <= 1:
+            return InProcessEngine.from_prepared(prep, client_logic, model)
+        return WorkerPoolEngine(prep.cfg, client_sizes=prep.fed.sizes(), workers=count)
+
+    return build
+
+
+def server_setup(prep: Prepared, model: torch.nn.Module) -> ServerSetup:
+    cfg = prep.cfg
+    return ServerSetup(
+        # The server logic runs on the CPU (its work is aggregation): host copies of the
+        # initial weights (the very tensors when the model is on the CPU).
+        initial_arrays={k: v.cpu() for k, v in model.state_dict().items()},
+        num_clients=len(prep.partition),
+        num_classes=prep.dataset.num_classes,
+        client_sizes=prep.fed.sizes(),
+        seed=cfg.seed,
+        train=prep.train,
+        rounds=cfg.rounds,
+        eval_every=cfg.eval_every,
+    )
+
+
+@dataclass
+class RunState:
+    """A run in progress: what its rounds play with, and what they have produced."""
+
+    prep: Prepared
+    setup: ServerSetup
+    server: ServerLogic
+    engine: Engine
+    eval_model: torch.nn.Module
+    per_round: int
+    folder: RunFolder | None = None
+    start_round: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    last_eval: dict[str, Any] = field(default_factory=dict)
+    measurements: Measurements | None = None  # the metrics asked for besides accuracy
+
+    def __post_init__(self) -> None:
+        self.client_counts = self.prep.fed.class_counts()
+
+    @property
+    def cfg(self) -> ExperimentConfig:
+        return self.prep.cfg
+
+    @property
+    def run_folder(self) -> RunFolder:
+        if self.folder is None:
+            raise RuntimeError("the run folder is not open yet")
+        return self.folder
+
+
+def open_folder(state: RunState, resume: Path | None) -> None:
+    """Create the run folder, or reopen ``resume`` and restore its last checkpoint."""
+    cfg, prep = state.cfg, state.prep
+    if resume is None:
+        folder = RunFolder.create(Path(cfg.out_dir), default_run_name(cfg))
+        folder.claim()
+        # config.json makes the folder resumable (RunFolder.reopen), so it comes last: a
+        # kill before it leaves a folder that says so, never one without its partition.
+        folder.write_partition(prep.partition, partition_meta(cfg))
+        folder.write_config({**cfg.to_dict(), "resolved": resolved_facts(prep, state.per_round)})
+    else:
+        folder = RunFolder.reopen(resume)
+        folder.claim()
+        try:
+            if not partitions_equal(folder.read_partition(), prep.partition):
+                raise FedskewError(
+                    f"{resume}: the saved partition differs from the one rebuilt from its config"
+                )
+            restore(state, folder)
+        except BaseException:
+            folder.release()
+            raise
+    state.folder = folder
+    folder.append_process(
+        {
+            "from_round": state.start_round + 1,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "workers": state.engine.worker_count,
+            **device_facts(prep.device),
+            **execution_facts(state),
+            "data_source": prep.dataset.source,
+            **machine_facts(),
+            **software_facts(),
+        }
+    )
+
+
+def execution_facts(state: RunState) -> dict[str, Any]:
+    """How this process's stretch of the run executes besides its device (processes.jsonl)."""
+    cfg, engine = state.cfg, state.engine
+    facts: dict[str, Any] = {
+        "tf32": cfg.tf32,
+        "deterministic": cfg.deterministic,
+        "clients_together": engine.clients_together,
+    }
+    if engine.worker_devices:
+        facts["worker_devices"] = list(engine.worker_devices)
+    return facts
+
+
+def restore(state: RunState, folder: RunFolder) -> None:
+    """Continue from the folder's checkpoint, with metrics.jsonl made to agree with it.
+
+    Rounds whose metrics line came after the last checkpoint run again (their lines go);
+    the line of the checkpoint's own round, lost when a kill fell between the checkpoint
+    and the line, is taken from the checkpoint. Anything else (lines missing further back,
+    a checkpoint of another run) cannot be reconciled and stops the resume."""
+    rows = folder.read_metrics()
+    done = 0
+    if folder.checkpoint_path.exists():
+        path = folder.checkpoint_path
+        ckpt = read_checkpoint(path)
+        check_checkpoint(
+            ckpt, path, state.server, state.prep.algorithm.name, config_hash(state.cfg),
+            state.cfg.rounds,
+        )  # fmt: skip
+        done = ckpt.round
+        if len(rows) == done - 1 and ckpt.record is not None and ckpt.record["round"] == done:
+            rows.append(ckpt.record)
+        if len(rows) < done:
+            raise FedskewError(
+                f"{folder.metrics_path} has the metrics of rounds 1..{len(rows)} but "
+                f"{path} holds round {done}: cannot reconcile them, so this run cannot be resumed"
+            )
+        load_server_state(state.server, ckpt.server)
+        state.engine.restore_client_states(ckpt.clients)
+    state.start_round = done
+    state.history = rows[:done]
+    folder.keep_metrics(state.history)
+    state.last_eval = next(
+        ({k: r[k] for k in EVAL_KEYS} for r in reversed(state.history) if "accuracy" in r), {}
+    )
+
+
+def partition_meta(cfg: ExperimentConfig) -> dict[str, Any]:
+    if cfg.partition_file is not None:
+        return {"scheme": "file", "file": str(Path(cfg.partition_file).resolve())}
+    return {"scheme": cfg.partition, **cfg.partition_params}
+
+
+def play_round(state: RunState, rnd: int) -> dict[str, Any]:
+    """The server plays round ``rnd`` over the engine; its metrics line without evaluation."""
+    cfg, engine, server = state.cfg, state.engine, state.server
+    clients = sample_clients(cfg.seed, rnd, len(state.prep.partition), state.per_round)
+    engine.begin_round(rnd)
+    channel = FiniteReplies(engine, rnd, drop=cfg.on_divergence == "drop")
+    lossy = engine.may_lose_replies or channel.drop
+    # A round may lose replies part-way; its server state is then put back.
+    before = copy.deepcopy(server_state(server)) if lossy else None
+    t0 = time.perf_counter()
+    served = channel if state.measurements is None else state.measurements.channel(rnd, channel)
+    try:
+        round_metrics = server.round(rnd, clients, served)
+    except NoReplies as exc:
+        assert before is not None  # only lost or dropped replies leave a round without any
+        load_server_state(server, before)
+        log.warning("round %d skipped: %s", rnd + 1, exc)
+        round_metrics = {"skipped": 1.0}
+    round_seconds = time.perf_counter() - t0
+    faults = engine.faults()
+    trained = [c for c in clients if c not in faults.missing and c not in channel.dropped]
+    record: dict[str, Any] = {
+        "round": rnd + 1,
+        "clients": clients,
+        "samples": cfg.local_epochs * sum(len(state.prep.partition[c]) for c in trained),
+        "bytes_down": engine.traffic.bytes_down,
+        "bytes_up": engine.traffic.bytes_up,
+        "exchanges": engine.traffic.exchanges,
+        "seconds": round(round_seconds, 4),
+        **{k: float(v) for k, v in round_metrics.items()},
+    }
+    if engine.may_lose_replies:
+        record["missing_replies"] = sorted(faults.missing)
+        record["rejected_replies"] = sorted(faults.rejected)
+    if channel.drop:
+        record["diverged_replies"] = sorted(channel.dropped)
+    where = non_finite_array(server.global_arrays)
+    if where is not None:
+        raise FedskewError(
+            f"round {rnd + 1}: the global model has NaN or Inf in '{where}' after aggregation; "
+            "the last good checkpoint is kept (lower --lr, or add --grad-clip)"
+        )
+    return record
+
+
+class FiniteReplies:
+    """The engine as the server logic sees it: replies with NaN or Inf (a diverged client)
+    stop the run with the round and client named, or with ``drop`` are left out."""
+
+    def __init__(self, engine: Engine, rnd: int, drop: bool) -> None:
+        self.engine = engine
+        self.round = rnd
+        self.drop = drop
+        self.dropped: set[int] = set()
+
+    def exchange(
+        self, messages: Mapping[int, Message], expect: Expected | None = None
+    ) -> dict[int, Message]:
+        replies = self.engine.exchange(messages, expect)
+        for cid in list(replies):
+            where = non_finite_value(replies[cid])
+            if where is None:
+                continue
+            if not self.drop:
+                raise FedskewError(
+                    f"round {self.round + 1}: client {cid} diverged (NaN or Inf in its "
+                    f"reply's '{where}'); the last good checkpoint is kept. Lower --lr, add "
+                    "--grad-clip, or --on-divergence drop to leave such replies out"
+                )
+            log.warning("round %d: reply of client %d dropped: NaN or Inf in '%s'",
+                        self.round + 1, cid, where)  # fmt: skip
+            self.dropped.add(cid)
+            del replies[cid]
+        return replies
+
+
+def non_finite_array(arrays: dict[str, torch.Tensor]) -> str | None:
+    for name, t in arrays.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+def non_finite_value(msg: Message) -> str | None:
+    """The name of the first array or number of ``msg`` holding NaN or Inf, or None."""
+    where = non_finite_array(msg.arrays)
+    if where is not None:
+        return where
+    for name, value in msg.scalars.items():
+        if not np.isfinite(value):
+            return name
+    return None
+
+
+def evaluate_global_model(state: RunState) -> dict[str, Any]:
+    """Accuracy, loss, per-class accuracy and accuracy on the clients' label distributions
+    of the model the server logic says to score."""
+    prep = state.prep
+    set_arrays(state.eval_model, state.server.eval_arrays())
+    result = evaluate(
+        state.eval_model,
+        prep.x_test,
+        prep.y_test,
+        prep.dataset.num_classes,
+        precision=prep.train.precision,
+    )
+    return {
+        "accuracy": result.accuracy,
+        "loss": result.loss,
+        "client_dist_accuracy": client_distribution_accuracy(
+            result.per_class_accuracy, state.client_counts
+        ),
+        "per_class_accuracy": [
+            None if np.isnan(a) else round(float(a), 6) for a in result.per_class_accuracy
+        ],
+    }
+
+
+def keep_round(state: RunState, rnd: int, record: dict[str, Any]) -> None:
+    """The round's checkpoint (when due), then its metrics line: metrics of a round are
+    only kept once its state is safe."""
+    cfg, folder = state.cfg, state.run_folder
+    if cfg.checkpoint_every and ((rnd + 1) % cfg.checkpoint_every == 0 or rnd + 1 == cfg.rounds):
+        save_checkpoint(
+            folder.checkpoint_path,
+            rnd + 1,
+            state.server,
+            state.engine.client_states,
+            algorithm=state.prep.algorithm.name,
+            config_hash=config_hash(cfg),
+            record=record,
+        )
+    folder.append_metrics(record)
+    state.history.append(record)
+
+
+def finish(state: RunState, seconds_this_process: float) -> tuple[Path, dict[str, Any]]:
+    """Write the summary and give the run folder its final name."""
+    folder = state.run_folder
+    summary = make_summary(
+        state.cfg,
+        state.prep,
+        state.per_round,
+        len(state.prep.partition),
+        state.history,
+        state.last_eval,
+    )
+    summary.update(final_values(state.history))  # final_personal_accuracy and the like
+    summary.update(client_state_size(state.engine))
+    summary["wall_seconds_this_process"] = round(seconds_this_process, 3)
+    summary["processes"] = folder.read_processes()
+    return folder.finish(summary), summary
+
+
+def client_state_size(engine: Engine) -> dict[str, int]:
+    """The largest client's state in bytes and how many clients hold one, at the end of the
+    run: the numbers a report would otherwise read from checkpoint.npz, kept in the summary
+    because checkpoints are often deleted or not shared. Empty where the clients keep their
+    state themselves (Flower), as this process cannot see it."""
+    if not isinstance(engine, ServerSideClientStates):
+        return {}
+    largest, holders = largest_state(engine.client_states)
+    return {"client_state_bytes_max": largest, "clients_with_state": holders}
+
+
+EVAL_KEYS = ("accuracy", "loss", "client_dist_accuracy", "per_class_accuracy")
+
+
+def partitions_equal(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def make_summary(
+    cfg: ExperimentConfig,
+    prep: Prepared,
+    per_round: int,
+    num_clients: int,
+    history: list[dict[str, Any]],
+    last_eval: dict[str, Any],
+) -> dict[str, Any]:
+    accuracies = [r["accuracy"] for r in history if "accuracy" in r]
+    train_seconds = sum(r["seconds"] for r in history)
+    samples = sum(r.get("samples", 0) for r in history)
+    return {
+        "algorithm": prep.algorithm.name,
+        "dataset": cfg.dataset,
+        "model": prep.model_name,
+        "partition": cfg.partition,
+        "num_clients": num_clients,
+        "clients_per_round": per_round,
+        "rounds": cfg.rounds,
+        "seed": cfg.seed,
+        "final_accuracy": last_eval.get("accuracy"),
+        "final_loss": last_eval.get("loss"),
+        "final_client_dist_accuracy": last_eval.get("client_dist_accuracy"),
+        "best_accuracy": max(accuracies) if accuracies else None,
+        "total_bytes_down": sum(r["bytes_down"] for r in history),
+        "total_bytes_up": sum(r["bytes_up"] for r in history),
+        "train_seconds": round(train_seconds, 3),
+        "eval_seconds": round(sum(r.get("eval_seconds", 0.0) for r in history), 3),
+        "train_samples_per_second": round(samples / train_seconds, 1) if train_seconds else None,
+    }
+
+
+def default_run_name(cfg: ExperimentConfig) -> str:
+    if cfg.name:
+        return cfg.name
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = f"{cfg.algorithm}-{cfg.dataset}-{cfg.partition}-s{cfg.seed}-{stamp}"
+    # module:Name references and local objects make names with ':' or '/': one component.
+    return re.sub(r"[^A-Za-z0-9._+-]", "-", name)

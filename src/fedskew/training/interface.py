@@ -1,0 +1,167 @@
+"""The algorithm interface: what an algorithm file implements and what its code is given.
+
+An algorithm is hyper-parameters (a dataclass with the paper's names and defaults), a
+server logic that plays a round over a ``Channel`` (``fedskew.training.protocol``), and a client
+logic whose handlers ``on_<kind>`` answer messages. The engines call ``ClientLogic.handle``
+and ``ServerLogic.round``; nothing else of an algorithm is visible to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from fedskew.config import params_from_values
+from fedskew.core.errors import UsageError
+from fedskew.core.rng import torch_rng
+from fedskew.data.federated import ClientData
+from fedskew.training.protocol import ArraySpec, Channel, ClientState, Message
+
+
+def check_one_of(owner: str, name: str, value: object, choices: tuple[str, ...]) -> None:
+    """A string hyper-parameter must be one of ``choices`` (one-line UsageError otherwise)."""
+    if value not in choices:
+        raise UsageError(f"{owner}: {name} must be one of {', '.join(choices)}, got '{value}'")
+
+
+@dataclass
+class LocalTrainConfig:
+    """The local optimisation settings every algorithm shares."""
+
+    epochs: int = 2
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 1e-5
+    augment: bool = False
+    grad_clip: float = 0.0  # max gradient norm per step; 0: no clipping
+    precision: str = (
+        "fp32"  # forward passes in fp32 or under bf16 autocast (fedskew.core.precision)
+    )
+
+
+@dataclass
+class ClientContext:
+    """Everything a client handler may use for one message."""
+
+    client_id: int
+    round: int
+    seed: int
+    data: ClientData
+    model: torch.nn.Module  # one scratch model per engine worker: load weights before use
+    state: ClientState
+    train: LocalTrainConfig
+    # Loss terms (features, logits, y) -> scalar that plug-ins add to the algorithm's loss.
+    loss_terms: list[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = field(
+        default_factory=list
+    )
+    # The uniform test set, for methods that report personalised accuracy on the client.
+    test_x: torch.Tensor | None = None
+    test_y: torch.Tensor | None = None
+
+    def rng(self, purpose: str) -> torch.Generator:
+        """The generator addressed by (seed, round, this client, purpose)."""
+        return torch_rng(self.seed, self.round, self.client_id, purpose)
+
+
+class ClientLogic:
+    """Client side of an algorithm: methods ``on_<kind>(msg, ctx) -> Message``."""
+
+    def __init__(self, params: Any) -> None:
+        self.params = params
+
+    def handle(self, msg: Message, ctx: ClientContext) -> Message:
+        handler: Callable[[Message, ClientContext], Message] | None = getattr(
+            self, f"on_{msg.kind}", None
+        )
+        if handler is None:
+            raise UsageError(f"{type(self).__name__} has no handler for message kind '{msg.kind}'")
+        return handler(msg, ctx)
+
+
+@dataclass
+class ServerSetup:
+    """What a server logic is given at the start of a run."""
+
+    initial_arrays: dict[str, torch.Tensor]  # the initial global model's state dict
+    num_clients: int
+    num_classes: int
+    client_sizes: list[int]  # training samples per client (FedAvg weights need them up front)
+    seed: int
+    train: LocalTrainConfig
+    rounds: int = 1
+    eval_every: int = 1
+
+    def is_eval_round(self, rnd: int) -> bool:
+        """Whether the experiment evaluates after round ``rnd`` (0-based)."""
+        return (rnd + 1) % self.eval_every == 0 or rnd + 1 == self.rounds
+
+
+class ServerLogic:
+    """Server side of an algorithm. Keeps the global model as named tensors."""
+
+    # The attributes besides ``global_arrays`` that a resumed run needs (SCAFFOLD's c,
+    # FedFM's anchors, ...): the checkpoint saves and restores exactly these.
+    checkpoint_fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, params: Any, setup: ServerSetup) -> None:
+        self.params = params
+        self.setup = setup
+        self.global_arrays: dict[str, torch.Tensor] = {
+            k: v.detach().clone() for k, v in setup.initial_arrays.items()
+        }
+
+    def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
+        """Run one round with the given clients; return metrics to log."""
+        raise NotImplementedError
+
+    @staticmethod
+    def mean_train_loss(replies: Mapping[int, Message], clients: list[int]) -> float:
+        """The ``train_loss`` metric: the mean of the replies' ``loss`` over ``clients``."""
+        return sum(replies[c].scalars["loss"] for c in clients) / len(clients)
+
+    def eval_arrays(self) -> dict[str, torch.Tensor]:
+        """The model the evaluation should score (the global model unless overridden)."""
+        return self.global_arrays
+
+
+class Algorithm:
+    """An algorithm: hyper-parameters, a server logic and a client logic."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    Params: ClassVar[type]
+    Server: ClassVar[type[ServerLogic]]
+    Client: ClassVar[type[ClientLogic]]
+    # Whether a reply holding an array for every entry of the model's state is the client's
+    # trained model (what the run loop's local-model metrics score). False where replies
+    # carry arrays named like the model's that are something else (FedNova's normalised
+    # updates).
+    replies_carry_local_models: ClassVar[bool] = True
+
+    @classmethod
+    def adapt_model(cls, params: Any, model: torch.nn.Module) -> torch.nn.Module:
+        """Change the architecture where the method needs it (MOON's projection head,
+        FedNH's prototype classifier). Called on every model the engine builds, before
+        the initial weights are taken, so server and clients share one architecture."""
+        return model
+
+    @classmethod
+    def reply_arrays(
+        cls, params: Any, model: torch.nn.Module, num_classes: int
+    ) -> Mapping[str, ArraySpec] | None:
+        """The arrays a client adds to its replies beyond the model's entries and the arrays
+        it was sent (e.g. FedFM's local anchors), by name; also one sent back under a
+        received array's name with another shape (FedProto's prototypes). An engine whose
+        replies cannot be trusted (Flower) rejects a reply holding any other array or one
+        that does not fit its spec, so an algorithm whose clients add arrays must declare
+        them here; ``None`` leaves such arrays unchecked."""
+        return {}
+
+    @classmethod
+    def make_params(cls, values: Mapping[str, object]) -> Any:
+        """Build the Params dataclass from user values, coercing strings and naming mistakes."""
+        return params_from_values(cls.Params, values, f"algorithm '{cls.name}'", cls.name)

@@ -1,0 +1,322 @@
+"""The shared local-training loop, and the model and feature helpers every algorithm reuses
+(the server's averaging is in ``fedskew.training.aggregation``)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fedskew.core.precision import autocast
+from fedskew.data.federated import ClientData
+from fedskew.training.interface import ClientContext, LocalTrainConfig
+from fedskew.training.protocol import Message, Needs, needs
+
+
+@dataclass
+class LossOutput:
+    """What a loss function computed: the loss, and the features and logits it used,
+    so that plug-in loss terms (feature matching) can add to it without a second pass."""
+
+    loss: torch.Tensor
+    features: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+# loss_fn(model, x, y) -> LossOutput (or a bare loss tensor). Algorithms write their loss here.
+LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], "LossOutput | torch.Tensor"]
+# term(features, logits, y) -> scalar added to the loss: plug-ins install these on the context.
+LossTerm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# Called after backward, before the optimiser step (SCAFFOLD corrects gradients here).
+StepHook = Callable[[torch.nn.Module], None]
+
+
+def cross_entropy_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
+    features = model.body(x)
+    logits = model.head(features)
+    return LossOutput(F.cross_entropy(logits, y), features, logits)
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    samples: int
+    mean_loss: float
+
+
+def make_optimizer(model: torch.nn.Module, cfg: LocalTrainConfig) -> torch.optim.SGD:
+    return torch.optim.SGD(
+        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+    )
+
+
+AUGMENT_PAD = 4
+
+
+def draw_augmentation(
+    gen: torch.Generator, sizes: Sequence[int], pad: int = AUGMENT_PAD
+) -> torch.Tensor:
+    """The random crops and flips of consecutive batches of ``sizes`` samples, drawn with
+    ``gen`` in host memory: a (3, sum(sizes)) int64 tensor of row offsets, column offsets
+    and flips (0/1), batch after batch.
+
+    Per batch the draws are row offsets, column offsets, then flips, in that order: drawing
+    an epoch's batches at once takes the same numbers from the generator as drawing them
+    batch by batch, so the epoch's augmentation reaches the device in one copy instead of
+    several blocking copies per step."""
+    parts = []
+    for n in sizes:
+        dy = torch.randint(0, 2 * pad + 1, (n,), generator=gen, device=gen.device)
+        dx = torch.randint(0, 2 * pad + 1, (n,), generator=gen, device=gen.device)
+        flip = torch.rand(n, generator=gen, device=gen.device) < 0.5
+        parts.append(torch.stack([dy, dx, flip.long()]))
+    if not parts:
+        return torch.zeros(3, 0, dtype=torch.int64, device=gen.device)
+    return torch.cat(parts, dim=1)
+
+
+def crop_and_flip(x: torch.Tensor, draws: torch.Tensor, pad: int = AUGMENT_PAD) -> torch.Tensor:
+    """Random crop with zero padding and horizontal flip of a (N, C, H, W) batch, as
+    ``draws`` (3, N) on the batch's device say (see :func:`draw_augmentation`). Row offset
+    ``pad``, column offset ``pad`` and no flip give the input back unchanged. Nothing here
+    reads a value back to the host."""
+    n, _, h, w = x.shape
+    dev = x.device
+    padded = F.pad(x, (pad, pad, pad, pad))
+    dy, dx, flip = draws[0], draws[1], draws[2].bool()
+    rows = (dy[:, None] + torch.arange(h, device=dev)[None, :])[:, None, :, None]
+    cols = (dx[:, None] + torch.arange(w, device=dev)[None, :])[:, None, None, :]
+    batch = torch.arange(n, device=dev)[:, None, None, None]
+    chan = torch.arange(x.shape[1], device=dev)[None, :, None, None]
+    out = padded[batch, chan, rows, cols]
+    return torch.where(flip[:, None, None, None], out.flip(-1), out)
+
+
+def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:
+    """Batch slices covering 0..n; a last batch of one sample joins the one before,
+    because BatchNorm cannot train on a single sample."""
+    bounds = [(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2:] = [(bounds[-2][0], n)]
+    return bounds
+
+
+def local_train(
+    model: torch.nn.Module,
+    data: ClientData,
+    cfg: LocalTrainConfig,
+    gen: torch.Generator,
+    *,
+    loss_fn: LossFn = cross_entropy_loss,
+    epochs: int | None = None,
+    before_step: StepHook | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra_terms: Sequence[LossTerm] = (),
+) -> TrainResult:
+    """SGD over the client's data: a fresh permutation per epoch, slices as batches.
+
+    No DataLoader: the client's rows are gathered per batch from tensors held once
+    for all clients, which keeps the loop at bare-PyTorch speed. Under ``cfg.precision``
+    "bf16" the loss function and plug-in terms run under bf16 autocast; parameters,
+    gradients and the optimizer's state stay fp32.
+
+    On a GPU the data and model live there; the epoch's permutation and augmentation are
+    drawn with the addressed CPU generator (the same on every device) and moved once per
+    epoch, so that no step waits for the host.
+    """
+    model.train()
+    opt = optimizer if optimizer is not None else make_optimizer(model, cfg)
+    n = len(data)
+    n_epochs = cfg.epochs if epochs is None else epochs
+    steps = 0
+    loss_sum = torch.zeros((), device=data.device)
+    bounds = batch_bounds(n, cfg.batch_size)
+    augment = cfg.augment and data.x.dim() == 4  # crops and flips are for images
+    for _ in range(n_epochs):
+        perm = torch.randperm(n, generator=gen, device=gen.device)
+        if augment:
+            draws = draw_augmentation(gen, [stop - start for start, stop in bounds])
+            # The permutation and the augmentation in one copy (int64 both); non_blocking
+            # from pageable memory is staged by CUDA before the call returns, so the host
+            # tensors may be freed, and the copy does not stall the stream.
+            epoch = torch.cat([perm[None], draws]).to(data.device, non_blocking=True)
+            perm, draws = epoch[0], epoch[1:]
+        else:
+            perm = perm.to(data.device, non_blocking=True)
+        for start, stop in bounds:
+            xb, yb = data.batch(perm[start:stop])
+            if augment:
+                xb = crop_and_flip(xb, draws[:, start:stop])
+            # Forward pass and loss under the precision policy; backward outside, weights fp32.
+            with autocast(cfg.precision, xb.device.type):
+                out = loss_fn(model, xb, yb)
+                if isinstance(out, LossOutput):
+                    loss = out.loss
+                    if extra_terms:
+                        if out.features is None or out.logits is None:
+                            raise RuntimeError(
+                                "extra loss terms need a loss_fn that returns features"
+                            )
+                        for term in extra_terms:
+                            loss = loss + term(out.features, out.logits, yb)
+                else:
+                    if extra_terms:
+                        raise RuntimeError(
+                            "extra loss terms need a loss_fn that returns a LossOutput"
+                        )
+                    loss = out
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            if before_step is not None:
+                before_step(model)
+            opt.step()
+            loss_sum += loss.detach()
+            steps += 1
+    mean_loss = float(loss_sum) / steps if steps else 0.0
+    return TrainResult(steps=steps, samples=n * n_epochs, mean_loss=mean_loss)
+
+
+def train_client(
+    ctx: ClientContext,
+    *,
+    loss_fn: LossFn = cross_entropy_loss,
+    epochs: int | None = None,
+    before_step: StepHook | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    purpose: str = "train",
+) -> TrainResult:
+    """``local_train`` on a client's context, with the loss terms plug-ins installed there."""
+    return local_train(
+        ctx.model,
+        ctx.data,
+        ctx.train,
+        ctx.rng(purpose),
+        loss_fn=loss_fn,
+        epochs=epochs,
+        before_step=before_step,
+        optimizer=optimizer,
+        extra_terms=ctx.loss_terms,
+    )
+
+
+@dataclass
+class PlainTraining:
+    """A handler split around its local training, when that training is plain:
+    ``train_client(ctx)`` with the shared loss (cross-entropy), the context's optimiser
+    settings and no hooks, for ``epochs`` (None: the configured ones) with the generator of
+    ``purpose``. ``finish`` builds the reply from the trained model and the TrainResult.
+
+    An algorithm whose handler ``on_<kind>`` is ``run_plain(self.plain_<kind>(msg, ctx), ctx)``
+    lets an engine train several clients' plain local steps together
+    (``fedskew.engines.together``): the engine calls ``plain_<kind>`` per client (which loads
+    the model and may compute what it needs before training), trains them all at once, loads
+    each client's trained weights and calls its ``finish``. One after another, ``run_plain``
+    does exactly what the unsplit handler did."""
+
+    finish: Callable[[TrainResult], Message]
+    epochs: int | None = None
+    purpose: str = "train"
+
+
+def run_plain(plan: PlainTraining, ctx: ClientContext) -> Message:
+    """Train one client as ``plan`` says and return its reply."""
+    return plan.finish(train_client(ctx, epochs=plan.epochs, purpose=plan.purpose))
+
+
+def trained_reply(
+    ctx: ClientContext,
+    loss: float,
+    arrays: dict[str, torch.Tensor] | None = None,
+    scalars: Mapping[str, float] | None = None,
+) -> Message:
+    """The reply to a "train" message: ``arrays`` (the whole trained model by default),
+    the client's sample count and mean training loss, then any further ``scalars``."""
+    return Message(
+        "trained",
+        arrays=get_arrays(ctx.model) if arrays is None else arrays,
+        scalars={"num_samples": float(len(ctx.data)), "loss": loss, **(scalars or {})},
+    )
+
+
+def trained_needs(arrays: Iterable[str], *scalars: str) -> dict[str, Needs]:
+    """What a server reads from replies of kind "trained" (``trained_reply``'s): ``arrays``,
+    the ``loss`` (its ``train_loss`` metric) and ``scalars``; the ``expect`` of its exchange."""
+    return {"trained": needs(arrays, ("loss", *scalars))}
+
+
+def get_arrays(model: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """A detached copy of the model's state (parameters and buffers) under ``prefix``."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith(prefix)}
+
+
+def set_arrays(model: torch.nn.Module, arrays: Mapping[str, torch.Tensor]) -> None:
+    """Load named tensors into the model in place (a subset is allowed)."""
+    state = model.state_dict()
+    with torch.no_grad():
+        for k, v in arrays.items():
+            state[k].copy_(v)
+
+
+# features(x) -> (N, d): the representation class means are taken of (default: model.body).
+FeatureFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@torch.no_grad()
+def class_feature_sums(
+    model: torch.nn.Module,
+    data: ClientData,
+    num_classes: int,
+    rows: torch.Tensor | None = None,
+    batch_size: int = 1024,
+    features: FeatureFn | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-class sums of body features (or of ``features``, a function of the same model)
+    and per-class counts over the client's data (or the given rows of it), in eval mode,
+    every sample counted exactly once."""
+    feature_fn = model.body if features is None else features
+    was_training = model.training
+    model.eval()
+    dev = data.device
+    positions = torch.arange(len(data), device=dev) if rows is None else rows.to(dev)
+    sums: torch.Tensor | None = None
+    counts = torch.zeros(num_classes, dtype=torch.int64, device=dev)
+    for start in range(0, len(positions), batch_size):
+        xb, yb = data.batch(positions[start : start + batch_size])
+        feats = feature_fn(xb).float()
+        if sums is None:
+            sums = torch.zeros(num_classes, feats.shape[1], device=feats.device)
+        sums.index_add_(0, yb, feats)
+        counts += torch.bincount(yb, minlength=num_classes)
+    model.train(was_training)
+    if sums is None:
+        sums = torch.zeros(num_classes, getattr(model, "feature_dim", 0), device=dev)
+    return sums, counts
+
+
+def class_feature_means(
+    model: torch.nn.Module,
+    data: ClientData,
+    num_classes: int,
+    rows: torch.Tensor | None = None,
+    features: FeatureFn | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(C, d) class means of body features (zero rows for absent classes) and (C,) counts."""
+    sums, counts = class_feature_sums(model, data, num_classes, rows, features=features)
+    means = sums / counts.clamp(min=1).unsqueeze(1).to(sums.dtype)
+    return means, counts
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A gradient-free eval-mode copy of the model's architecture (a teacher: the global
+    or previous model). Build it once per client logic and reload it with ``set_arrays``:
+    a deep copy per client per round would dominate the cost of small models."""
+    frozen = copy.deepcopy(model)
+    frozen.requires_grad_(False)
+    for p in frozen.parameters():
+        p.grad = None
+    return frozen.eval()

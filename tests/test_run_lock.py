@@ -247,10 +247,15 @@ def _wait_for_round(folder: Path, proc: subprocess.Popen, timeout: float = 300) 
     raise AssertionError(f"no round in {folder} after {timeout} s")
 
 
+LONG = 20_000  # rounds of a run that is always interrupted long before its end
+
+
 def test_sigterm_to_compare_ends_its_run_which_keeps_its_rounds(tmp_path):
     # A SIGTERM to compare alone (a batch system's limit, `kill PID`) used to leave the run
     # it had started training on, orphaned; now it reaches the run, which stops as on Ctrl-C.
-    out, file = _grid_file(tmp_path, rounds=400)
+    # Rounds enough that the run cannot finish within compare's 5 s grace on a loaded
+    # machine (400 did once: its folder was renamed before the test read it).
+    out, file = _grid_file(tmp_path, rounds=LONG)
     cmd = [sys.executable, "-m", "fedskew", "compare", "-c", str(file), "--only", "fedavg-s0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     folder = out / "fedavg-s0.incomplete"
@@ -265,7 +270,7 @@ def test_sigterm_to_compare_ends_its_run_which_keeps_its_rounds(tmp_path):
     assert not (out / "logs" / "fedavg-s0.log").exists()  # an interrupt is not a failure
     done = [json.loads(x)["round"] for x in (folder / "metrics.jsonl").read_text().splitlines()
             if '"round"' in x]  # fmt: skip
-    assert 1 <= len(done) < 400 and done == list(range(1, len(done) + 1))
+    assert 1 <= len(done) < LONG and done == list(range(1, len(done) + 1))
     # Every round in metrics.jsonl is in the checkpoint a resume starts from (which is
     # written first and holds its round's record, so it may be one round ahead).
     assert read_checkpoint(folder / "checkpoint.npz").round in (len(done), len(done) + 1)
@@ -274,7 +279,7 @@ def test_sigterm_to_compare_ends_its_run_which_keeps_its_rounds(tmp_path):
 def test_a_second_sigterm_to_compare_ends_its_run_too(tmp_path):
     # An impatient second SIGTERM, within the grace compare gives its runs to stop on their
     # own, used to kill compare alone and leave its run training with nobody to stop it.
-    out, file = _grid_file(tmp_path, rounds=400)
+    out, file = _grid_file(tmp_path, rounds=LONG)
     cmd = [sys.executable, "-m", "fedskew", "compare", "-c", str(file), "--only", "fedavg-s0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     folder = out / "fedavg-s0.incomplete"

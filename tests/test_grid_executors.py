@@ -37,7 +37,7 @@ jobs = 2
 dataset = "digits"
 num_clients = 4
 clients_per_round = 2
-rounds = 12
+rounds = 40
 local_epochs = 1
 batch_size = 64
 
@@ -231,7 +231,7 @@ def test_sigterm_cancels_the_ray_tasks(ray_cluster, tmp_path):
     """SIGTERM to compare (as Ctrl-C) cancels its tasks: the run process ends with its task,
     and its folder keeps its rounds, free for the next compare to resume."""
     file = grid_file(tmp_path)
-    file.write_text(file.read_text().replace("rounds = 12", "rounds = 500"))
+    file.write_text(file.read_text().replace("rounds = 40", "rounds = 500"))
     out = tmp_path / "out"
     cmd = fedskew("compare", "-c", str(file), "--methods", "fedavg", "--executor", "ray",
                   "--ray-address", ray_cluster)  # fmt: skip

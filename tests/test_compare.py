@@ -145,7 +145,10 @@ def test_grid_runs_skips_resumes_and_tables_match_metrics(tmp_path, capsys):
 
     # Another configuration under the same names is refused, not silently mixed in.
     assert main(["compare", "-c", str(file), "--lr", "0.2"]) == 1
-    assert capsys.readouterr().out.count("another configuration") == 4
+    out_text = capsys.readouterr().out
+    assert out_text.count("another configuration") == 4
+    # ... naming what differs (here the lr given now against the grid file's)
+    assert out_text.count("lr: 0.05 there, 0.2 here") == 4, out_text
 
     # --report-only rebuilds the tables from the folder alone.
     (out / "comparison.csv").unlink()

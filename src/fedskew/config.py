@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedskew.core.denormals import LEGACY_DENORMALS, check_denormals
 from fedskew.core.device import check_device_spec, cuda_count
 from fedskew.core.errors import UsageError
 from fedskew.core.precision import check_precision
@@ -34,6 +35,8 @@ def option(default: Any = dataclasses.MISSING, *, factory: Any = None, **metadat
     - ``shortcuts``: a table's keys with a flag of their own, {key: (int or float, help)};
     - ``command``: "experiment" (an option of `fedskew partition` too) or "run" (default);
     - ``exclusive``: a group of options of which one may be given; ``cli``: False, no flag;
+    - ``legacy``: the value a run folder written before the option existed ran with
+      (LEGACY);
     - tags: ``execution`` (EXECUTION_ONLY), ``resumable`` (RESUME_MAY_CHANGE),
       ``measurement`` (MEASUREMENT_ONLY), ``flower``: False with ``flower_reason``
       (NOT_IN_FLOWER_RUN_CONFIG); ``flower_note``: the comment of its key in the Flower app's
@@ -128,6 +131,15 @@ class ExperimentConfig:
     precision: str = option(
         "fp32", metavar="fp32|bf16", default_text="",
         help="forward passes in fp32 (default) or under bf16 autocast; weights stay fp32",
+    )
+    # Part of what a run computes (in the config hash), like the precision. A run folder
+    # written before the option existed ran with IEEE denormals: ``legacy`` is that value,
+    # which saved_config fills in and config_hash leaves out, so such a folder resumes exactly.
+    denormals: str = option(
+        "flush", metavar="flush|keep", legacy=LEGACY_DENORMALS,
+        default_text="flush: to zero on the CPU",
+        help="denormal floats on the CPU: flush to zero (x86 computes on them slowly) or "
+        "keep (IEEE behaviour)",
     )
     device: str = option(
         "auto", metavar="auto|cpu|cuda|cuda:N", execution=True, resumable=True,
@@ -292,6 +304,7 @@ class ExperimentConfig:
                 f"got {self.memory_format!r}"
             )
         check_precision(self.precision)
+        check_denormals(self.denormals)
         self.device = check_device_spec(self.device)
         if self.device.startswith("cuda") and cuda_count() == 0:
             raise UsageError(
@@ -359,6 +372,9 @@ RESUME_MAY_CHANGE = tagged("resumable")
 # Tag ``measurement``: what a run measures besides its training; extra metrics never change
 # the model, so a checkpoint made with other values (or before these options existed) fits.
 MEASUREMENT_ONLY = tagged("measurement")
+# Options added after run folders existed: {key: the value a run folder without the key ran
+# with}. saved_config fills them in; config_hash leaves a key out at that value.
+LEGACY = {name: f.metadata["legacy"] for name, f in FIELDS.items() if "legacy" in f.metadata}
 # Keys a Flower deployment's run config does not take (tag ``flower``: False), with why.
 NOT_IN_FLOWER_RUN_CONFIG = {
     name: f.metadata["flower_reason"]
@@ -396,11 +412,28 @@ def check_run_name(name: str) -> None:
 
 def config_hash(cfg: ExperimentConfig) -> str:
     """A short hash of what a run computes (its configuration without EXECUTION_ONLY and
-    MEASUREMENT_ONLY)."""
+    MEASUREMENT_ONLY). A key that holds its LEGACY value is left out too: the hash is then
+    the one a run made before the key existed recorded in its checkpoint."""
     skip = EXECUTION_ONLY + MEASUREMENT_ONLY
-    values = {k: v for k, v in cfg.to_dict().items() if k not in skip}
+    values = {
+        k: v
+        for k, v in cfg.to_dict().items()
+        if k not in skip and not (k in LEGACY and v == LEGACY[k])
+    }
     text = json.dumps(values, sort_keys=True, default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def config_differences(saved: ExperimentConfig, wanted: ExperimentConfig) -> str:
+    """What makes two configurations hash differently, for a person: "key: A there, B
+    here" for each key the hash covers ("" when none)."""
+    skip = EXECUTION_ONLY + MEASUREMENT_ONLY
+    a, b = saved.to_dict(), wanted.to_dict()
+    return "; ".join(
+        f"{key}: {a[key]!r} there, {b[key]!r} here"
+        for key in a
+        if key not in skip and a[key] != b.get(key)
+    )
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

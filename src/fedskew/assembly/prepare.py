@@ -122,8 +122,10 @@ def load_experiment_data(cfg: ExperimentConfig) -> Dataset:
 
 
 def execution_settings(cfg: ExperimentConfig) -> ExecutionSettings:
-    """The process-wide switches of ``cfg`` (TF32, deterministic algorithms)."""
-    return ExecutionSettings(tf32=cfg.tf32, deterministic=cfg.deterministic)
+    """The process-wide switches of ``cfg`` (TF32, deterministic algorithms, denormals)."""
+    return ExecutionSettings(
+        tf32=cfg.tf32, deterministic=cfg.deterministic, denormals=cfg.denormals
+    )
 
 
 def prepare(cfg: ExperimentConfig) -> Prepared:

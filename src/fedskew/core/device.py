@@ -18,7 +18,8 @@ The execution settings only matter on CUDA:
   at the first matrix product.
 
 On the CPU, fedskew's training is deterministic already (one thread or many), and neither
-setting changes a CPU result.
+setting changes a CPU result. The third switch, ``denormals`` (flush denormal floats to zero,
+the default, or keep them), acts on the CPU only: see fedskew.core.denormals.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 
 import fedskew.core.cuda_environment as cuda_environment
 from fedskew.core.cuda_environment import CUBLAS_DETERMINISTIC, CUBLAS_VALUE, CUBLAS_VARIABLE
+from fedskew.core.denormals import LEGACY_DENORMALS, apply_denormals, denormals_state
 from fedskew.core.errors import UsageError
 
 _SPEC = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
@@ -102,21 +104,29 @@ def device_facts(device: torch.device) -> dict[str, object]:
 
 @dataclass(frozen=True)
 class ExecutionSettings:
-    """The process-wide torch switches that change how (not what) a run computes."""
+    """The process-wide torch switches a run sets: TF32 and deterministic algorithms (how,
+    not what, it computes) and the CPU's handling of denormal floats (fedskew.core.denormals;
+    part of what it computes, like the precision)."""
 
     tf32: bool
     deterministic: bool
+    denormals: str = LEGACY_DENORMALS
 
     @classmethod
     def current(cls) -> ExecutionSettings:
+        state = denormals_state()
         return cls(
             tf32=bool(torch.backends.cuda.matmul.allow_tf32),
             deterministic=torch.are_deterministic_algorithms_enabled(),
+            # A pool left mixed by other code is put back as torch's default.
+            denormals="flush" if state == "flush" else "keep",
         )
 
 
 def apply_settings(settings: ExecutionSettings) -> None:
-    """Set the TF32 and determinism switches of this process (see the module docstring)."""
+    """Set the TF32, determinism and denormal switches of this process (see the module
+    docstring); the denormal one in this thread and its torch thread pool."""
+    apply_denormals(settings.denormals)
     if settings.deterministic:
         check_cublas_deterministic()
         torch.backends.cudnn.benchmark = False

@@ -56,6 +56,9 @@ class Engine(Protocol):
     # How the clients of an exchange are trained: "off" (one after another) or "vmap"
     # (together, where the algorithm allows it; see engine.together).
     clients_together: str
+    # What the processes that train clients elsewhere (workers, Flower nodes) measured of
+    # their denormal handling at start-up: {state: how many}; empty when clients train here.
+    client_denormals: dict[str, int]
     traffic: TrafficCounter
 
     def begin_round(self, rnd: int) -> None:
@@ -101,6 +104,7 @@ class ServerSideClientStates:
     clients_together = "off"
 
     def __init__(self) -> None:
+        self.client_denormals: dict[str, int] = {}
         self._states: dict[int, ClientState] = {}
         self.traffic = TrafficCounter()
         self.round = 0

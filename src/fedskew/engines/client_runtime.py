@@ -24,6 +24,7 @@ import torch
 
 from fedskew.assembly.prepare import Prepared, execution_settings, new_model, prepare
 from fedskew.config import build_config, normalise_keys
+from fedskew.core.denormals import ensure_denormals
 from fedskew.core.device import apply_settings, to_cpu, to_device
 from fedskew.data.federated import FederatedData
 from fedskew.engines.together import model_obstacle, plain_handler, resolve_mode, train_together
@@ -61,6 +62,7 @@ class ClientRuntime:
         seed: int,
         test: tuple[torch.Tensor, torch.Tensor] | None = None,
         clients_together: str = "off",
+        denormals: str | None = None,
     ) -> None:
         self.client_logic = client_logic
         self.data = data
@@ -72,6 +74,9 @@ class ClientRuntime:
         # "vmap": handle_together trains an exchange's clients at once where it can.
         self.clients_together = resolve_mode(clients_together, self.device)
         self._said: set[str] = set()  # reasons for training one after another, logged once
+        # The run's denormal policy, made sure of in whichever thread calls a handler (a
+        # Flower simulation calls from threads of its own); None: as the process has it.
+        self.denormals = denormals
 
     @classmethod
     def from_prepared(
@@ -90,6 +95,7 @@ class ClientRuntime:
             prep.cfg.seed,
             test=(prep.x_test, prep.y_test),
             clients_together=prep.cfg.clients_together,
+            denormals=prep.cfg.denormals,
         )
 
     @property
@@ -133,6 +139,8 @@ class ClientRuntime:
         )
 
     def handle(self, cid: int, rnd: int, msg: Message, state: ClientState) -> Message:
+        if self.denormals is not None:
+            ensure_denormals(self.denormals)
         msg = self.inbound(msg, state)
         reply = self.client_logic.handle(msg, self.context(cid, rnd, state))
         return self.outbound(reply, state)
@@ -144,6 +152,8 @@ class ClientRuntime:
         when these messages must be handled one after another (the reason is logged once).
         Each client's handler runs up to its local training and after it as it would alone;
         only the training itself is shared."""
+        if self.denormals is not None:
+            ensure_denormals(self.denormals)
         reason = self._together_obstacle(messages)
         if reason:
             if reason not in self._said:

@@ -52,6 +52,7 @@ class FlowerEngine:
         self.round = 0
         self.missing: set[int] = set()
         self.rejected: set[int] = set()
+        self.client_denormals: dict[str, int] = {}
 
     @property
     def client_states(self) -> dict[int, ClientState]:

@@ -33,8 +33,11 @@ class InProcessEngine(ClientRuntime, ServerSideClientStates):
         seed: int,
         test: tuple[torch.Tensor, torch.Tensor] | None = None,
         clients_together: str = "off",
+        denormals: str | None = None,
     ) -> None:
-        ClientRuntime.__init__(self, client_logic, data, model, train, seed, test, clients_together)
+        ClientRuntime.__init__(
+            self, client_logic, data, model, train, seed, test, clients_together, denormals
+        )
         ServerSideClientStates.__init__(self)
 
     def exchange(

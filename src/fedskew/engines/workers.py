@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from fedskew.config import ExperimentConfig
+from fedskew.core.denormals import denormals_state
 from fedskew.core.device import cuda_count
 from fedskew.core.errors import FedskewError
 from fedskew.engines.base import ServerSideClientStates, refuse_unmet
@@ -238,7 +239,7 @@ def worker_main(conn: Connection, config_json: str) -> None:
     except BaseException as exc:
         conn.send_bytes(encode_frame({"error": f"start-up failed: {one_line(exc)}"}))
         return
-    conn.send_bytes(encode_frame({"ready": True}))
+    conn.send_bytes(encode_frame({"ready": True, "denormals": denormals_state()}))
     while True:
         try:
             data = conn.recv_bytes()
@@ -359,6 +360,8 @@ class WorkerPoolEngine(ServerSideClientStates):
                 meta, _, _ = self._receive(index, during="start-up")
                 if "error" in meta:
                     raise FedskewError(f"worker {index}: {meta['error']}")
+                state = str(meta.get("denormals", "unknown"))
+                self.client_denormals[state] = self.client_denormals.get(state, 0) + 1
                 waiting.discard(index)
 
     def _wait_any(self, indices: set[int] | list[int]) -> list[int]:

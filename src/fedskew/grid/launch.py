@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedskew.config import config_hash
+from fedskew.config import config_differences, config_hash
 from fedskew.core.errors import FedskewError, UsageError
 from fedskew.core.locks import Busy, lock, unlock
 from fedskew.data.sources import load_dataset
@@ -170,15 +170,16 @@ def run_one(run: PlannedRun, root: Path, threads: int, logs: Path, children: Chi
     for existing in (finished, unfinished):
         if existing.is_dir():
             try:
-                same = saved_hash(existing) == want
+                saved = saved_config(existing)
             except (OSError, ValueError, FedskewError) as exc:
                 return Outcome(run, "failed", f"{existing} cannot be read: {exc}")
-            if not same:
+            if config_hash(saved) != want:
+                differences = config_differences(saved, run.cfg)
                 return Outcome(
                     run,
                     "failed",
-                    f"{existing} holds a run with another configuration; move it away or "
-                    "change the grid",
+                    f"{existing} holds a run with another configuration ({differences}); "
+                    "move it away or change the grid",
                 )
     if (finished / "summary.json").is_file():
         return Outcome(run, "done before")

@@ -14,7 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from fedskew.config import RESUME_MAY_CHANGE, ExperimentConfig, build_config, normalise_keys
+from fedskew.config import (
+    LEGACY,
+    RESUME_MAY_CHANGE,
+    ExperimentConfig,
+    build_config,
+    normalise_keys,
+)
 from fedskew.core.durable import (
     append_line_durably,
     fsync_dir,
@@ -67,6 +73,8 @@ def saved_config(
     saved = read_config_json(path)
     saved.pop("resolved", None)
     saved = normalise_keys(saved, str(path))
+    # Options added since the folder was written: the value it ran with.
+    saved = {**LEGACY, **saved}
     changes = normalise_keys(dict(changes or {}), who)
     others = sorted(k for k in changes if k not in RESUME_MAY_CHANGE)
     if others:

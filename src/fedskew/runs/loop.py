@@ -30,6 +30,7 @@ from fedskew.assembly.prepare import (
     resolved_facts,
 )
 from fedskew.config import ExperimentConfig, config_hash, effective_workers
+from fedskew.core.denormals import denormals_state
 from fedskew.core.device import device_facts, settings_applied
 from fedskew.core.errors import FedskewError, UsageError
 from fedskew.core.machine import machine_facts, software_facts
@@ -268,6 +269,12 @@ def execution_facts(state: RunState) -> dict[str, Any]:
     }
     if engine.worker_devices:
         facts["worker_devices"] = list(engine.worker_devices)
+    # Measured, not assumed: what this process's thread pool does with denormals, and what
+    # the worker processes or nodes reported (an engine of a user's may not say).
+    facts["denormals"] = denormals_state()
+    client_denormals = getattr(engine, "client_denormals", None)
+    if client_denormals:
+        facts["client_denormals"] = dict(client_denormals)
     return facts
 
 

@@ -7,6 +7,7 @@ from flwr.app import ConfigRecord, Context
 from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 
+from fedskew.core.denormals import denormals_state, ensure_denormals
 from fedskew.core.errors import FedskewError, UsageError
 from fedskew.engines.client_runtime import ClientRuntime, runtime_from_config_json
 from fedskew.engines.flower_codec import (
@@ -56,8 +57,14 @@ def _client_main(message: FlowerMessage, context: Context) -> FlowerMessage:
         # A new experiment: state left by an earlier one on this node must not leak in.
         clear_state(context.state)
         context.state[CONFIG_RECORD] = ConfigRecord({"json": msg.strings["config"]})
-        _runtime(msg.strings["config"], data_dir)  # load data now, not in round 1
-        reply = Message("ready", scalars={"partition_id": float(pid)})
+        runtime = _runtime(msg.strings["config"], data_dir)  # load data now, not in round 1
+        if runtime.denormals is not None:
+            ensure_denormals(runtime.denormals)
+        reply = Message(
+            "ready",
+            scalars={"partition_id": float(pid)},
+            strings={"denormals": denormals_state()},
+        )
         return FlowerMessage(encode(reply, {}), reply_to=message)
     if CONFIG_RECORD not in context.state:
         raise FedskewError("message before the setup message")

@@ -84,9 +84,14 @@ def wait_for_nodes(grid: Grid, wanted: int, timeout: float = NODE_WAIT_SECONDS) 
 
 
 def handshake(
-    grid: Grid, nodes: list[int], cfg: ExperimentConfig, timeout: float | None = None
+    grid: Grid,
+    nodes: list[int],
+    cfg: ExperimentConfig,
+    timeout: float | None = None,
+    denormals: dict[str, int] | None = None,
 ) -> dict[int, int]:
-    """Send the configuration to every node; return {client id: node id}.
+    """Send the configuration to every node; return {client id: node id}. ``denormals``
+    counts what the ready nodes measured of their denormal handling ({state: nodes}).
 
     Waits as long as the nodes keep answering: it gives up only after ``setup_limit(timeout)``
     seconds without any answer, so the wait grows with the number of nodes and the machine's
@@ -118,6 +123,9 @@ def handshake(
             cid = _setup_reply(reply, node, cfg, node_of)
             if cid is not None:
                 node_of[cid] = node
+                if denormals is not None:
+                    state = _node_denormals(reply, node, cfg)
+                    denormals[state] = denormals.get(state, 0) + 1
         now = time.monotonic()
         limit = setup_limit(timeout)
         if not pending or now - last_answer > limit:
@@ -162,6 +170,16 @@ def _setup_reply(
     return cid
 
 
+def _node_denormals(reply: FlowerMessage, node: int, cfg: ExperimentConfig) -> str:
+    """What a ready node says its threads do with denormals; a warning when it is not what
+    the run asks for (a node of an older fedskew says nothing: "unknown")."""
+    msg, _ = decode(reply.content)
+    state = str(msg.strings.get("denormals", "unknown"))
+    if state != cfg.denormals:
+        log.warning("node %d computes with denormals %s, not %s", node, state, cfg.denormals)
+    return state
+
+
 def serve(
     grid: Grid,
     cfg: ExperimentConfig,
@@ -176,14 +194,17 @@ def serve(
     setup waits as :func:`handshake` says."""
     cfg.validate()
     nodes = wait_for_nodes(grid, cfg.num_clients, node_wait)
-    node_of = handshake(grid, nodes, cfg, setup_timeout)
+    node_denormals: dict[str, int] = {}
+    node_of = handshake(grid, nodes, cfg, setup_timeout, node_denormals)
     timeout = cfg.reply_timeout or None
 
     def engine_factory(
         prep: Prepared, client_logic: ClientLogic, model: torch.nn.Module
     ) -> FlowerEngine:
         declared = prep.algorithm.reply_arrays(prep.params, model, prep.dataset.num_classes)
-        return FlowerEngine(grid, node_of, model.state_dict(), timeout=timeout, declared=declared)
+        engine = FlowerEngine(grid, node_of, model.state_dict(), timeout=timeout, declared=declared)
+        engine.client_denormals = dict(node_denormals)
+        return engine
 
     return run(cfg, on_round=on_round, resume=resume, on_start=on_start,
                engine_factory=engine_factory)  # fmt: skip

@@ -16,6 +16,7 @@ from typing import Any
 from fedskew.core.denormals import LEGACY_DENORMALS, check_denormals
 from fedskew.core.device import check_device_spec, cuda_count
 from fedskew.core.errors import UsageError
+from fedskew.core.machine import usable_cores
 from fedskew.core.precision import check_precision
 from fedskew.data.partition import read_partition_file
 
@@ -206,13 +207,16 @@ class ExperimentConfig:
         help="seconds a Flower round waits for client replies",
     )
     # Client worker processes, one torch thread each; 0 or 1: in-process; "auto": see
-    # effective_workers (chosen by benchmarks/throughput_repeats.py).
+    # execution_choice (BENCHMARKS.md: throughput_repeats, flower_round_time).
     workers: int | str = option(
         "auto", metavar="N|auto", execution=True, resumable=True, flower=False,
         flower_reason="the SuperNodes are the workers",
-        default_text="auto: one per core with --precision bf16, in-process with fp32, as "
-        "measured in BENCHMARKS.md; results are the same either way",
-        help="run clients in N worker processes, one torch thread each; 0: in-process",
+        default_text="auto: one-thread workers, one per core up to the clients per round "
+        "(spare cores become threads where a model's steps can use them), in-process for "
+        "small runs; `fedskew run` says what it chose and why; metrics are the same either "
+        "way at equal threads per process (OMP_NUM_THREADS, which auto keeps)",
+        help="run clients in N worker processes, one torch thread each (at most the "
+        "clients per round); 0: in-process",
     )
     # A client reply with NaN or Inf: "stop" ends the run naming round and client (the last
     # good checkpoint is kept); "drop" leaves the reply out of the round, as a lost one.
@@ -582,35 +586,212 @@ def parse_trackers(value: Any) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def effective_workers(cfg: ExperimentConfig) -> int:
-    """The worker processes a run uses: ``cfg.workers``, or for ``auto`` the measured choice.
+# ---------------------------------------------------------------------------- execution
 
-    On the 2-core machine of benchmarks/results/throughput_repeats.md, one-thread worker
-    processes gave 1.34x the round throughput of one process with both threads in bf16, and
-    0.97x in fp32 (3 paired repeats each): in bf16 the convolutions are fast enough that the
-    per-step Python work of one process no longer hides behind them. So ``auto`` uses one
-    worker per core (up to the clients per round) for bf16, and the in-process engine for
-    fp32 and for other engines. Each worker holds its own copy of the dataset, so the run
-    then lowers the count to what half of the available memory holds
-    (engine.workers.affordable_workers). The choice changes speed only: metrics are
-    identical.
+# What ``--workers auto`` rests on. Measured on this project's 2-core machines
+# (BENCHMARKS.md), FedAvg on Fashion-MNIST, 8 clients per round:
+#
+# * idle: 2 one-thread worker processes gave 0.97x the round throughput of one process
+#   with 2 threads in fp32 and 1.34x in bf16 (fedavg-cnn, batch 64; throughput_repeats);
+# * busy (1-minute load 7 to 12 on the 2 cores): 2 one-thread workers took 5.0 s per
+#   round, one process with 2 threads 87 s, one process with 1 thread 11 s (simple-cnn;
+#   flower_round_time): an OpenMP team whose threads wait for each other at every
+#   operation collapses when other processes take its cores, independent one-thread
+#   processes do not;
+# * starting a worker took about 6 s of one core here (spawn, import torch, build the
+#   runtime); one core trained the built-in models at 11 to 43 GFLOP/s (batch 64, fp32,
+#   one thread: simple-cnn 11, fedavg-cnn 38, cnn-cifar 43).
+#
+# The thresholds below are reasoning from those figures, not measurements of other
+# machines.
+
+# A client's local training below this (about 0.05 s of one core at ~20 GFLOP/s) is
+# as short as shipping its model, state and reply through pipes: kept in one process.
+MIN_CLIENT_FLOPS = 1e9
+# A run whose clients' training adds up to less than about a minute of one core gains
+# less from workers than starting them costs (seconds each).
+MIN_RUN_FLOPS = 1.2e12
+# Threads for one client's batch steps: a step must bring each thread about this much
+# (~5 ms of a core), or the fork and join of every one of a step's dozens of operations
+# eats the gain; small models do not split well over threads. fedavg-cnn at batch 64,
+# 1.6 GFLOP per step, ran as fast on 2 threads as 2 one-thread workers did, idle.
+STEP_FLOPS_PER_THREAD = 100e6
+
+
+@dataclass(frozen=True)
+class TrainingWork:
+    """What one client's local training costs, estimated from the model and the partition
+    (``fedskew.assembly.prepare.training_work``): FLOPs of a client of mean size (epochs x
+    samples x about three forward passes) and of one batch step; the model's parameter
+    bytes and one batch's layer outputs (what a worker process holds besides torch)."""
+
+    client_flops: float
+    step_flops: float
+    model_bytes: int = 0
+    activation_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How a run's clients execute: in ``workers`` processes (0: in the run's own process)
+    with ``threads`` torch threads each (None: the process's thread count, left as it is),
+    and why (``reason``). ``auto``: chosen by ``--workers auto``; ``capped``: a given
+    count lowered to what can be used."""
+
+    workers: int
+    threads: int | None
+    reason: str
+    auto: bool = True
+    capped: bool = False
+
+    def describe(self) -> str:
+        """ "2 worker processes x 1 thread", "clients in this process, 2 threads"."""
+        threads = "" if self.threads is None else plural(self.threads, "thread")
+        if self.workers >= 2:
+            return f"{self.workers} worker processes x {threads or '1 thread'}"
+        return "clients in this process" + (f", {threads}" if threads else "")
+
+    def note(self) -> str:
+        """The line ``fedskew run`` prints about the choice."""
+        return f"{self.describe()} ({self.reason})"
+
+
+def plural(count: int, word: str) -> str:
+    return f"{count} {word}" + ("" if count == 1 else "s")
+
+
+def omp_threads() -> int | None:
+    """The thread count OMP_NUM_THREADS asks for (the first level of a nested list), or
+    None where it is unset or unreadable."""
+    text = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    try:
+        count = int(text)
+    except ValueError:
+        return None
+    return count if count >= 1 else None
+
+
+def execution_choice(
+    cfg: ExperimentConfig,
+    work: TrainingWork | None = None,
+    *,
+    spawn_ok: bool = True,
+    cores: int | None = None,
+) -> Execution:
+    """How the clients of ``cfg`` execute: ``cfg.workers``, or for ``auto`` this choice.
+
+    A given count is kept (one torch thread per worker), but never above the clients per
+    round: more workers than clients would idle. The choice changes speed only: a client's
+    work depends on its message, state, id and round, never on the process that runs it
+    (tests/test_workers.py). The thread count of the process that trains a client can
+    change float sums in the last bits, as torch splits reductions by thread; set
+    OMP_NUM_THREADS to fix it (``auto`` then keeps it).
+
+    ``auto`` on the CPU (``cores``: the usable cores, ``fedskew.core.machine.usable_cores``;
+    ``work``: the estimate of ``fedskew.assembly.prepare.training_work``, taken as large
+    where it is None) decides between worker processes and threads from per-client work:
+
+    * worker processes, one per core up to the clients per round, whenever a round has two
+      clients or more to run side by side and their training is worth shipping (a client
+      of at least ``MIN_CLIENT_FLOPS``, a run of at least ``MIN_RUN_FLOPS``). Measured here
+      (BENCHMARKS.md, 2 cores): one-thread workers were about as fast as one process with
+      both threads idle in fp32 (0.97x), faster in bf16 (1.34x), and 17x faster on a busy
+      machine (5 s against 87 s a round), where an OpenMP team stalls whenever another
+      process holds one of its cores. Clients are independent: splitting a round by client
+      has no per-operation synchronisation, splitting a small model's operations over
+      threads has a great deal.
+    * threads per worker: with more cores than clients per round, each worker gets
+      cores // workers threads, as many as its batch steps can use (one per
+      ``STEP_FLOPS_PER_THREAD`` of a step): a big model's step splits well over threads,
+      a small one's does not, so its spare cores stay idle rather than slow it down.
+      This is reasoning for machines not measured here (more cores than clients).
+    * in this process (the engine without workers) when there is nothing to run side by
+      side (one core, one client per round), when the work is too small to pay for
+      worker processes, or when the script that runs fedskew would start again in each
+      worker (no ``if __name__ == "__main__":`` guard, ``spawn_ok`` False); its threads
+      are then what one client's steps can use, up to the cores.
+
+    OMP_NUM_THREADS, where set, is the user's thread count per process: workers get that
+    many threads each, and as many workers as the cores hold at that count.
+
+    The run then lowers the worker count to what half of the available memory holds
+    (``fedskew.engines.workers.affordable_workers``: the dataset once, in shared memory,
+    plus each worker's own memory).
 
     On CUDA (``device`` cuda, or auto with a GPU), ``auto`` runs one worker per visible GPU
     when there are two or more (worker i uses cuda:i mod count), else the in-process engine;
     a device named ``cuda:N`` keeps every client on that one GPU, in process."""
+    per_round = cfg.per_round()
     if cfg.workers != "auto":
-        return int(cfg.workers)
-    if cfg.engine == "inprocess" and cfg.device in ("auto", "cuda") and cuda_count() > 0:
-        gpus = min(cuda_count(), cfg.per_round())
-        return gpus if gpus >= 2 else 0
-    if cfg.engine != "inprocess" or cfg.precision != "bf16":
-        return 0
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    count = min(cores, cfg.per_round())
-    return count if count >= 2 else 0
+        given = int(cfg.workers)
+        if given >= 2 and given > per_round:
+            used = per_round if per_round >= 2 else 0
+            return Execution(
+                used, 1 if used else None,
+                f"--workers {given} capped: {plural(per_round, 'client')} train per round",
+                auto=False, capped=True,
+            )  # fmt: skip
+        return Execution(given, 1 if given >= 2 else None, f"--workers {given}", auto=False)
+    if cfg.engine != "inprocess":
+        return Execution(0, None, f"auto: the {cfg.engine} engine runs the clients")
+    if cfg.device.startswith("cuda") or (cfg.device == "auto" and cuda_count() > 0):
+        gpus = cuda_count()
+        if cfg.device in ("auto", "cuda"):
+            used = min(gpus, per_round)
+            why = f"auto: {plural(gpus, 'GPU')}, {plural(per_round, 'client')} per round"
+            return Execution(used, 1, why) if used >= 2 else Execution(0, None, why)
+        return Execution(0, None, f"auto: every client on {cfg.device}")
+
+    cores = usable_cores() if cores is None else cores
+    fixed = omp_threads()
+    facts = f"auto: {plural(cores, 'core')}, {plural(per_round, 'client')} per round"
+    step_threads = cores if work is None else max(1, int(work.step_flops // STEP_FLOPS_PER_THREAD))
+    alone = fixed or min(cores, step_threads)
+
+    def in_process(why: str) -> Execution:
+        return Execution(0, alone, f"{facts}; {why}")
+
+    most = min(per_round, cores // (fixed or 1))
+    if per_round < 2:
+        return in_process("nothing to train side by side")
+    if cores < 2:
+        return in_process("nothing to run side by side")
+    if most < 2:
+        return in_process(f"OMP_NUM_THREADS={fixed} leaves room for one process")
+    if not spawn_ok:
+        return in_process(
+            'worker processes need the script\'s code under if __name__ == "__main__":'
+        )
+    if work is not None:
+        if work.client_flops < MIN_CLIENT_FLOPS:
+            gflop = work.client_flops / 1e9
+            return in_process(
+                f"a client's training is about {gflop:.2g} GFLOP, too little to ship to "
+                "another process"
+            )
+        run_flops = cfg.rounds * per_round * work.client_flops
+        if run_flops < MIN_RUN_FLOPS:
+            return in_process(
+                f"the run's training is about {run_flops / 1e12:.2g} TFLOP, too little to "
+                "pay for starting worker processes"
+            )
+    threads = fixed or max(1, min(cores // most, step_threads))
+    if fixed:
+        why = f"OMP_NUM_THREADS={fixed}"
+    elif threads > 1:
+        why = f"{plural(threads, 'core')} for each worker's batch steps"
+    elif cores // most > 1:
+        why = "a batch step is too small to split over threads"
+    else:
+        why = "one-thread workers hold up on a busy machine"
+    return Execution(most, threads, f"{facts}; {why}")
+
+
+def effective_workers(
+    cfg: ExperimentConfig, work: TrainingWork | None = None, *, spawn_ok: bool = True
+) -> int:
+    """The worker processes a run uses (0: none): see :func:`execution_choice`."""
+    return execution_choice(cfg, work, spawn_ok=spawn_ok).workers
 
 
 # ---------------------------------------------------------------------------- value parsing

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -40,6 +41,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args)
     progress = RoundProgress(cfg.rounds, f"{cfg.algorithm} on {cfg.dataset}", disable=cfg.quiet)
+    notes = logging.getLogger("fedskew.execution")  # fedskew.runs.loop.notes
+    handler = NoteHandler()
+    level = notes.level
+    if not cfg.quiet:
+        notes.addHandler(handler)
+        notes.setLevel(logging.INFO)
     try:
         if cfg.engine == "flower-sim":
             run_flower = flower_simulation()
@@ -52,9 +59,22 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
     finally:
         progress.close()
+        notes.removeHandler(handler)
+        notes.setLevel(level)
     if not cfg.quiet:
         print(format_summary(summary, folder))
     return 0
+
+
+class NoteHandler(logging.Handler):
+    """Prints a run's notes (how it executes) as ``fedskew: ...`` lines on stderr, before
+    the progress bar starts."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(f"fedskew: {one_line(record.getMessage())}", file=sys.stderr, flush=True)
+        except Exception:
+            self.handleError(record)
 
 
 def flower_simulation():

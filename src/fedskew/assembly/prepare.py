@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from fedskew.algorithms import get_algorithm
-from fedskew.config import ExperimentConfig
+from fedskew.config import ExperimentConfig, TrainingWork
 from fedskew.core.device import ExecutionSettings, device_facts, resolve_device
 from fedskew.core.errors import UsageError
 from fedskew.core.rng import derive_seed
@@ -31,6 +31,7 @@ from fedskew.data.partition import (
 from fedskew.data.sources import load_dataset
 from fedskew.data.user_datasets import default_model_for, find_dataset_loader
 from fedskew.models import build_model, find_model
+from fedskew.models.cost import TRAIN_FLOPS_PER_FORWARD, forward_cost
 from fedskew.training.interface import Algorithm, LocalTrainConfig
 from fedskew.version import __version__
 
@@ -128,14 +129,17 @@ def execution_settings(cfg: ExperimentConfig) -> ExecutionSettings:
     )
 
 
-def prepare(cfg: ExperimentConfig) -> Prepared:
+def prepare(cfg: ExperimentConfig, dataset: Dataset | None = None) -> Prepared:
     """Data, partition, algorithm and training settings of ``cfg``; the training and test
-    tensors are put on the run's device once (a no-op on the CPU)."""
+    tensors are put on the run's device once (a no-op on the CPU). ``dataset``: the run's
+    dataset as another process loaded it (a worker gets its parent's, in shared memory),
+    instead of loading it here."""
     check_names(cfg)
     device = resolve_device(cfg.device)
     algorithm = get_algorithm(cfg.algorithm, feature_matching=cfg.feature_matching)
     params = algorithm.make_params(cfg.params)
-    dataset = load_experiment_data(cfg)
+    if dataset is None:
+        dataset = load_experiment_data(cfg)
     partition = build_partition(cfg, dataset)
     empty = [k for k, p in enumerate(partition) if len(p) == 0]
     if empty:
@@ -169,6 +173,37 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         cfg, dataset, model_name, partition, fed, algorithm, params, train, channels_last,
         device, test,
     )  # fmt: skip
+
+
+def use_host_tensors(prep: Prepared, tensors: dict[str, torch.Tensor]) -> None:
+    """Let a CPU run's dataset, federated data and test set be ``tensors`` (x_train,
+    y_train, x_test, y_test: equal values and layout, held elsewhere, e.g. in shared
+    memory), so that this process drops its own copies."""
+    if prep.device.type != "cpu":
+        raise ValueError("use_host_tensors is for runs on the CPU")
+    for name in ("x_train", "y_train", "x_test", "y_test"):
+        old, new = getattr(prep.dataset, name), tensors[name]
+        if old.shape != new.shape or old.stride() != new.stride() or old.dtype != new.dtype:
+            raise ValueError(f"{name}: the new tensor's layout differs from the dataset's")
+        setattr(prep.dataset, name, new)
+    prep.fed.x, prep.fed.y = tensors["x_train"], tensors["y_train"]
+    prep.fed.forget_clients()
+    prep.test = (tensors["x_test"], tensors["y_test"])
+
+
+def training_work(prep: Prepared, model: torch.nn.Module) -> TrainingWork:
+    """What one client's local training costs, estimated from the model and the partition:
+    the ``--workers auto`` choice rests on it (``fedskew.config.execution_choice``)."""
+    per_sample = forward_cost(model, prep.dataset.input_shape, prep.channels_last)
+    sizes = [len(p) for p in prep.partition]
+    mean_client = sum(sizes) / max(1, len(sizes))
+    train_flops = TRAIN_FLOPS_PER_FORWARD * per_sample.flops
+    return TrainingWork(
+        client_flops=prep.train.epochs * mean_client * train_flops,
+        step_flops=min(prep.train.batch_size, max(sizes, default=0)) * train_flops,
+        model_bytes=per_sample.parameter_bytes,
+        activation_bytes=prep.train.batch_size * per_sample.activation_bytes,
+    )
 
 
 def new_model(prep: Prepared) -> torch.nn.Module:

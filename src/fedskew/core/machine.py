@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import os
 import platform
 import subprocess
@@ -38,6 +39,79 @@ def machine_facts() -> dict[str, str | int]:
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
     }
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (``os.sched_getaffinity``: a
+    Slurm allocation, ``taskset``, a cpuset), lowered to a container's CPU quota (cgroup
+    ``cpu.max`` or ``cpu.cfs_quota_us``, rounded up) where one is set."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    return max(1, cores)
+
+
+def cgroup_cpu_quota() -> float | None:
+    """CPUs' worth of time the cgroup of this process may use per period, or None (no
+    quota, or not readable)."""
+    try:  # cgroup v2: "max 100000" or "200000 100000"
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:  # cgroup v1: -1 when there is no quota
+        base = Path("/sys/fs/cgroup/cpu")
+        quota_us = int((base / "cpu.cfs_quota_us").read_text())
+        period_us = int((base / "cpu.cfs_period_us").read_text())
+        return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+    except (OSError, ValueError):
+        return None
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this process can still take: the kernel's MemAvailable, lowered to what the
+    cgroup's limit leaves (a container, a Slurm job) where one is set; None where neither
+    can be read."""
+    available = None
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    left = cgroup_memory_left()
+    if left is not None:
+        available = left if available is None else min(available, left)
+    return available
+
+
+def cgroup_memory_left() -> int | None:
+    """The cgroup's memory limit minus its usage, or None (no limit, or not readable)."""
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # v2
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
+        try:
+            limit_text = Path(limit_file).read_text().strip()
+            if limit_text == "max":
+                return None
+            limit = int(limit_text)
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit >= 2**60:  # v1 writes "no limit" as a huge number
+            return None
+        return max(0, limit - usage)
+    return None
 
 
 def software_facts() -> dict[str, str | bool | None]:

@@ -66,6 +66,10 @@ class FederatedData:
     def num_clients(self) -> int:
         return len(self.partition)
 
+    def forget_clients(self) -> None:
+        """Drop the clients' cached data, after ``x`` or ``y`` was replaced."""
+        self._clients.clear()
+
     def sizes(self) -> list[int]:
         return [len(p) for p in self.partition]
 

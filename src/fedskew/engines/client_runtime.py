@@ -26,6 +26,7 @@ from fedskew.assembly.prepare import Prepared, execution_settings, new_model, pr
 from fedskew.config import build_config, normalise_keys
 from fedskew.core.denormals import ensure_denormals
 from fedskew.core.device import apply_settings, to_cpu, to_device
+from fedskew.data.datasets import Dataset
 from fedskew.data.federated import FederatedData
 from fedskew.engines.together import model_obstacle, plain_handler, resolve_mode, train_together
 from fedskew.training.interface import ClientContext, ClientLogic, LocalTrainConfig
@@ -36,18 +37,22 @@ log = logging.getLogger("fedskew")
 
 
 def runtime_from_config_json(
-    config_json: str, who: str, local: Mapping[str, Any] | None = None
+    config_json: str,
+    who: str,
+    local: Mapping[str, Any] | None = None,
+    dataset: Dataset | None = None,
 ) -> ClientRuntime:
     """The client runtime of a run, from its configuration as JSON (``ExperimentConfig.to_dict``,
     as a run folder's config.json and the messages to workers and Flower nodes carry it):
     what a worker process or a Flower node builds once per run. ``local`` overrides what is
-    the process's own (a node's data folder); ``who`` names the source in errors. The run's
-    device and TF32/determinism switches are applied for the process's lifetime, before any
-    CUDA work."""
+    the process's own (a node's data folder); ``who`` names the source in errors;
+    ``dataset``, where given, is the run's dataset already loaded (a worker's view of its
+    parent's, in shared memory). The run's device and TF32/determinism switches are applied
+    for the process's lifetime, before any CUDA work."""
     raw = {**json.loads(config_json), **(local or {})}
     cfg = build_config(normalise_keys(raw, who), {})
     apply_settings(execution_settings(cfg))
-    return ClientRuntime.from_prepared(prepare(cfg))
+    return ClientRuntime.from_prepared(prepare(cfg, dataset))
 
 
 class ClientRuntime:

@@ -9,14 +9,18 @@ clients must.
 
 The parent keeps every client's state and sends it with each task; a worker keeps
 nothing between tasks but its data, its scratch model and the algorithm's client logic,
-built once from the experiment configuration (the only thing sent at start-up). Workers
-are started with ``spawn`` (forking a process whose torch already runs threads can
+built once from the experiment configuration (sent at start-up, with the worker's torch
+thread count and, on the CPU, where to find the dataset). On the CPU the parent puts the
+dataset's tensors into shared memory once and every worker maps them
+(``fedskew.engines.shared_data``): the dataset takes its memory once, not once per worker.
+Workers are started with ``spawn`` (forking a process whose torch already runs threads can
 deadlock), ignore Ctrl-C (the parent ends them), and take tasks one at a time: a free
 worker gets the next client of the exchange.
 
 On CUDA each worker takes one GPU (worker i: cuda:i mod the visible GPUs), so N workers
 spread a round's clients over the machine's GPUs; messages and states cross the pipes as
-host arrays, and each worker's client runtime moves them to its GPU and back.
+host arrays, and each worker's client runtime moves them to its GPU and back. CUDA workers
+load the dataset themselves and put it on their GPU.
 
 Wire format, both ways, no pickle: an 8-byte little-endian header length, a JSON header
 (envelope, message kind, numbers, strings, and for each array its name, dtype, shape and
@@ -27,9 +31,12 @@ exactly what the in-process engine would hand it.
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import logging
 import multiprocessing as mp
 import os
+import re
 import signal
 import struct
 import sys
@@ -42,14 +49,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedskew.config import ExperimentConfig
+from fedskew.config import ExperimentConfig, TrainingWork
 from fedskew.core.denormals import denormals_state
 from fedskew.core.device import cuda_count
 from fedskew.core.errors import FedskewError
+from fedskew.core.machine import available_memory_bytes
+from fedskew.data.datasets import Dataset
 from fedskew.engines.base import ServerSideClientStates, refuse_unmet
-from fedskew.engines.client_runtime import runtime_from_config_json
+from fedskew.engines.client_runtime import ClientRuntime, runtime_from_config_json
+from fedskew.engines.shared_data import (
+    SHM_DIR,
+    AttachedData,
+    SharedDataset,
+    dataset_nbytes,
+    shared_memory_available,
+)
 from fedskew.training.protocol import ClientState, Expected, Message
 
+log = logging.getLogger("fedskew")
 _LENGTH = struct.Struct("<Q")
 POLL_SECONDS = 1.0  # how often a waiting parent checks that its busy workers are alive
 STOP_SECONDS = 5.0  # how long an idle worker may take to leave after the stop frame
@@ -229,17 +246,35 @@ def _leave() -> None:
     os._exit(0)
 
 
-def worker_main(conn: Connection, config_json: str) -> None:
-    """A worker process: build the runtime, then answer tasks until told to stop."""
+def worker_main(conn: Connection, config_json: str, setup_json: str = "{}") -> None:
+    """A worker process: build the runtime, then answer tasks until told to stop.
+
+    ``setup_json``: what is the worker's own, as JSON: ``threads`` (its torch threads) and
+    ``data`` (where its dataset lies in shared memory, ``fedskew.engines.shared_data``;
+    absent: the worker loads the dataset itself)."""
     # Ctrl-C reaches the whole process group; the parent decides when workers end.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(1)
+    # A fault (say a write into the read-only shared dataset) prints where it happened.
+    faulthandler.enable()
     try:
-        runtime = runtime_from_config_json(config_json, "worker configuration")
+        setup = json.loads(setup_json)
+        torch.set_num_threads(int(setup.get("threads", 1)))
+        attached = AttachedData(setup["data"]) if setup.get("data") else None
+        runtime = runtime_from_config_json(
+            config_json,
+            "worker configuration",
+            dataset=None if attached is None else attached.dataset,
+        )
     except BaseException as exc:
         conn.send_bytes(encode_frame({"error": f"start-up failed: {one_line(exc)}"}))
         return
-    conn.send_bytes(encode_frame({"ready": True, "denormals": denormals_state()}))
+    ready = {
+        "ready": True,
+        "threads": torch.get_num_threads(),
+        "data": data_kind(runtime, attached),
+        "denormals": denormals_state(),
+    }
+    conn.send_bytes(encode_frame(ready))
     while True:
         try:
             data = conn.recv_bytes()
@@ -266,6 +301,32 @@ def worker_main(conn: Connection, config_json: str) -> None:
             return
 
 
+def share(dataset: Dataset) -> SharedDataset | None:
+    """The dataset in shared memory, or None where there is no room for it: the workers
+    then load their own copies."""
+    if not shared_memory_available(dataset_nbytes(dataset)):
+        log.warning("no room for the dataset in %s: each worker loads its own copy", SHM_DIR)
+        return None
+    try:
+        return SharedDataset.create(dataset)
+    except OSError as exc:  # filled up meanwhile, or refused
+        log.warning(
+            "the dataset could not go into %s (%s): each worker loads its own copy",
+            SHM_DIR, exc.strerror or exc,
+        )  # fmt: skip
+        return None
+
+
+def data_kind(runtime: ClientRuntime, attached: AttachedData | None) -> str:
+    """Where the worker's training and test tensors live: "shared" (views of the parent's
+    shared memory), "copied" (shared memory was given, but the runtime holds copies) or
+    "loaded" (the worker loaded the data itself)."""
+    if attached is None:
+        return "loaded"
+    tensors = [runtime.data.x, runtime.data.y, *(runtime.test or ())]
+    return "shared" if all(attached.holds(t) for t in tensors) else "copied"
+
+
 # ---------------------------------------------------------------------------- parent
 
 # What a worker holds besides the dataset: torch, the scratch model, batches (a FedAvg
@@ -273,24 +334,57 @@ def worker_main(conn: Connection, config_json: str) -> None:
 WORKER_OVERHEAD_BYTES = 350 * 2**20
 
 
-def available_memory_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+def worker_bytes(work: TrainingWork | None = None) -> int:
+    """What one worker holds besides the dataset: the overhead measured with a small model
+    (torch itself, mostly), plus the model's weights, gradients, momentum and a received
+    copy (4x the parameters) and one batch's layer outputs and their gradients (2x), which
+    grow with the model (an estimate, ``fedskew.models.cost``)."""
+    if work is None:
+        return WORKER_OVERHEAD_BYTES
+    return WORKER_OVERHEAD_BYTES + 4 * work.model_bytes + 2 * work.activation_bytes
 
 
-def affordable_workers(dataset_bytes: int) -> int:
-    """How many workers, each with its own copy of the dataset, fit in half of the memory
-    available now (unbounded where that cannot be read)."""
+def affordable_workers(
+    dataset_bytes: int, shared: bool = True, per_worker: int = WORKER_OVERHEAD_BYTES
+) -> int:
+    """How many workers fit in half of the memory available now (unbounded where that
+    cannot be read): the dataset once in shared memory plus ``per_worker`` each, or
+    (``shared`` False: workers that load the dataset themselves) a copy each."""
     available = available_memory_bytes()
     if available is None:
         return sys.maxsize
-    return int(0.5 * available) // (dataset_bytes + WORKER_OVERHEAD_BYTES)
+    budget = int(0.5 * available)
+    if shared:
+        return max(0, budget - dataset_bytes) // per_worker
+    return budget // (dataset_bytes + per_worker)
+
+
+_GUARD = re.compile(r"""__name__\s*==\s*["']__main__["']|["']__main__["']\s*==\s*__name__""")
+
+
+def main_allows_spawn() -> bool:
+    """Whether starting a worker process is safe from the main module: ``spawn`` runs the
+    main script again in each worker (as ``__mp_main__``), and a script that starts a run
+    outside an ``if __name__ == "__main__":`` guard would start it again there. Safe:
+    interactive sessions and ``python -c`` (no script), packages' ``__main__`` modules
+    (multiprocessing skips them), and scripts whose text holds the guard."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        return True
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    if spec_name == "__main__" or spec_name.endswith(".__main__"):
+        return True
+    path = getattr(main, "__file__", None)
+    if not path:
+        return True
+    if os.path.splitext(os.path.basename(path))[0] == "__main__":
+        return True
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            text = fh.read(1_000_000)
+    except OSError:
+        return False
+    return _GUARD.search(text) is not None
 
 
 class WorkerPoolEngine(ServerSideClientStates):
@@ -301,7 +395,11 @@ class WorkerPoolEngine(ServerSideClientStates):
 
     With ``client_sizes`` (training samples per client), an exchange hands out the largest
     clients first, so that a big client does not start last while the other workers idle;
-    the order in which clients run does not change any result.
+    the order in which clients run does not change any result. ``threads``: torch threads
+    per worker. ``dataset``: the run's dataset, as this process loaded it; on the CPU it
+    goes into shared memory once and the workers map it (:attr:`worker_data` says
+    "shared"), else each worker loads its own ("loaded"). :meth:`shared_tensors` gives
+    this process the same tensors, so that it can drop its own copies.
 
     Workers are started with ``spawn``, which imports the main module again in each
     worker: a script that builds this engine (or calls ``run`` with ``workers`` >= 2) must
@@ -313,17 +411,25 @@ class WorkerPoolEngine(ServerSideClientStates):
         cfg: ExperimentConfig,
         workers: int | None = None,
         client_sizes: list[int] | None = None,
+        *,
+        threads: int = 1,
+        dataset: Dataset | None = None,
     ) -> None:
         count = cfg.workers if workers is None else workers
         if count < 1:
             raise FedskewError(f"the worker engine needs at least one worker, got {count}")
+        if threads < 1:
+            raise FedskewError(f"a worker needs at least one thread, got {threads}")
         super().__init__()
         self.worker_count = count
         self.client_sizes = client_sizes
         self.processes: list[Any] = []
         self.conns: list[Connection] = []
+        self.worker_threads: list[int] = []  # as each worker reported them when ready
+        self.worker_data: list[str] = []  # "shared", "loaded" (or "copied"): data_kind
         self._busy: dict[int, int] = {}  # worker index -> client it is working on
         self._closed = False
+        self._shared: SharedDataset | None = None
         # A worker answers for one client at a time: nothing to train together.
         config = {
             **cfg.to_dict(), "workers": 0, "engine": "inprocess", "quiet": True,
@@ -334,12 +440,18 @@ class WorkerPoolEngine(ServerSideClientStates):
             self.worker_devices = tuple(devices)
         context = mp.get_context("spawn")
         try:
+            on_host = not self.worker_devices and cfg.device in ("cpu", "auto")
+            if dataset is not None and on_host:
+                self._shared = share(dataset)
+            setup = json.dumps(
+                {"threads": threads, "data": None if self._shared is None else self._shared.header}
+            )
             for index in range(count):
                 parent_end, child_end = context.Pipe(duplex=True)
                 worker_config = {**config, "device": devices[index]}
                 process = context.Process(
                     target=worker_main,
-                    args=(child_end, json.dumps(worker_config)),
+                    args=(child_end, json.dumps(worker_config), setup),
                     name=f"fedskew-worker-{index}",
                     daemon=True,  # never outlive the parent, even if close() is skipped
                 )
@@ -348,21 +460,35 @@ class WorkerPoolEngine(ServerSideClientStates):
                 self.processes.append(process)
                 self.conns.append(parent_end)
             self._await_ready()
+            if self._shared is not None:
+                # Every worker has mapped it: the file can go, the memory stays mapped.
+                self._shared.unlink()
         except BaseException:
             self.close()
             raise
 
+    def shared_tensors(self) -> dict[str, torch.Tensor] | None:
+        """This process's views of the dataset in shared memory (x_train, y_train, x_test,
+        y_test; values and layout of the dataset given), or None where it is not shared."""
+        return None if self._shared is None else self._shared.views()
+
     def _await_ready(self) -> None:
         waiting = set(range(len(self.processes)))
+        threads: dict[int, int] = {}
+        data: dict[int, str] = {}
         while waiting:
             ready = self._wait_any(waiting)
             for index in ready:
                 meta, _, _ = self._receive(index, during="start-up")
                 if "error" in meta:
                     raise FedskewError(f"worker {index}: {meta['error']}")
+                threads[index] = int(meta.get("threads", 1))
+                data[index] = str(meta.get("data", "loaded"))
                 state = str(meta.get("denormals", "unknown"))
                 self.client_denormals[state] = self.client_denormals.get(state, 0) + 1
                 waiting.discard(index)
+        self.worker_threads = [threads[i] for i in range(len(self.processes))]
+        self.worker_data = [data[i] for i in range(len(self.processes))]
 
     def _wait_any(self, indices: set[int] | list[int]) -> list[int]:
         """Workers among ``indices`` with a frame to read (or that died); never blocks
@@ -467,6 +593,8 @@ class WorkerPoolEngine(ServerSideClientStates):
         for conn in self.conns:
             conn.close()
         self._busy.clear()
+        if self._shared is not None:
+            self._shared.unlink()
 
     def __enter__(self) -> WorkerPoolEngine:
         return self

@@ -22,6 +22,7 @@ from typing import Any
 from fedskew.config import config_differences, config_hash
 from fedskew.core.errors import FedskewError, UsageError
 from fedskew.core.locks import Busy, lock, unlock
+from fedskew.core.machine import usable_cores
 from fedskew.data.sources import load_dataset
 from fedskew.grid.plan import Grid, PlannedRun
 from fedskew.report.runs import INCOMPLETE
@@ -33,10 +34,8 @@ SLOTS = ".compare-locks"
 
 
 def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    """The cores runs may use: the affinity, within a container's CPU quota."""
+    return usable_cores()
 
 
 def threads_per_run(jobs: int, threads: int | None, cores: int) -> int:

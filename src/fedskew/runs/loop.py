@@ -10,6 +10,7 @@ through the :class:`~fedskew.engines.base.Engine` interface.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import re
 import time
@@ -28,8 +29,10 @@ from fedskew.assembly.prepare import (
     new_model,
     prepare,
     resolved_facts,
+    training_work,
+    use_host_tensors,
 )
-from fedskew.config import ExperimentConfig, config_hash, effective_workers
+from fedskew.config import Execution, ExperimentConfig, config_hash, execution_choice, plural
 from fedskew.core.denormals import denormals_state
 from fedskew.core.device import device_facts, settings_applied
 from fedskew.core.errors import FedskewError, UsageError
@@ -37,7 +40,13 @@ from fedskew.core.machine import machine_facts, software_facts
 from fedskew.data.federated import sample_clients
 from fedskew.engines.base import Engine, ServerSideClientStates
 from fedskew.engines.inprocess import InProcessEngine
-from fedskew.engines.workers import WorkerPoolEngine, affordable_workers
+from fedskew.engines.shared_data import dataset_nbytes, shared_memory_available
+from fedskew.engines.workers import (
+    WorkerPoolEngine,
+    affordable_workers,
+    main_allows_spawn,
+    worker_bytes,
+)
 from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
 from fedskew.runs.checkpoint import (
     check_checkpoint,
@@ -58,6 +67,9 @@ RoundCallback = Callable[[dict[str, Any]], None]
 # scratch model the run loop made (the in-process engine uses both).
 EngineFactory = Callable[[Prepared, ClientLogic, torch.nn.Module], Engine]
 log = logging.getLogger("fedskew")
+# One line about how the run executes (what --workers auto chose, a count capped):
+# `fedskew run` prints it unless -q; for the Python API it is an INFO record.
+notes = logging.getLogger("fedskew.execution")
 
 
 def run(
@@ -80,8 +92,13 @@ def run(
     The run's TF32 and determinism switches hold while it runs and are put back after it.
     """
     cfg.validate()
-    with settings_applied(execution_settings(cfg)):
-        return _run(cfg, on_round, resume, on_start, engine_factory)
+    threads = torch.get_num_threads()  # --workers auto may set this process's count
+    try:
+        with settings_applied(execution_settings(cfg)):
+            return _run(cfg, on_round, resume, on_start, engine_factory)
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def _run(
@@ -106,8 +123,14 @@ def _run(
     server = prep.algorithm.Server(prep.params, setup)
     client_logic = prep.algorithm.Client(prep.params)
     engine = factory(prep, client_logic, model)
+    execution = getattr(factory, "execution", None)
+    if isinstance(execution, Execution) and (execution.auto or execution.capped):
+        notes.info("%s", execution.note())
     measurements = Measurements(prep, eval_model)
-    state = RunState(prep, setup, server, engine, eval_model, per_round, measurements=measurements)
+    state = RunState(
+        prep, setup, server, engine, eval_model, per_round, measurements=measurements,
+        execution=execution if isinstance(execution, Execution) else None,
+    )  # fmt: skip
     tracking = TrackingSession()  # none until the run folder is open
     try:
         open_folder(state, resume)
@@ -158,22 +181,68 @@ class RunInterrupted(KeyboardInterrupt):
         self.folder = folder
 
 
-def default_engine_factory(cfg: ExperimentConfig) -> EngineFactory:
-    """The in-process engine, or worker processes when ``cfg.workers`` (or ``auto``) asks
-    for two or more; ``auto`` never starts more workers than half the available memory
-    holds copies of the dataset (each worker holds one)."""
-    workers = effective_workers(cfg)
+def default_engine_factory(cfg: ExperimentConfig) -> DefaultEngineFactory:
+    """The in-process engine, or worker processes where ``cfg.workers`` (or ``auto``) asks
+    for two or more (``fedskew.config.execution_choice``)."""
+    return DefaultEngineFactory(cfg)
 
-    def build(prep: Prepared, client_logic: ClientLogic, model: torch.nn.Module) -> Engine:
-        count = workers
-        if count >= 2 and cfg.workers == "auto":
-            data = (prep.dataset.x_train, prep.dataset.x_test)
-            count = min(count, affordable_workers(sum(t.nbytes for t in data)))
-        if count <= 1:
+
+class DefaultEngineFactory:
+    """Builds a run's engine as ``cfg.workers`` says, and keeps what it chose and why
+    (``execution``: for the run's note and processes.jsonl).
+
+    ``auto`` on the CPU estimates the clients' work from the model and the partition
+    (``training_work``), never starts more workers than half the available memory holds
+    (the dataset once, in shared memory, and each worker's own memory), and sets this
+    process's torch threads where the clients train here. Workers on the CPU map the
+    dataset from shared memory, and this process then uses those tensors too, so that the
+    dataset is held once."""
+
+    def __init__(self, cfg: ExperimentConfig) -> None:
+        self.cfg = cfg
+        self.execution: Execution | None = None
+
+    def __call__(self, prep: Prepared, client_logic: ClientLogic, model: torch.nn.Module) -> Engine:
+        cfg = self.cfg
+        on_host = prep.device.type == "cpu"
+        work = None
+        if cfg.workers == "auto" and cfg.engine == "inprocess" and on_host:
+            try:
+                work = training_work(prep, model)
+            except Exception as exc:  # a model the estimate cannot run: taken as large
+                log.debug("no estimate of the clients' work: %s", exc)
+        spawn_ok = cfg.workers != "auto" or main_allows_spawn()
+        choice = execution_choice(cfg, work, spawn_ok=spawn_ok)
+        shared = on_host and shared_memory_available(dataset_nbytes(prep.dataset))
+        if choice.auto and choice.workers >= 2:
+            fits = affordable_workers(
+                dataset_nbytes(prep.dataset), shared=shared, per_worker=worker_bytes(work)
+            )
+            if fits < choice.workers:
+                used = fits if fits >= 2 else 0
+                choice = dataclasses.replace(
+                    choice,
+                    workers=used,
+                    threads=choice.threads if used else None,
+                    reason=f"{choice.reason}; {plural(fits, 'worker')} fit in half the "
+                    "available memory",
+                )
+        self.execution = choice
+        if choice.workers <= 1:
+            if choice.threads is not None and choice.auto:
+                torch.set_num_threads(choice.threads)
             return InProcessEngine.from_prepared(prep, client_logic, model)
-        return WorkerPoolEngine(prep.cfg, client_sizes=prep.fed.sizes(), workers=count)
-
-    return build
+        engine = WorkerPoolEngine(
+            prep.cfg,
+            workers=choice.workers,
+            client_sizes=prep.fed.sizes(),
+            threads=choice.threads or 1,
+            dataset=prep.dataset if shared else None,
+        )
+        views = engine.shared_tensors()
+        if views is not None:
+            use_host_tensors(prep, views)
+        return engine
 
 
 def server_setup(prep: Prepared, model: torch.nn.Module) -> ServerSetup:
@@ -207,6 +276,7 @@ class RunState:
     history: list[dict[str, Any]] = field(default_factory=list)
     last_eval: dict[str, Any] = field(default_factory=dict)
     measurements: Measurements | None = None  # the metrics asked for besides accuracy
+    execution: Execution | None = None  # what the default engine factory chose, and why
 
     def __post_init__(self) -> None:
         self.client_counts = self.prep.fed.class_counts()
@@ -250,6 +320,7 @@ def open_folder(state: RunState, resume: Path | None) -> None:
             "from_round": state.start_round + 1,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "workers": state.engine.worker_count,
+            **worker_facts(state),
             **device_facts(prep.device),
             **execution_facts(state),
             "data_source": prep.dataset.source,
@@ -257,6 +328,23 @@ def open_folder(state: RunState, resume: Path | None) -> None:
             **software_facts(),
         }
     )
+
+
+def worker_facts(state: RunState) -> dict[str, Any]:
+    """How the run's clients execute besides the worker count (processes.jsonl): each
+    worker's torch threads, where the workers' data lives (shared memory, or loaded by
+    each), and why (what --workers auto chose, a given count capped)."""
+    facts: dict[str, Any] = {}
+    engine = state.engine
+    threads = getattr(engine, "worker_threads", None)
+    if engine.worker_count and threads:
+        facts["threads_per_worker"] = threads[0] if len(set(threads)) == 1 else threads
+    data = getattr(engine, "worker_data", None)
+    if engine.worker_count and data:
+        facts["worker_data"] = data[0] if len(set(data)) == 1 else data
+    if state.execution is not None:
+        facts["workers_reason"] = state.execution.reason
+    return facts
 
 
 def execution_facts(state: RunState) -> dict[str, Any]:

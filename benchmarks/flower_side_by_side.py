@@ -2,17 +2,27 @@
 
 One invocation runs issue 6's experiment (FedAvg, Fashion-MNIST, 20 clients, Dirichlet beta
 0.1, 8 clients per round, E=5, batch 64, SGD lr 0.01 momentum 0.9, fedavg-cnn, the global
-model tested every round, seed 0) four ways, each a child process, one after another:
+model tested every round, seed 0) in up to five configurations, each a child process, one
+after another:
 
 1. ``flower-docs``: a plain Flower app written as Flower's PyTorch documentation writes one
    (benchmarks/flower_side_by_side_app.py: Message API, ``run_simulation`` on Ray, a
    DataLoader and a per-batch loop), fp32; num_cpus=1 per client, so Ray runs 2 actors on
    2 cores; OMP_NUM_THREADS=1 in the simulation's environment (driver and actors).
-2. ``flower-tricks``: the same app with fedskew's speed tricks added by hand in its client:
-   flush-to-zero for denormals on the training thread, channels_last, bf16 autocast.
-3. ``fedskew-fp32``: ``fedskew run`` with its defaults (no --workers: auto; no thread
+2. ``flower-tricks-fp32``: the same app with fedskew's fp32 speed tricks added by hand in its
+   client: flush-to-zero for denormals on the training thread (with OMP_NUM_THREADS=1 the
+   only thread that trains; a probe at the end of every train call checks it there, and on
+   any torch pool thread), channels_last model and batches; fp32, no autocast.
+3. ``flower-tricks``: the same with bf16 autocast as well (forward and loss).
+4. ``fedskew-fp32``: ``fedskew run`` with its defaults (no --workers: auto; no thread
    setting), fp32.
-4. ``fedskew-bf16``: the same with ``--precision bf16``.
+5. ``fedskew-bf16``: the same with ``--precision bf16``.
+
+The default set depends on the CPU: all five where /proc/cpuinfo shows bf16 instructions
+(avx512_bf16 or amx_bf16); where it shows neither, torch emulates bf16 (a bf16 row would
+measure the emulation), so only the fp32 ones run (flower-docs, flower-tricks-fp32,
+fedskew-fp32) and the report says why, with the flags. ``--only`` picks any set. A ratio
+whose configurations did not run, or did not finish, is reported as not measured.
 
 Both sides train the same partition (made once by ``fedskew partition`` and fed to both:
 ``--partition-file`` on fedskew's side, the client index lists on Flower's) and the same
@@ -27,20 +37,25 @@ Throughput of a run = its samples over its seconds in rounds 2..R, every round c
 ``--repeat N`` runs every configuration N times, the order alternating between repeats.
 ``--busy`` adds, in each repeat, a run of every configuration while a pure-Python busy loop
 (one process, one core: ``while True: pass``) started just before it runs, and is stopped
-just after. Goals (issue 35), computed from the numbers: fedskew-fp32 / flower-docs >= 1.5
-and fedskew-bf16 / flower-tricks >= 1.0.
+just after. Goals (issue 35), computed from the numbers, at equal precision:
+fedskew-fp32 / flower-docs >= 1.5 (fedskew's default against Flower as users write it),
+fedskew-fp32 / flower-tricks-fp32 >= 1.0 and fedskew-bf16 / flower-tricks >= 1.0 (against
+Flower with every trick fedskew uses added by hand).
 
     python benchmarks/flower_side_by_side.py --repeat 2 --busy   # the full run (time: below)
     python benchmarks/flower_side_by_side.py --rounds 2 --epochs 1 --clients-per-round 2 \\
         --repeat 1 --out /tmp/sbs/flower_side_by_side.md          # the whole path, minutes
     python benchmarks/flower_side_by_side.py --report-only        # the .md again from the .json
 
-Time of the full run (16 runs of 5 rounds, 555,570 samples each): about 1 h on 2 cores with
-bf16 instructions (AVX-512 BF16 or AMX), from the rates in BENCHMARKS.md; where torch
-emulates bf16 (AVX2 only: about 150 samples/s per core in bf16 against about 1,000 in fp32,
-measured on the 2-core AMD EPYC this script was written on) each bf16 run takes about half
-an hour idle, and the whole invocation about 6 h. A run gets --timeout seconds (default
-7200) before it is killed and reported as not finished.
+Time of the full run (5 rounds, 555,570 samples a run; rounds 2..5 measured): on 2 cores
+with bf16 instructions, 20 runs, about 1.5 h from the rates in BENCHMARKS.md. On an
+AVX2-only 2-core machine (the AMD EPYC this script was written on: Flower fp32 about
+1,000-1,300 samples/s on 2 cores idle, fedskew fp32 about 3,000; a Flower run also spends
+about 30-50 s starting Ray and about 3-6 s testing per round), the default 12 fp32 runs
+take about 1.5-2 h: an idle Flower run about 8-10 min, an idle fedskew run about 3.5 min,
+about 1.5x that beside the busy loop. With ``--only``, the bf16 ones, emulated at about 150
+samples/s per core, take about half an hour each idle. A run gets --timeout seconds
+(default 7200) before it is killed and reported as not finished.
 """
 
 from __future__ import annotations
@@ -65,13 +80,18 @@ from child import REPO  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "flower_side_by_side.md"
-CONFIGS = ("flower-docs", "flower-tricks", "fedskew-fp32", "fedskew-bf16")
-PRECISION = {"flower-docs": "fp32", "flower-tricks": "bf16", "fedskew-fp32": "fp32",
-             "fedskew-bf16": "bf16"}  # fmt: skip
+CONFIGS = ("flower-docs", "flower-tricks-fp32", "flower-tricks", "fedskew-fp32", "fedskew-bf16")
+PRECISION = {"flower-docs": "fp32", "flower-tricks-fp32": "fp32", "flower-tricks": "bf16",
+             "fedskew-fp32": "fp32", "fedskew-bf16": "bf16"}  # fmt: skip
+VARIANT = {"flower-docs": "docs", "flower-tricks-fp32": "tricks", "flower-tricks": "tricks"}
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs with bf16 instructions
 # (numerator, denominator, goal or None, what the ratio says)
 COMPARISONS = (
     ("fedskew-fp32", "flower-docs", 1.5,
      "fedskew's default (fp32) against Flower as its documentation writes it, both fp32"),
+    ("fedskew-fp32", "flower-tricks-fp32", 1.0,
+     "fedskew's default (fp32) against Flower with every fp32 trick added by hand "
+     "(channels_last, flushed denormals), both fp32"),
     ("fedskew-bf16", "flower-tricks", 1.0,
      "fedskew bf16 against Flower with every trick added by hand, both bf16"),
     ("fedskew-bf16", "flower-docs", None,
@@ -134,6 +154,7 @@ def compare(runs: list[dict[str, Any]], condition: str) -> list[dict[str, Any]]:
         if a is None or b is None:
             row["ratio"] = None
             row["missing"] = [c for c, p in ((num, a), (den, b)) if p is None]
+            row["not_run"] = [c for c in row["missing"] if not of[c]]
         else:
             row["ratio"] = a["samples_per_s"] / b["samples_per_s"]
             by_repeat = {
@@ -185,11 +206,11 @@ def accuracy_gaps(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def run_order(repeat: int, busy: bool) -> list[tuple[str, str]]:
+def run_order(repeat: int, busy: bool, configs: tuple[str, ...] = CONFIGS) -> list[tuple[str, str]]:
     """(configuration, condition) in the order repeat ``repeat`` (0-based) runs them: the
     configurations forward in even repeats and backward in odd ones; with ``busy``, the busy
     runs follow the idle ones in the opposite order."""
-    order = list(CONFIGS) if repeat % 2 == 0 else list(reversed(CONFIGS))
+    order = list(configs) if repeat % 2 == 0 else list(reversed(configs))
     plan = [(c, "idle") for c in order]
     if busy:
         plan += [(c, "busy") for c in reversed(order)]
@@ -390,7 +411,8 @@ def run_flower(
     config: str, s: dict[str, Any], work: Path, name: str, timeout: float
 ) -> dict[str, Any]:
     spec = {
-        "variant": config.removeprefix("flower-"),
+        "variant": VARIANT[config],
+        "precision": PRECISION[config],
         **{k: s[k] for k in ("rounds", "epochs", "batch_size", "lr", "momentum", "seed",
                              "partition_file", "data_dir", "clients", "num_clients")},
         "num_cpus": 1,
@@ -535,6 +557,40 @@ def cpu_features() -> dict[str, Any]:
     }
 
 
+def has_bf16(cpu: dict[str, Any]) -> bool:
+    """Whether the CPU has bf16 instructions (AVX-512 BF16 or AMX), from cpu_features()."""
+    return any(cpu["flags"].get(f) for f in BF16_FLAGS)
+
+
+def flag_list(cpu: dict[str, Any], names: tuple[str, ...] | None = None) -> str:
+    names = names or tuple(cpu["flags"])
+    return ", ".join(f"{f} {'yes' if cpu['flags'].get(f) else 'no'}" for f in names)
+
+
+def selection(cpu: dict[str, Any], only: list[str] | None) -> dict[str, Any]:
+    """The configurations to run: those ``--only`` names, else the default for this CPU (all
+    of them where it has bf16 instructions, the fp32 ones where it has none); and, where the
+    default leaves some out, why (a sentence for the report)."""
+    if only:
+        configs = tuple(c for c in CONFIGS if c in only)
+        return {"configs": list(configs), "by": "--only", "left_out": [], "reason": None}
+    if has_bf16(cpu):
+        return {"configs": list(CONFIGS), "by": "default", "left_out": [], "reason": None}
+    left = [c for c in CONFIGS if PRECISION[c] == "bf16"]
+    reason = (
+        f"The bf16 configurations ({', '.join(left)}) were left out, the default where the "
+        f"CPU has no bf16 instructions: this one's /proc/cpuinfo flags show "
+        f"{flag_list(cpu, BF16_FLAGS)} (and {flag_list(cpu, ('avx2', 'avx512f'))}; torch's "
+        f"CPU kernels: {cpu['torch_cpu_capability']}), so torch would emulate bf16 and a bf16 "
+        "row would measure that emulation, not bf16 on a CPU that has it (on the AVX2-only "
+        "2-core AMD EPYC this script was written on: about 150 samples/s per core in bf16 "
+        "against about 1,000 in fp32). The bf16 ratios are therefore not measured here; "
+        "`--only` runs these configurations all the same."
+    )
+    configs = [c for c in CONFIGS if c not in left]
+    return {"configs": configs, "by": "default", "left_out": left, "reason": reason}
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -559,21 +615,24 @@ def describe(config: str, runs: list[dict[str, Any]]) -> str:
 
     d = done[0]["details"]
     if config.startswith("flower"):
-        tricks = config == "flower-tricks"
+        tricks = VARIANT[config] == "tricks"
+        bf16 = PRECISION[config] == "bf16"
         return (
             f"Flower {d['flwr']} simulation on Ray {d['ray']}; client resources "
             f"{values('client_resources')}; Ray saw {values('ray_cpus')} CPUs and built "
             f"{values('actors')} actors (actor processes that answered: "
             f"{values('actor_processes_seen')}); torch threads in the client "
             f"{values('client_torch_threads')}, in the ServerApp "
-            f"{values('server_torch_threads')}; denormals flushed on the training thread "
-            f"(probe): {values('denormals_flushed')}; "
+            f"{values('server_torch_threads')}; denormals flushed (probe at the end of the "
+            "train call, on the thread that trained, and any torch pool thread it uses): "
+            f"{values('denormals_flushed')}; "
             + (
-                "bf16 autocast (forward and loss), channels_last model and batches, "
-                "torch.set_flush_denormal(True) at the top of every train call"
+                "channels_last model and batches, torch.set_flush_denormal(True) at the top "
+                "of every train call, "
                 if tricks
-                else "fp32, contiguous"
+                else "contiguous, "
             )
+            + ("bf16 autocast (forward and loss)" if bf16 else "fp32 (no autocast)")
             + "; DataLoader(TensorDataset, batch 64, shuffle) and a per-batch loop"
         )
     return (
@@ -587,7 +646,12 @@ def describe(config: str, runs: list[dict[str, Any]]) -> str:
 
 def verdict(row: dict[str, Any]) -> str:
     if row["ratio"] is None:
-        return f"not measured (no finished run of {' and '.join(row['missing'])})"
+        not_run = row.get("not_run", [])
+        failed = [c for c in row["missing"] if c not in not_run]
+        why = ([f"{' and '.join(not_run)} not run"] if not_run else []) + (
+            [f"no finished run of {' and '.join(failed)}"] if failed else []
+        )
+        return f"not measured ({'; '.join(why)})"
     text = f"**{row['ratio']:.2f}**"
     if row.get("per_repeat"):
         text += f" (per repeat: {', '.join(f'{x:.2f}' for x in row['per_repeat'])})"
@@ -600,7 +664,11 @@ def report_md(report: dict[str, Any]) -> str:
     m, s, cpu = report["machine"], report["setting"], report["cpu_features"]
     runs = report["runs"]
     conditions = [c for c in ("idle", "busy") if any(r["condition"] == c for r in runs)]
-    flags = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in cpu["flags"].items())
+    flags = flag_list(cpu)
+    chosen = report.get("selection") or {"configs": list(CONFIGS), "reason": None}
+    shown_configs = [
+        c for c in CONFIGS if c in chosen["configs"] or any(r["config"] == c for r in runs)
+    ]
     versions = {
         k: v for r in runs for k, v in (r.get("details") or {}).items() if k in ("flwr", "ray")
     }
@@ -616,7 +684,9 @@ def report_md(report: dict[str, Any]) -> str:
         f"{report['load1_end']} at the end (each run's is in its row).",
         "",
     ]
-    if not (cpu["flags"].get("avx512_bf16") or cpu["flags"].get("amx_bf16")):
+    if chosen["reason"]:
+        lines += [chosen["reason"], ""]
+    if not has_bf16(cpu) and any(PRECISION[c] == "bf16" for c in shown_configs):
         lines += [
             "This CPU has no bf16 instructions (no AVX-512 BF16, no AMX): torch emulates "
             "bf16 here, so the bf16 rows measure that emulation, not what bf16 does on a "
@@ -660,7 +730,7 @@ def report_md(report: dict[str, Any]) -> str:
         + " |",
         "|---|---|" + "---|" * len(conditions),
     ]
-    for config in CONFIGS:
+    for config in shown_configs:
         cells = []
         for condition in conditions:
             p = report["pooled"][condition].get(config)
@@ -671,7 +741,7 @@ def report_md(report: dict[str, Any]) -> str:
             )
         lines.append(f"| {config} | {PRECISION[config]} | " + " | ".join(cells) + " |")
     lines += ["", "Configurations, from what each run recorded:", ""]
-    lines += [f"- {c}: {describe(c, runs)}" for c in CONFIGS]
+    lines += [f"- {c}: {describe(c, runs)}" for c in shown_configs]
     lines += [
         "",
         "## Runs",
@@ -784,8 +854,8 @@ def report_md(report: dict[str, Any]) -> str:
         "",
         "## Commands",
         "",
-        "Each Flower run's spec file holds the setting above, its variant (docs or tricks) and "
-        "num_cpus=1 per client.",
+        "Each Flower run's spec file holds the setting above, its variant (docs or tricks), "
+        "its precision (fp32 or bf16) and num_cpus=1 per client.",
         "",
     ]
     first = {}
@@ -835,7 +905,13 @@ def main() -> int:
     ap.add_argument("--clients-per-round", type=int, default=8, help="issue 6: 8 (shrink to test)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--busy", action="store_true", help="also run everything beside a busy loop")
-    ap.add_argument("--only", nargs="+", choices=CONFIGS, help="run only these configurations")
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        choices=CONFIGS,
+        help="run only these configurations (default: all where the CPU has bf16 "
+        "instructions, the fp32 ones where it has none)",
+    )
     ap.add_argument("--data-dir", default="", help="passed to fedskew's loader on both sides")
     ap.add_argument("--timeout", type=float, default=7200, help="seconds per run (then killed)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=".md; the .json goes beside it")
@@ -872,6 +948,10 @@ def main() -> int:
         "rounds": args.rounds, "seed": 0, "model": "fedavg-cnn",
         "data_dir": str(Path(args.data_dir).resolve()) if args.data_dir else "",
     }  # fmt: skip
+    cpu = cpu_features()
+    chosen = selection(cpu, args.only)
+    if chosen["reason"]:
+        print(chosen["reason"], flush=True)
     code_start, load_start = code_state(), load1()
     s["partition_command"], s["partition"] = make_partition(s, work)
     s["partition_file"] = str(work / "partition.npz")
@@ -884,8 +964,7 @@ def main() -> int:
     plan = [
         (config, condition, rep)
         for rep in range(args.repeat)
-        for config, condition in run_order(rep, args.busy)
-        if not args.only or config in args.only
+        for config, condition in run_order(rep, args.busy, tuple(chosen["configs"]))
     ]
     runs = []
     for i, (config, condition, rep) in enumerate(plan, 1):
@@ -904,7 +983,8 @@ def main() -> int:
     del s["partition"]
     report: dict[str, Any] = {
         "machine": machine_facts(),
-        "cpu_features": cpu_features(),
+        "cpu_features": cpu,
+        "selection": chosen,
         "invocation": invocation,
         "setting": s,
         "load1_start": load_start,

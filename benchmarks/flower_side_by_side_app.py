@@ -8,9 +8,9 @@ central ``evaluate_fn``; ``flwr.simulation.run_simulation`` on Ray).
     python benchmarks/flower_side_by_side_app.py SPEC.json RESULT.json
 
 SPEC.json (written by flower_side_by_side.py) holds the experiment: variant (``docs`` or
-``tricks``), rounds, local epochs, batch size, SGD lr and momentum, seed, the fedskew
-partition file, the clients of every round and the client resources. What differs from the
-documentation's app, and why:
+``tricks``), precision (``fp32`` or ``bf16``), rounds, local epochs, batch size, SGD lr and
+momentum, seed, the fedskew partition file, the clients of every round and the client
+resources. What differs from the documentation's app, and why:
 
 - Data: fedskew's Fashion-MNIST loader (the same normalised tensors as fedskew's side) and
   the client index lists of fedskew's partition file, held in a ``TensorDataset`` per
@@ -28,12 +28,20 @@ documentation's app, and why:
   ``pid``) that the result records; the DataLoader's shuffle is seeded per (seed, round,
   client) so that a repeat trains the same batches.
 
-The ``tricks`` variant adds by hand, in the client only, what fedskew does for speed:
-``torch.set_flush_denormal(True)`` at the top of every train call (the flag is per thread:
-set on the thread that trains, before any torch work in the call; the probe checks it on a
-tensor large enough to be split over torch's thread pool), the model and every input batch
-in ``channels_last``, and the forward pass and loss under bf16 autocast (weights stay fp32;
-the central evaluation runs under bf16 autocast too, as fedskew's bf16 runs do).
+The ``tricks`` variant adds by hand, in the client only, what fedskew does for speed in
+fp32: ``torch.set_flush_denormal(True)`` at the top of every train call, and the model and
+every input batch in ``channels_last``. Precision ``bf16`` adds the forward pass and loss
+under bf16 autocast (weights stay fp32; the central evaluation runs under bf16 autocast too,
+as fedskew's bf16 runs do); ``fp32`` trains without autocast.
+
+The flush flag is per thread (the x86 MXCSR register): it holds on the thread that sets it,
+and torch's OpenMP pool threads keep the one they were started with. In the actors
+OMP_NUM_THREADS=1, so torch has no pool thread (the ``torch_threads`` probe shows 1) and the
+whole training runs on the thread that calls the train function: the DataLoader has no
+worker processes, and CPU autograd runs backward on the calling thread. The flag is set at
+the top of that call, and the ``denormals_flushed`` probe runs at its end, on the same thread;
+the probe's tensor is large enough to be split over up to 32 pool threads, so it would also
+show a pool thread that does not flush (see ``denormals_flushed``).
 """
 
 from __future__ import annotations
@@ -67,14 +75,24 @@ HERE = Path(__file__).resolve().parent
 MODEL = "fedavg-cnn"
 DATASET = "fmnist"
 EVAL_BATCH = 128  # the documentation's central evaluation batch
+VARIANTS = ("docs", "tricks")
+PRECISIONS = ("fp32", "bf16")
 
 # ----------------------------------------------------------------------------- task
 
 
+DENORMAL_BITS = 1 << 22  # float32 bits of a denormal (about 5.9e-39)
+
+
 def denormals_flushed() -> bool:
-    """Whether this thread (and torch's pool threads, which a tensor of 2**17 elements
-    reaches) flush denormal floats to zero."""
-    return int(((torch.full((1 << 17,), 1e-39) * 1.0) != 0).sum()) == 0
+    """Whether every thread that computes for this one flushes denormal floats: this thread
+    and the torch pool threads that share a multiplication of 2**20 elements (32 of torch's
+    32,768-element grains). The denormals are made from their bits and the products read
+    as bits, so no float conversion or comparison on this thread can hide a pool thread
+    that keeps them (``torch.full(n, 1e-39)`` would: the value is converted once, on this
+    thread, and flushed there)."""
+    x = torch.full((1 << 20,), DENORMAL_BITS, dtype=torch.int32).view(torch.float32)
+    return int(((x * 1.0).view(torch.int32) != 0).sum()) == 0
 
 
 def build_model() -> torch.nn.Module:
@@ -124,20 +142,21 @@ def train(
     epochs: int,
     lr: float,
     momentum: float,
-    tricks: bool,
+    channels_last: bool,
+    bf16: bool,
 ) -> float:
-    """The documentation's training loop; with ``tricks``: channels_last inputs, forward and
-    loss under bf16 autocast."""
+    """The documentation's training loop; with ``channels_last``, channels_last inputs; with
+    ``bf16``, forward and loss under bf16 autocast."""
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     model.train()
     running_loss = 0.0
     for _ in range(epochs):
         for images, labels in trainloader:
-            if tricks:
+            if channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
             optimizer.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tricks):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 loss = criterion(model(images), labels)
             loss.backward()
             optimizer.step()
@@ -145,7 +164,9 @@ def train(
     return running_loss / (epochs * len(trainloader))
 
 
-def test(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, tricks: bool) -> dict:
+def test(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, channels_last: bool, bf16: bool
+) -> dict:
     """Loss and accuracy on the test set."""
     testloader = DataLoader(TensorDataset(x, y), batch_size=EVAL_BATCH)
     criterion = torch.nn.CrossEntropyLoss(reduction="sum")
@@ -153,9 +174,9 @@ def test(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, tricks: bool)
     correct, loss = 0, 0.0
     with torch.no_grad():
         for images, labels in testloader:
-            if tricks:
+            if channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tricks):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 outputs = model(images)
             loss += criterion(outputs.float(), labels).item()
             correct += (outputs.argmax(1) == labels).sum().item()
@@ -181,8 +202,8 @@ def client_train(msg: Message, context: Context) -> Message:
     """Train the received model on this node's data."""
     config = msg.content["config"]
     tricks = config["variant"] == "tricks"
-    if tricks:
-        torch.set_flush_denormal(True)  # per thread: this one trains (OMP_NUM_THREADS=1)
+    if tricks:  # per thread: this one trains, and torch has no pool (OMP_NUM_THREADS=1)
+        torch.set_flush_denormal(True)
     model = build_model()
     if tricks:
         model = model.to(memory_format=torch.channels_last)
@@ -196,14 +217,15 @@ def client_train(msg: Message, context: Context) -> Message:
         int(config["local-epochs"]),
         float(config["lr"]),
         float(config["momentum"]),
-        tricks,
+        channels_last=tricks,
+        bf16=config["precision"] == "bf16",
     )
     metrics = {
         "train_loss": train_loss,
         "num-examples": len(trainloader.dataset),
         "partition-id": partition_id,
         "torch_threads": torch.get_num_threads(),
-        "denormals_flushed": int(denormals_flushed()),
+        "denormals_flushed": int(denormals_flushed()),  # this thread, after training
         "pid": os.getpid(),
     }
     content = RecordDict(
@@ -287,6 +309,7 @@ def partition_ids(grid: Grid, num_nodes: int, timeout: float) -> dict[int, int]:
 def make_server_app(spec: dict[str, Any], outcome: dict[str, Any]) -> ServerApp:
     server = ServerApp()
     tricks = spec["variant"] == "tricks"
+    bf16 = spec["precision"] == "bf16"
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
@@ -307,7 +330,7 @@ def make_server_app(spec: dict[str, Any], outcome: dict[str, Any]) -> ServerApp:
                 if tricks:
                     model = model.to(memory_format=torch.channels_last)
                 model.load_state_dict(arrays.to_torch_state_dict())
-                result = test(model, data.x_test, data.y_test, tricks)
+                result = test(model, data.x_test, data.y_test, tricks, bf16)
                 result["eval_seconds"] = round(time.perf_counter() - start, 4)
                 evaluations.append({"round": server_round, **result})
                 return MetricRecord(result)
@@ -315,6 +338,7 @@ def make_server_app(spec: dict[str, Any], outcome: dict[str, Any]) -> ServerApp:
             train_config = ConfigRecord(
                 {
                     "variant": spec["variant"],
+                    "precision": spec["precision"],
                     "lr": spec["lr"],
                     "momentum": spec["momentum"],
                     "local-epochs": spec["epochs"],
@@ -361,6 +385,9 @@ def main(argv: list[str]) -> int:
         print("usage: python benchmarks/flower_side_by_side_app.py SPEC.json RESULT.json")
         return 2
     spec = json.loads(Path(argv[0]).read_text())
+    if spec["variant"] not in VARIANTS or spec["precision"] not in PRECISIONS:
+        print(f"variant must be one of {VARIANTS}, precision one of {PRECISIONS}")
+        return 2
     # Ray's actors import this module by name (the ClientApp is pickled by reference):
     # they need benchmarks/ and src/ on their path, which they inherit from this process.
     paths = [str(HERE), str(HERE.parent / "src")]
@@ -386,6 +413,7 @@ def main(argv: list[str]) -> int:
     )
     result = {
         "variant": spec["variant"],
+        "precision": spec["precision"],
         "flwr": version("flwr"),
         "ray": version("ray"),
         "torch": torch.__version__,

@@ -385,6 +385,11 @@ def main() -> None:
             "python benchmarks/flower_round_time.py",
         ),  # fmt: skip
         *include(
+            "Flower and fedskew side by side, equal precision (issue 35)",
+            "flower_side_by_side.md",
+            "python benchmarks/flower_side_by_side.py --repeat 2 --busy",
+        ),  # fmt: skip
+        *include(
             "Engine against a bare loop (simple-cnn)",
             "engine_throughput.md",
             "python benchmarks/engine_throughput.py",

@@ -238,7 +238,7 @@ def defaults_evidence(
                 wins += r["round_throughput"] > by[rep, precision, "contiguous"]["round_throughput"]
     lines = [
         "What the defaults rest on (`use_channels_last` in src/fedskew/assembly/prepare.py, "
-        "`effective_workers` in src/fedskew/config.py): channels_last had the higher round "
+        "`execution_choice` in src/fedskew/config.py): channels_last had the higher round "
         f"throughput in {wins} of {pairs} channels_last/contiguous pairs of the first "
         "measurement"
     ]
@@ -257,7 +257,23 @@ def defaults_evidence(
             "; worker processes had the higher round throughput than one process with all "
             "threads in " + " and ".join(counts)
         )
-    lines[0] += ". Metrics do not depend on the engine (tests/test_workers.py)."
+    choice = load("auto_choice.json")
+    if choice is not None:
+        for v in choice["verdicts"]:
+            cells = v["median"]
+            threads = [k for k in cells if k.startswith("0x")]
+            workers = [k for k in cells if not k.startswith("0x")]
+            if threads and workers:
+                ratio = cells[workers[0]] / cells[threads[0]]
+                lines[0] += (
+                    f"; {v['precision']}, {v['condition']} machine (auto_choice.json): "
+                    f"{workers[0]} workers x threads / 1 process x {threads[0][2:]} threads = "
+                    f"{ratio:.2f}"
+                )
+    lines[0] += (
+        ". Metrics do not depend on the engine at equal threads per process "
+        "(tests/test_workers.py)."
+    )
     return lines
 
 
@@ -388,6 +404,11 @@ def main() -> None:
             "Flower and fedskew side by side, equal precision (issue 35)",
             "flower_side_by_side.md",
             "python benchmarks/flower_side_by_side.py --repeat 2 --busy",
+        ),  # fmt: skip
+        *include(
+            "`--workers auto`: one process against worker processes, idle and busy",
+            "auto_choice.md",
+            "python benchmarks/auto_choice.py",
         ),  # fmt: skip
         *include(
             "Engine against a bare loop (simple-cnn)",

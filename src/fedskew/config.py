@@ -598,6 +598,10 @@ def parse_trackers(value: Any) -> list[str]:
 #   flower_round_time): an OpenMP team whose threads wait for each other at every
 #   operation collapses when other processes take its cores, independent one-thread
 #   processes do not;
+# * side by side in one invocation (auto_choice, fedavg-cnn, fp32, E = 1): idle, 2
+#   one-thread workers gave 0.82x one process with 2 threads; beside one busy core, 1.93x.
+#   Workers are the default for fp32 too: a fifth less on an idle machine, against twice
+#   (and at heavier load, as above, 17x) the throughput on a shared one;
 # * starting a worker took about 6 s of one core here (spawn, import torch, build the
 #   runtime); one core trained the built-in models at 11 to 43 GFLOP/s (batch 64, fp32,
 #   one thread: simple-cnn 11, fedavg-cnn 38, cnn-cifar 43).
@@ -694,9 +698,10 @@ def execution_choice(
     * worker processes, one per core up to the clients per round, whenever a round has two
       clients or more to run side by side and their training is worth shipping (a client
       of at least ``MIN_CLIENT_FLOPS``, a run of at least ``MIN_RUN_FLOPS``). Measured here
-      (BENCHMARKS.md, 2 cores): one-thread workers were about as fast as one process with
-      both threads idle in fp32 (0.97x), faster in bf16 (1.34x), and 17x faster on a busy
-      machine (5 s against 87 s a round), where an OpenMP team stalls whenever another
+      (BENCHMARKS.md, 2 cores): one-thread workers were somewhat slower than one process
+      with both threads idle in fp32 (0.82x to 0.97x), faster in bf16 (1.34x), 1.9x faster
+      beside one busy core and 17x faster at a load of 7 to 12 (5 s against 87 s a round),
+      where an OpenMP team stalls whenever another
       process holds one of its cores. Clients are independent: splitting a round by client
       has no per-operation synchronisation, splitting a small model's operations over
       threads has a great deal.

@@ -37,17 +37,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from child import REPO, command_text, read_metrics, run_child  # noqa: E402
-from machine import machine_facts  # noqa: E402
+from machine import load1, machine_facts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PRECISIONS = ("fp32", "bf16")
 CONDITIONS = ("idle", "busy")
 BUSY_LOOP = "while True: pass"
 RUN_TIMEOUT_S = 1800
-
-
-def load1() -> float:
-    return round(os.getloadavg()[0], 2)
 
 
 def parse_layout(text: str) -> tuple[int, int]:

@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from child import REPO, _descendants  # noqa: E402
-from machine import machine_facts  # noqa: E402
+from machine import load1, machine_facts  # noqa: E402
 from runinfo import run_facts  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -51,10 +51,6 @@ RESULTS = HERE / "results"
 EXECUTION_KEYS = ("engine", "workers", "out_dir", "name", "quiet")
 RESOLVED_EXECUTION_KEYS = ("torch_threads",)
 RUN_TIMEOUT_S = 900
-
-
-def load1() -> float:
-    return round(os.getloadavg()[0], 2)
 
 
 def code_state() -> dict[str, Any]:
@@ -72,6 +68,28 @@ def code_state() -> dict[str, Any]:
         "src_dirty": bool(git("status", "--porcelain", "--", "src").strip()),
         "src_digest": digest.hexdigest(),
     }
+
+
+def code_record(start: dict[str, Any], end: dict[str, Any]) -> dict[str, Any]:
+    """What a result says of the code it ran, from :func:`code_state` before and after."""
+    return {
+        "commit": start["commit"],
+        "src_changes_uncommitted": start["src_dirty"],
+        "src_unchanged_during_runs": start == end,
+    }
+
+
+def code_sentence(code: dict[str, Any]) -> str:
+    """The report's line on a :func:`code_record`."""
+    return (
+        f"- fedskew's code: commit {code['commit']}"
+        + (", with uncommitted changes under src/" if code["src_changes_uncommitted"] else "")
+        + (
+            "; src/ did not change during the invocation."
+            if code["src_unchanged_during_runs"]
+            else "; **src/ changed during the invocation: the runs may have run different code**."
+        )
+    )
 
 
 def actor_environment(pid: int, seen: dict[int, str]) -> None:
@@ -272,13 +290,7 @@ def report_md(report: dict[str, Any]) -> str:
         f"config apart from engine, workers and threads: {report['identical_config']}; same "
         f"data copy and test set: {report['identical_data']}.",
         f"- Accuracy curve against Flower's: {differences}.",
-        f"- fedskew's code: commit {code['commit']}"
-        + (", with uncommitted changes under src/" if code["src_changes_uncommitted"] else "")
-        + (
-            "; src/ did not change during the invocation."
-            if code["src_unchanged_during_runs"]
-            else "; **src/ changed during the invocation: the runs may have run different code**."
-        ),
+        code_sentence(code),
         "- Round time: the run loop's seconds per round (training and message transport; "
         "evaluation left out), median of rounds 2 and later. Startup: wall time minus rounds "
         "and evaluation.",
@@ -374,11 +386,7 @@ def main() -> None:
             max(abs(a - b) for a, b in zip(r["accuracy"], flower["accuracy"], strict=True))
             for r in results
         ],
-        "code": {
-            "commit": code_start["commit"],
-            "src_changes_uncommitted": code_start["src_dirty"],
-            "src_unchanged_during_runs": code_start == code_end,
-        },
+        "code": code_record(code_start, code_end),
         "identical_config": all(r["config_compared"] == flower["config_compared"] for r in results),
         "identical_data": all(
             (r["dataset_source"], r["train_samples"], r["test_samples"])

@@ -220,10 +220,6 @@ def run_order(repeat: int, busy: bool, configs: tuple[str, ...] = CONFIGS) -> li
 # ----------------------------------------------------------------------------- processes
 
 
-def load1() -> float:
-    return round(os.getloadavg()[0], 2)
-
-
 def last_line(log: Path) -> str:
     try:
         lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
@@ -315,6 +311,25 @@ def run_child(
     return error, wall
 
 
+def launch(
+    argv: list[str],
+    env: dict[str, str],
+    log: Path,
+    timeout: float,
+    *,
+    command: str,
+    environment: str,
+) -> dict[str, Any]:
+    """Run one side's child (:func:`run_child`); the run's record so far: its command,
+    environment, log, wall seconds, and "error" when it failed."""
+    record: dict[str, Any] = {"command": command, "environment": environment, "log": log.name}
+    error, wall = run_child(argv, env, log, timeout)
+    record["wall_seconds"] = round(wall, 2)
+    if error:
+        record["error"] = error
+    return record
+
+
 def base_env() -> dict[str, str]:
     env = dict(os.environ)
     src = str(REPO / "src")
@@ -365,16 +380,12 @@ def run_fedskew(
     env = base_env()
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # fedskew's defaults, not ours
         env.pop(var, None)
-    log = work / f"{name}.log"
-    record: dict[str, Any] = {
-        "command": shown(argv, work).replace("python -m fedskew", "fedskew", 1),
-        "environment": "OMP_NUM_THREADS and MKL_NUM_THREADS unset (fedskew's defaults)",
-        "log": log.name,
-    }
-    error, wall = run_child(argv, env, log, timeout)
-    record["wall_seconds"] = round(wall, 2)
-    if error:
-        record["error"] = error
+    record = launch(
+        argv, env, work / f"{name}.log", timeout,
+        command=shown(argv, work).replace("python -m fedskew", "fedskew", 1),
+        environment="OMP_NUM_THREADS and MKL_NUM_THREADS unset (fedskew's defaults)",
+    )  # fmt: skip
+    if "error" in record:
         return record
     folder = work / name
     rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines() if x]
@@ -425,16 +436,12 @@ def run_flower(
             str(result_file)]  # fmt: skip
     env = base_env()
     env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"
-    log = work / f"{name}.log"
-    record: dict[str, Any] = {
-        "command": "OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 " + shown(argv, work),
-        "environment": "OMP_NUM_THREADS=1, MKL_NUM_THREADS=1 (driver and Ray actors)",
-        "log": log.name,
-    }
-    error, wall = run_child(argv, env, log, timeout)
-    record["wall_seconds"] = round(wall, 2)
-    if error:
-        record["error"] = error
+    record = launch(
+        argv, env, work / f"{name}.log", timeout,
+        command="OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 " + shown(argv, work),
+        environment="OMP_NUM_THREADS=1, MKL_NUM_THREADS=1 (driver and Ray actors)",
+    )  # fmt: skip
+    if "error" in record:
         return record
     result = json.loads(result_file.read_text())
     sizes = [len(p) for p in s["partition"]]
@@ -479,6 +486,8 @@ def run_flower(
 def one_run(
     config: str, condition: str, repeat: int, s: dict[str, Any], work: Path, timeout: float
 ) -> dict[str, Any]:
+    from machine import load1
+
     name = f"{config}-{condition}-r{repeat + 1}"
     side = run_flower if config.startswith("flower") else run_fedskew
     busy = Busy() if condition == "busy" else None
@@ -661,6 +670,8 @@ def verdict(row: dict[str, Any]) -> str:
 
 
 def report_md(report: dict[str, Any]) -> str:
+    from flower_round_time import code_sentence
+
     m, s, cpu = report["machine"], report["setting"], report["cpu_features"]
     runs = report["runs"]
     conditions = [c for c in ("idle", "busy") if any(r["condition"] == c for r in runs)]
@@ -844,13 +855,7 @@ def report_md(report: dict[str, Any]) -> str:
         "start, data, Ray, Flower's node query, shutdown).",
         f"- Busy runs: {BUSY_KIND}, started 0.5 s before the run's child and stopped after "
         "it; its CPU seconds show the share it took.",
-        f"- fedskew's code: commit {code['commit']}"
-        + (", with uncommitted changes under src/" if code["src_changes_uncommitted"] else "")
-        + (
-            "; src/ did not change during the invocation."
-            if code["src_unchanged_during_runs"]
-            else "; **src/ changed during the invocation: the runs may have run different code**."
-        ),
+        code_sentence(code),
         "",
         "## Commands",
         "",
@@ -929,8 +934,8 @@ def main() -> int:
     if args.repeat < 1 or args.epochs < 1 or not 1 <= args.clients_per_round <= 20:
         ap.error("--repeat and --epochs at least 1; --clients-per-round 1..20")
 
-    from flower_round_time import code_state
-    from machine import machine_facts
+    from flower_round_time import code_record, code_state
+    from machine import load1, machine_facts
 
     from fedskew.data.federated import sample_clients
 
@@ -989,11 +994,7 @@ def main() -> int:
         "setting": s,
         "load1_start": load_start,
         "load1_end": load1(),
-        "code": {
-            "commit": code_start["commit"],
-            "src_changes_uncommitted": code_start["src_dirty"],
-            "src_unchanged_during_runs": code_start == code_end,
-        },
+        "code": code_record(code_start, code_end),
         "runs": runs,
     }
     summarize(report)

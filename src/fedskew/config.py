@@ -414,29 +414,33 @@ def check_run_name(name: str) -> None:
         )
 
 
-def config_hash(cfg: ExperimentConfig) -> str:
-    """A short hash of what a run computes (its configuration without EXECUTION_ONLY and
-    MEASUREMENT_ONLY). A key that holds its LEGACY value is left out too: the hash is then
-    the one a run made before the key existed recorded in its checkpoint."""
+def hashed_values(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The part of a configuration that says what a run computes: every key but
+    EXECUTION_ONLY and MEASUREMENT_ONLY, and but a key that holds its LEGACY value (left out
+    so that the hash is the one a run made before the key existed recorded)."""
     skip = EXECUTION_ONLY + MEASUREMENT_ONLY
-    values = {
+    return {
         k: v
         for k, v in cfg.to_dict().items()
         if k not in skip and not (k in LEGACY and v == LEGACY[k])
     }
-    text = json.dumps(values, sort_keys=True, default=str)
+
+
+def config_hash(cfg: ExperimentConfig) -> str:
+    """A short hash of what a run computes (:func:`hashed_values`)."""
+    text = json.dumps(hashed_values(cfg), sort_keys=True, default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def config_differences(saved: ExperimentConfig, wanted: ExperimentConfig) -> str:
     """What makes two configurations hash differently, for a person: "key: A there, B
-    here" for each key the hash covers ("" when none)."""
-    skip = EXECUTION_ONLY + MEASUREMENT_ONLY
-    a, b = saved.to_dict(), wanted.to_dict()
+    here" for each key of :func:`hashed_values` that differs ("" when none)."""
+    a, b = hashed_values(saved), hashed_values(wanted)
+    full_a, full_b = saved.to_dict(), wanted.to_dict()
     return "; ".join(
-        f"{key}: {a[key]!r} there, {b[key]!r} here"
-        for key in a
-        if key not in skip and a[key] != b.get(key)
+        f"{key}: {full_a[key]!r} there, {full_b[key]!r} here"
+        for key in FIELDS
+        if a.get(key, LEGACY.get(key)) != b.get(key, LEGACY.get(key))
     )
 
 

@@ -320,7 +320,6 @@ def open_folder(state: RunState, resume: Path | None) -> None:
             "from_round": state.start_round + 1,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "workers": state.engine.worker_count,
-            **worker_facts(state),
             **device_facts(prep.device),
             **execution_facts(state),
             "data_source": prep.dataset.source,
@@ -330,25 +329,9 @@ def open_folder(state: RunState, resume: Path | None) -> None:
     )
 
 
-def worker_facts(state: RunState) -> dict[str, Any]:
-    """How the run's clients execute besides the worker count (processes.jsonl): each
-    worker's torch threads, where the workers' data lives (shared memory, or loaded by
-    each), and why (what --workers auto chose, a given count capped)."""
-    facts: dict[str, Any] = {}
-    engine = state.engine
-    threads = getattr(engine, "worker_threads", None)
-    if engine.worker_count and threads:
-        facts["threads_per_worker"] = threads[0] if len(set(threads)) == 1 else threads
-    data = getattr(engine, "worker_data", None)
-    if engine.worker_count and data:
-        facts["worker_data"] = data[0] if len(set(data)) == 1 else data
-    if state.execution is not None:
-        facts["workers_reason"] = state.execution.reason
-    return facts
-
-
 def execution_facts(state: RunState) -> dict[str, Any]:
-    """How this process's stretch of the run executes besides its device (processes.jsonl)."""
+    """How this process's stretch of the run executes besides its device and worker count
+    (processes.jsonl)."""
     cfg, engine = state.cfg, state.engine
     facts: dict[str, Any] = {
         "tf32": cfg.tf32,
@@ -357,6 +340,17 @@ def execution_facts(state: RunState) -> dict[str, Any]:
     }
     if engine.worker_devices:
         facts["worker_devices"] = list(engine.worker_devices)
+    # Each worker's torch threads and where its data lives (shared memory, or loaded by
+    # each): one value when all agree.
+    for key, attribute in (
+        ("threads_per_worker", "worker_threads"),
+        ("worker_data", "worker_data"),
+    ):
+        values = getattr(engine, attribute, None)
+        if engine.worker_count and values:
+            facts[key] = values[0] if len(set(values)) == 1 else values
+    if state.execution is not None:
+        facts["workers_reason"] = state.execution.reason  # what auto chose, a count capped
     # Measured, not assumed: what this process's thread pool does with denormals, and what
     # the worker processes or nodes reported (an engine of a user's may not say).
     facts["denormals"] = denormals_state()

@@ -121,9 +121,10 @@ def test_the_run_flushes_in_a_thread_whose_pool_kept_denormals(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("flwr") is None, reason="needs flwr")
 def test_flower_clients_flush_in_the_threads_that_call_them(tmp_path):
-    """The ClientApp is called from threads it did not start (Flower's simulation): each
-    node makes sure of the run's setting in the calling thread and reports what it measured
-    in its setup reply, which the server records."""
+    """The ClientApp is called from threads it did not start (Flower's simulation, or this
+    test's): each node holds the run's setting while it handles a message, reports what it
+    measured in its setup reply, which the server records, and leaves the calling thread
+    as it found it (a test process's floats, say, must stay IEEE)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from flower_grid import LocalGrid
 
@@ -133,11 +134,12 @@ def test_flower_clients_flush_in_the_threads_that_call_them(tmp_path):
         apply_denormals("keep")  # the server's handshake delivers in this very thread
         cfg = build_config({}, {**TINY, "out_dir": str(tmp_path)})
         folder, _ = serve(LocalGrid(4), cfg)
-        return processes(folder)[0]
+        return processes(folder)[0], denormals_state()
 
-    process = in_thread(body)
+    process, after = in_thread(body)
     assert process["client_denormals"] == {"flush": 4}
     assert process["denormals"] == "flush"
+    assert after == "keep"
 
 
 def test_flushing_changes_the_numbers_only_by_rounding_and_is_repeatable(tmp_path):

@@ -23,8 +23,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -37,9 +37,6 @@ DENORMALS = ("flush", "keep")
 LEGACY_DENORMALS = "keep"
 _DENORMAL_BITS = 0x000FFFFF  # a float32 denormal (about 1.5e-39): exponent bits all zero
 
-# threading ident -> (mode, thread count) applied there: apply once per thread and setting.
-_applied: dict[int, tuple[str, int]] = {}
-_lock = threading.Lock()
 _warned: set[str] = set()
 
 
@@ -71,18 +68,26 @@ def apply_denormals(mode: str) -> str:
             f"denormals {mode}: only some of torch's threads could be switched ({state}); "
             "start the process with fedskew before other torch work",
         )
-    with _lock:
-        _applied[threading.get_ident()] = (mode, torch.get_num_threads())
     return state
 
 
-def ensure_denormals(mode: str) -> None:
-    """:func:`apply_denormals` unless this thread already has ``mode`` with its current
-    thread count: for code that may be called from threads it did not start (Flower's
-    simulation calls a client app from its own threads). A dictionary lookup otherwise."""
-    key = threading.get_ident()
-    if _applied.get(key) != (mode, torch.get_num_threads()):
-        apply_denormals(mode)
+@contextmanager
+def denormals_applied(mode: str) -> Iterator[str]:
+    """``mode`` in this thread and its pool for the block, the thread's previous behaviour
+    put back after it; yields what the pool does inside (:func:`apply_denormals`). For code
+    called from threads and processes it does not own (a ClientApp that Flower, or a test,
+    calls in its own thread must not leave that thread changed). Where the thread already
+    has ``mode`` (a worker process set it for its lifetime) this is one probe."""
+    before = denormals_state()
+    if before == check_denormals(mode):
+        yield before
+        return
+    state = apply_denormals(mode)
+    try:
+        yield state
+    finally:
+        # A pool found mixed is put back as torch's default.
+        apply_denormals("flush" if before == "flush" else "keep")
 
 
 def denormals_state() -> str:
@@ -92,7 +97,8 @@ def denormals_state() -> str:
     threads = max(1, torch.get_num_threads())
     # An elementwise kernel splits at 32,768 elements a chunk (torch's grain size). The
     # denormal is written as bits: a float conversion in a flushing thread would make it 0.
-    bits = torch.full((threads * 65536,), _DENORMAL_BITS, dtype=torch.int32)
+    # On the CPU by name: a caller's default device (meta, CUDA) must not move the probe.
+    bits = torch.full((threads * 65536,), _DENORMAL_BITS, dtype=torch.int32, device="cpu")
     kept = int(torch.count_nonzero(bits.view(torch.float32).mul_(1.0)))
     if kept == 0:
         return "flush"

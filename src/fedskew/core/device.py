@@ -110,7 +110,8 @@ class ExecutionSettings:
 
     tf32: bool
     deterministic: bool
-    denormals: str = LEGACY_DENORMALS
+    # None: leave the process's denormal handling as it is (a client runtime scopes its own).
+    denormals: str | None = LEGACY_DENORMALS
 
     @classmethod
     def current(cls) -> ExecutionSettings:
@@ -126,7 +127,8 @@ class ExecutionSettings:
 def apply_settings(settings: ExecutionSettings) -> None:
     """Set the TF32, determinism and denormal switches of this process (see the module
     docstring); the denormal one in this thread and its torch thread pool."""
-    apply_denormals(settings.denormals)
+    if settings.denormals is not None:
+        apply_denormals(settings.denormals)
     if settings.deterministic:
         check_cublas_deterministic()
         torch.backends.cudnn.benchmark = False

@@ -15,16 +15,18 @@ many clients there are. On the CPU nothing is moved or copied.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Self
 
 import torch
 
 from fedskew.assembly.prepare import Prepared, execution_settings, new_model, prepare
 from fedskew.config import build_config, normalise_keys
-from fedskew.core.denormals import ensure_denormals
+from fedskew.core.denormals import denormals_applied
 from fedskew.core.device import apply_settings, to_cpu, to_device
 from fedskew.data.datasets import Dataset
 from fedskew.data.federated import FederatedData
@@ -48,10 +50,12 @@ def runtime_from_config_json(
     the process's own (a node's data folder); ``who`` names the source in errors;
     ``dataset``, where given, is the run's dataset already loaded (a worker's view of its
     parent's, in shared memory). The run's device and TF32/determinism switches are applied
-    for the process's lifetime, before any CUDA work."""
+    for the process's lifetime, before any CUDA work; its denormal handling holds while
+    the runtime handles a message (ClientRuntime.handle), so that a process that calls a
+    ClientApp in its own thread is left as it was."""
     raw = {**json.loads(config_json), **(local or {})}
     cfg = build_config(normalise_keys(raw, who), {})
-    apply_settings(execution_settings(cfg))
+    apply_settings(dataclasses.replace(execution_settings(cfg), denormals=None))
     return ClientRuntime.from_prepared(prepare(cfg, dataset))
 
 
@@ -79,8 +83,8 @@ class ClientRuntime:
         # "vmap": handle_together trains an exchange's clients at once where it can.
         self.clients_together = resolve_mode(clients_together, self.device)
         self._said: set[str] = set()  # reasons for training one after another, logged once
-        # The run's denormal policy, made sure of in whichever thread calls a handler (a
-        # Flower simulation calls from threads of its own); None: as the process has it.
+        # The run's denormal policy, held while a handler runs, in whichever thread calls it
+        # (Flower calls a ClientApp from threads of its own); None: as the process has it.
         self.denormals = denormals
 
     @classmethod
@@ -143,12 +147,17 @@ class ClientRuntime:
             reply.kind, arrays=to_cpu(reply.arrays), scalars=reply.scalars, strings=reply.strings
         )
 
+    def denormals_held(self) -> AbstractContextManager[object]:
+        """The run's denormal handling for the block (as the process has it when None)."""
+        if self.denormals is None:
+            return nullcontext()
+        return denormals_applied(self.denormals)
+
     def handle(self, cid: int, rnd: int, msg: Message, state: ClientState) -> Message:
-        if self.denormals is not None:
-            ensure_denormals(self.denormals)
-        msg = self.inbound(msg, state)
-        reply = self.client_logic.handle(msg, self.context(cid, rnd, state))
-        return self.outbound(reply, state)
+        with self.denormals_held():
+            msg = self.inbound(msg, state)
+            reply = self.client_logic.handle(msg, self.context(cid, rnd, state))
+            return self.outbound(reply, state)
 
     def handle_together(
         self, rnd: int, messages: Mapping[int, Message], states: Mapping[int, ClientState]
@@ -157,8 +166,12 @@ class ClientRuntime:
         when these messages must be handled one after another (the reason is logged once).
         Each client's handler runs up to its local training and after it as it would alone;
         only the training itself is shared."""
-        if self.denormals is not None:
-            ensure_denormals(self.denormals)
+        with self.denormals_held():
+            return self._handle_together(rnd, messages, states)
+
+    def _handle_together(
+        self, rnd: int, messages: Mapping[int, Message], states: Mapping[int, ClientState]
+    ) -> dict[int, Message] | None:
         reason = self._together_obstacle(messages)
         if reason:
             if reason not in self._said:

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from fedskew.config import ExperimentConfig, TrainingWork
-from fedskew.core.denormals import denormals_state
+from fedskew.core.denormals import LEGACY_DENORMALS, apply_denormals
 from fedskew.core.device import cuda_count
 from fedskew.core.errors import FedskewError
 from fedskew.core.machine import available_memory_bytes
@@ -268,11 +268,14 @@ def worker_main(conn: Connection, config_json: str, setup_json: str = "{}") -> N
     except BaseException as exc:
         conn.send_bytes(encode_frame({"error": f"start-up failed: {one_line(exc)}"}))
         return
+    # The process is the run's own: its denormal handling is set for its lifetime, so that
+    # each handler finds it set (ClientRuntime.handle then only checks it).
+    denormals = apply_denormals(runtime.denormals or LEGACY_DENORMALS)
     ready = {
         "ready": True,
         "threads": torch.get_num_threads(),
         "data": data_kind(runtime, attached),
-        "denormals": denormals_state(),
+        "denormals": denormals,
     }
     conn.send_bytes(encode_frame(ready))
     while True:

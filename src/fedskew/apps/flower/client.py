@@ -7,7 +7,7 @@ from flwr.app import ConfigRecord, Context
 from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 
-from fedskew.core.denormals import denormals_state, ensure_denormals
+from fedskew.core.denormals import denormals_state
 from fedskew.core.errors import FedskewError, UsageError
 from fedskew.engines.client_runtime import ClientRuntime, runtime_from_config_json
 from fedskew.engines.flower_codec import (
@@ -58,12 +58,10 @@ def _client_main(message: FlowerMessage, context: Context) -> FlowerMessage:
         clear_state(context.state)
         context.state[CONFIG_RECORD] = ConfigRecord({"json": msg.strings["config"]})
         runtime = _runtime(msg.strings["config"], data_dir)  # load data now, not in round 1
-        if runtime.denormals is not None:
-            ensure_denormals(runtime.denormals)
+        with runtime.denormals_held():  # what the node's handlers will compute under
+            denormals = denormals_state()
         reply = Message(
-            "ready",
-            scalars={"partition_id": float(pid)},
-            strings={"denormals": denormals_state()},
+            "ready", scalars={"partition_id": float(pid)}, strings={"denormals": denormals}
         )
         return FlowerMessage(encode(reply, {}), reply_to=message)
     if CONFIG_RECORD not in context.state:

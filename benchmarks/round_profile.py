@@ -877,7 +877,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"- Load average (1, 5, 15 min): {fmt_load(result['load_before'])} before, "
         f"{fmt_load(result['load_after'])} after"
         + "".join(
-            f"; {p}: {fmt_load(by[p]['load_during_run'])} at its run's start" for p in precisions
+            f"; {p}: {fmt_load(by[p]['load_during_run'])} at its run's start"
+            + (f" ({by[p]['measured_at']})" if "measured_at" in by[p] else "")
+            for p in precisions
         )
         + ". The machine may be shared: only the shares within one run mean much.",
         f"- Data: Fashion-MNIST ({result['data_source']})"
@@ -1313,6 +1315,12 @@ def main() -> None:
                     help="with --wait: wait for a 1-minute load average below this")  # fmt: skip
     ap.add_argument("--wait", type=float, default=0.0,
                     help="longest wait (s) for --max-load before each precision")  # fmt: skip
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse the check and the precisions an interrupted invocation of the same "
+        "settings saved (<out>.partial.json)",
+    )
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--report-only", action="store_true", help="rewrite the .md from the .json")
     args = ap.parse_args()
@@ -1329,15 +1337,43 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     command = "python benchmarks/round_profile.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     load_before = os.getloadavg()
+    # What a precision's measurement depends on: a partial file of other settings is not used.
+    key = {
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "local_epochs": args.local_epochs,
+        "weight_decay": args.weight_decay,
+        "checkpoint_every": args.checkpoint_every,
+        "profiler": args.profiler,
+        "data_dir": args.data_dir,
+        "check_precisions": args.check_precisions,
+    }
+    partial_path = out.with_suffix(".partial.json")
+    partial: dict[str, Any] = {"key": key, "check": None, "precisions": {}}
+    if args.resume and partial_path.exists():
+        saved = json.loads(partial_path.read_text())
+        if saved.get("key") == key:
+            partial = saved
+            print(f"continuing from {partial_path}: {sorted(partial['precisions'])} measured",
+                  flush=True)  # fmt: skip
     workdir = Path(tempfile.mkdtemp(prefix="fedskew-round-profile-"))
     try:
         args.data_dir, source, random_data = data_source(args.data_dir, workdir)
         cost = wrapper_cost()
-        check = check_identical(args, workdir)
-        precisions = [measure_precision(args, p, workdir, cost) for p in args.precisions]
+        if partial["check"] is None:
+            partial["check"] = check_identical(args, workdir)
+            partial_path.write_text(json.dumps(partial, indent=2) + "\n")
+        for p in args.precisions:
+            if p not in partial["precisions"]:
+                measured = measure_precision(args, p, workdir, cost)
+                measured["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+                partial["precisions"][p] = measured
+                partial_path.write_text(json.dumps(partial, indent=2) + "\n")
         micro = micro_costs(args, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    check = partial["check"]
+    precisions = [partial["precisions"][p] for p in args.precisions]
     result = {
         "machine": machine_facts(),
         "cpu": cpu_facts(),
@@ -1370,6 +1406,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     out.write_text(markdown(result))
+    partial_path.unlink(missing_ok=True)
     print(markdown(result))
     print(f"written: {out} and {out.with_suffix('.json')}")
 

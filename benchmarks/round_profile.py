@@ -325,46 +325,62 @@ OP_CATEGORIES = [
     "pooling",
     "activation (ReLU)",
     "loss (log-softmax, NLL)",
-    "autocast casts and copies",
+    "zero fills",
+    "casts and copies",
     "optimizer arithmetic",
     "optimizer's own time (Optimizer.step)",
     "indexing and gathering",
     "autograd bookkeeping",
     "other operators",
 ]
-
-
-LINEAR = ("addmm", "aten::mm", "matmul", "aten::linear", "aten::t", "mmbackward", "tbackward")
-LOSS = ("softmax", "nll", "cross_entropy")
-CASTS = ("aten::to", "_to_copy", "copy_", "clone", "contiguous", "empty_strided", "tocopybackward")
+# Operator names (lower case) of the categories that are not found by a substring.
+LINEAR = {"aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::t"}
+ACTIVATION = {"aten::relu", "aten::relu_", "aten::clamp_min", "aten::clamp_min_",
+              "aten::threshold", "aten::threshold_backward"}  # fmt: skip
+FILLS = {"aten::fill_", "aten::zero_", "aten::zeros", "aten::zeros_like"}
+CASTS = {"aten::to", "aten::_to_copy", "aten::copy_", "aten::clone", "aten::contiguous",
+         "aten::empty_strided", "aten::reshape"}  # fmt: skip
 OPTIMIZER = ("aten::_foreach", "aten::add", "aten::mul", "aten::lerp")
-INDEXING = ("index", "gather", "randperm", "aten::slice", "aten::select")
+INDEXING = {"aten::index", "aten::index_select", "aten::gather", "aten::randperm",
+            "aten::slice", "aten::select", "aten::_index_put_impl_"}  # fmt: skip
 
 
 def op_category(name: str, region: str) -> str:
-    """The category of a profiler event named ``name`` inside ``region``."""
+    """The category of a profiler event named ``name`` inside ``region``. Autograd's node
+    events (``ConvolutionBackward0``, ``autograd::engine::evaluate_function: ...``) are
+    bookkeeping: the operators they call carry the arithmetic."""
     n = name.lower()
+    if n.startswith("autograd::") or n.endswith("backward0") or "accumulategrad" in n:
+        return "autograd bookkeeping"
+    if n.startswith("optimizer."):
+        return "optimizer's own time (Optimizer.step)"
     if "conv" in n:
         return "convolution"
-    if any(k in n for k in LINEAR):
+    if n in LINEAR:
         return "matrix product (linear)"
     if "pool" in n:
         return "pooling"
-    if "relu" in n or "threshold" in n or "clamp_min" in n:
+    if n in ACTIVATION:
         return "activation (ReLU)"
-    if any(k in n for k in LOSS):
+    if any(k in n for k in ("softmax", "nll_loss", "cross_entropy")):
         return "loss (log-softmax, NLL)"
-    if any(k in n for k in CASTS):
-        return "autocast casts and copies"
-    if n.startswith("optimizer."):
-        return "optimizer's own time (Optimizer.step)"
+    if n in FILLS:
+        return "zero fills"
+    if n in CASTS:
+        return "casts and copies"
     if region == "train/optimizer step" and n.startswith(OPTIMIZER):
         return "optimizer arithmetic"
-    if any(k in n for k in INDEXING):
+    if n in INDEXING:
         return "indexing and gathering"
-    if n.startswith("autograd::") or n.endswith("backward0") or "accumulategrad" in n:
-        return "autograd bookkeeping"
     return "other operators"
+
+
+def categorised(ops: dict[str, float], region: str) -> dict[str, float]:
+    """Seconds per operator category from seconds per operator name."""
+    out: dict[str, float] = defaultdict(float)
+    for name, sec in ops.items():
+        out[op_category(name, region)] += sec
+    return dict(out)
 
 
 def profile_breakdown(prof: torch.profiler.profile) -> dict[str, Any]:
@@ -372,7 +388,6 @@ def profile_breakdown(prof: torch.profiler.profile) -> dict[str, Any]:
     innermost fs:: record_function around the operator; plus each region's total time
     (inclusive, summed over calls) and the time of nested regions inside it."""
     events = prof.events()
-    by: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     top_ops: dict[str, Counter[str]] = defaultdict(Counter)
     region_total: dict[str, float] = defaultdict(float)
     nested: dict[str, float] = defaultdict(float)
@@ -408,19 +423,17 @@ def profile_breakdown(prof: torch.profiler.profile) -> dict[str, Any]:
         self_s = ev.self_cpu_time_total / 1e6
         if self_s <= 0:
             continue
-        by[region][op_category(ev.name, region)] += self_s
         top_ops[region][ev.name] += self_s
     out: dict[str, Any] = {}
-    for region in sorted(set(by) | set(region_total)):
-        ops = {k: round(v, 5) for k, v in sorted(by[region].items(), key=lambda kv: -kv[1])}
+    for region in sorted(set(top_ops) | set(region_total)):
         total = region_total.get(region, 0.0)
-        gaps = total - nested.get(region, 0.0) - sum(by[region].values())
+        gaps = total - nested.get(region, 0.0) - sum(top_ops[region].values())
         out[region] = {
             "region_seconds": round(total, 5),
             "nested_region_seconds": round(nested.get(region, 0.0), 5),
-            "op_self_seconds": ops,
             "gaps_seconds": round(gaps, 5) if total else None,
-            "top_ops": [(k, round(v, 5)) for k, v in top_ops[region].most_common(8)],
+            # Every operator's self seconds: the report categorises them (op_category).
+            "ops": {k: round(v, 6) for k, v in top_ops[region].most_common()},
         }
     return out
 
@@ -878,7 +891,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{fmt_load(result['load_after'])} after"
         + "".join(
             f"; {p}: {fmt_load(by[p]['load_during_run'])} at its run's start"
-            + (f" ({by[p]['measured_at']})" if "measured_at" in by[p] else "")
+            + (f" (finished {by[p]['measured_at']})" if "measured_at" in by[p] else "")
             for p in precisions
         )
         + ". The machine may be shared: only the shares within one run mean much.",
@@ -1025,6 +1038,31 @@ def markdown(result: dict[str, Any]) -> str:
             )
             + " |"
         )
+    if "fp32" in sums and "bf16" in sums:
+        ratio = (sums["bf16"]["samples"] / sums["bf16"]["bare_seconds"]) / (
+            sums["fp32"]["samples"] / sums["fp32"]["bare_seconds"]
+        )
+        slow = sorted(
+            {
+                name
+                for info in (by["bf16"]["profile"] or {}).values()
+                for name in info["ops"]
+                if "slow_conv" in name
+            }
+        )
+        lines += [
+            "",
+            f"Bare loop, bf16 / fp32 samples per second: {ratio:.2f} ("
+            + ("bf16 faster" if ratio > 1 else "bf16 slower")
+            + " on this CPU"
+            + (
+                f"; its bf16 convolutions ran in {', '.join(f'`{n}`' for n in slow)}, "
+                "torch's fallback without oneDNN"
+                if slow
+                else ""
+            )
+            + ").",
+        ]
     lines += [
         "",
         "Bare loop per phase (s/round): "
@@ -1113,11 +1151,11 @@ def operator_table(
             continue
         total = info["region_seconds"] - info["nested_region_seconds"]
         timed_s = sums[p]["seconds"][region]
-        for cat, v in info["op_self_seconds"].items():
+        for cat, v in categorised(info["ops"], region).items():
             rows[cat][p] = (v / total, v / total * timed_s)
         gaps = info["gaps_seconds"] or 0.0
         rows["between operators"][p] = (gaps / total, gaps / total * timed_s)
-        tops[p] = info["top_ops"][:4]
+        tops[p] = list(info["ops"].items())[:4]
     for cat in [*OP_CATEGORIES, "between operators"]:
         if cat not in rows:
             continue
@@ -1139,11 +1177,14 @@ def operator_table(
     return lines
 
 
+# Phases both loops run alike: an engine - bare difference there is not work to cut.
+SAME_WORK = ("train/forward+loss", "train/backward", "train/optimizer step", "train/zero_grad")
+
 # Where a fix would go, per category of the engine beyond the bare loop.
 FIX_HINTS = {
     "train/data: gather batch": "the images of a batch are gathered by advanced indexing "
     "(`self.x[idx]`, aten::index); index_select over rows contiguous in memory gives the same "
-    "tensor, values and strides (single operations below) (data/federated.py ClientData.batch)",
+    "tensor, values and strides (single operations above) (data/federated.py ClientData.batch)",
     "train/other Python in the loop": "per-step Python in training/local.py local_train: "
     "the autocast context, LossOutput checks, `loss_sum += loss.detach()`",
     "client/reply state copy": "get_arrays clones the whole state per client "
@@ -1174,7 +1215,7 @@ def candidates(precisions: list[str], sums: dict[str, Any], micro: dict | None) 
     lines = []
     for c in order:
         shares = [sums[p]["beyond"][c] / sums[p]["wall"] for p in precisions]
-        if max(shares) < 0.002:
+        if max(shares) < 0.002 or c in SAME_WORK:
             continue
         where = FIX_HINTS.get(c, "")
         lines.append(
@@ -1192,6 +1233,20 @@ def candidates(precisions: list[str], sums: dict[str, Any], micro: dict | None) 
         "- Shares under 0.2 % of the round in every precision are left out; the full "
         "difference table is above."
     )
+    lines.append(
+        "- Not candidates: the phases in which engine and bare loop do the same work ("
+        + ", ".join(f"`{c}`" for c in SAME_WORK)
+        + "); their engine - bare differences ("
+        + "; ".join(
+            f"{p}: "
+            + ", ".join(
+                f"{100 * sums[p]['beyond'][c] / sums[p]['wall']:+.1f} %" for c in SAME_WORK
+            )  # fmt: skip
+            for p in precisions
+        )
+        + " of the round) are the measurement's noise, or an effect of where the batch lies "
+        "in memory."
+    )
     return lines
 
 
@@ -1206,7 +1261,7 @@ def cpu_text(cpu: dict[str, Any] | None) -> str:
 
 
 def model_costs(precisions: list[str], by: dict[str, Any], sums: dict[str, Any]) -> list[str]:
-    """The five largest (region, operator category) pairs by their smallest estimated share
+    """The eight largest (region, operator category) pairs by their largest estimated share
     of the round over the precisions."""
     regions = ("train/forward+loss", "train/backward", "eval/global model")
     share: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
@@ -1217,16 +1272,16 @@ def model_costs(precisions: list[str], by: dict[str, Any], sums: dict[str, Any])
                 continue
             total = info["region_seconds"] - info["nested_region_seconds"]
             timed_s = sums[p]["seconds"][region]
-            for cat, v in info["op_self_seconds"].items():
+            for cat, v in categorised(info["ops"], region).items():
                 share[(region, cat)][p] = v / total * timed_s / sums[p]["wall"]
     ranked = sorted(
         (k for k, v in share.items() if len(v) == len(precisions)),
-        key=lambda k: -min(share[k].values()),
+        key=lambda k: -max(share[k].values()),
     )
     return [
         f"- {cat} in `{region}`: "
         + ", ".join(f"{p} {100 * share[(region, cat)][p]:.1f} %" for p in precisions)
-        for region, cat in ranked[:5]
+        for region, cat in ranked[:8]
     ]
 
 

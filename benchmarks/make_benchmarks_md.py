@@ -415,6 +415,11 @@ def main() -> None:
             "engine_throughput.md",
             "python benchmarks/engine_throughput.py",
         ),  # fmt: skip
+        *include(
+            "Where the seconds of a round go",
+            "round_profile.md",
+            "python benchmarks/round_profile.py",
+        ),  # fmt: skip
     ]
     (ROOT / "BENCHMARKS.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {ROOT / 'BENCHMARKS.md'}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,7 @@ from fedskew.algorithms.fedavg import FedAvg
 from fedskew.config import ExperimentConfig
 from fedskew.core.errors import FedskewError, UsageError
 from fedskew.core.rng import derive_seed, numpy_rng, torch_rng
-from fedskew.data.federated import ClientData, sample_clients
+from fedskew.data.federated import ClientData, gather_rows, sample_clients
 from fedskew.models import BodyHeadModel
 from fedskew.runs.loop import run
 from fedskew.training.aggregation import apply_server_lr, weighted_average
@@ -243,3 +245,27 @@ def test_grad_clip_bounds_each_step():
     step = torch.cat([(b - p.detach()).reshape(-1) for b, p in zip(before, params, strict=True)])
     # one SGD step with lr 1 moves the weights by exactly the clipped gradient
     assert abs(float(step.norm()) - 0.5) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "shape", [(9,), (9, 5), (9, 1), (9, 3, 4), (9, 1, 28, 28), (9, 3, 8, 8), (9, 3, 1, 5),
+              (9, 3, 5, 1), (9, 64, 1, 1), (9, 1, 1, 1), (9, 2, 3, 4, 5)],
+)  # fmt: skip
+def test_gather_rows_is_advanced_indexing(shape: tuple[int, ...]) -> None:
+    """ClientData.batch gathers with index_select where rows lie whole in memory: the result
+    must be x[idx] exactly (values, dtype, shape and strides, so that the layers reading the
+    batch pick the same kernels), in every layout, channels_last included."""
+    base = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    layouts = [base, base.t().contiguous().t()] if base.dim() == 2 else [base]
+    if base.dim() == 4:
+        layouts += [
+            base.contiguous(memory_format=torch.channels_last),
+            base.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2),
+            base.transpose(2, 3),  # neither layout: advanced indexing itself
+        ]
+    for x in layouts:
+        for rows in ([4, 0, 8, 8, 1], [2], []):
+            idx = torch.tensor(rows, dtype=torch.int64)
+            want, got = x[idx], gather_rows(x, idx)
+            assert torch.equal(want, got)
+            assert (want.dtype, want.shape, want.stride()) == (got.dtype, got.shape, got.stride())

@@ -160,7 +160,7 @@ def test_resnet18_parameter_count_and_options() -> None:
 def test_simple_cnn_norm_puts_a_normalisation_before_every_relu() -> None:
     plain = build_model("simple-cnn", (3, 32, 32), 10)
     assert list(plain.body._modules) == [
-        "conv1", "relu1", "pool1", "conv2", "relu2", "pool2", "flatten", "fc1", "relu3", "fc2",
+        "conv1", "pool1", "relu1", "conv2", "pool2", "relu2", "flatten", "fc1", "relu3", "fc2",
         "relu4",
     ]  # fmt: skip
     for norm, kinds in (("bn", (nn.BatchNorm2d, nn.BatchNorm1d)), ("gn", (nn.GroupNorm,))):
@@ -168,7 +168,9 @@ def test_simple_cnn_norm_puts_a_normalisation_before_every_relu() -> None:
         layers = list(model.body._modules.items())
         relus = [i for i, (_, m) in enumerate(layers) if isinstance(m, nn.ReLU)]
         assert len(relus) == 4
-        assert all(isinstance(layers[i - 1][1], kinds) for i in relus)
+        # the convolution blocks pool between their normalisation and their ReLU
+        normed = [i - 2 if isinstance(layers[i - 1][1], nn.MaxPool2d) else i - 1 for i in relus]
+        assert all(isinstance(layers[i][1], kinds) for i in normed)
         # one affine pair per normalised layer: 2 x (6 + 16 + 120 + 84) more parameters
         assert _count(model) == _count(plain) + 2 * (6 + 16 + 120 + 84)
     with pytest.raises(UsageError, match="norm"):
@@ -290,3 +292,33 @@ def test_split_names_refuses_stray_keys() -> None:
     model.register_buffer("stray", torch.zeros(1))
     with pytest.raises(ValueError, match="stray"):
         split_names(model)
+
+
+@pytest.mark.parametrize("name,shape", [("fedavg-cnn", (1, 28, 28)), ("cnn-cifar", (3, 32, 32))])
+def test_pooling_before_relu_gives_the_textbook_values_and_gradients(
+    name: str, shape: tuple[int, ...]
+) -> None:
+    """The CNNs pool before their ReLU for speed; the textbook conv-ReLU-pool stack, built
+    here by hand from the same layers, must give the same outputs and gradients bit for bit,
+    including inputs whose pooling windows hold ties and exact zeros."""
+    torch.manual_seed(0)
+    model = build_model(name, shape, 10)
+    body = model.body._modules
+    convs = [body["conv1"], nn.ReLU(), body["pool1"], body["conv2"], nn.ReLU(), body["pool2"]]
+    rest = [
+        m
+        for k, m in body.items()
+        if k not in ("conv1", "pool1", "relu1", "conv2", "pool2", "relu2")
+    ]
+    reference = nn.Sequential(*convs, *rest)
+    x = torch.randn(8, *shape)
+    x[:4] = x[:4].round()  # many exact ties and zeros
+    outputs = []
+    for net in (model.body, reference):
+        model.zero_grad(set_to_none=True)
+        out = net(x)
+        out.pow(2).sum().backward()
+        outputs.append((out.detach(), [p.grad.clone() for p in model.body.parameters()]))
+    (a, ga), (b, gb) = outputs
+    assert torch.equal(a, b)
+    assert all(torch.equal(u, v) for u, v in zip(ga, gb, strict=True))

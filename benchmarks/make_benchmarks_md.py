@@ -420,6 +420,11 @@ def main() -> None:
             "round_profile.md",
             "python benchmarks/round_profile.py",
         ),  # fmt: skip
+        *include(
+            "Pooling before ReLU in the small CNNs",
+            "pool_relu_order.md",
+            "python benchmarks/pool_relu_order.py",
+        ),  # fmt: skip
     ]
     (ROOT / "BENCHMARKS.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {ROOT / 'BENCHMARKS.md'}")

@@ -78,13 +78,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from child import REPO  # noqa: E402
 
+from fedskew.core.machine import BF16_FLAGS, cpu_features  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "flower_side_by_side.md"
 CONFIGS = ("flower-docs", "flower-tricks-fp32", "flower-tricks", "fedskew-fp32", "fedskew-bf16")
 PRECISION = {"flower-docs": "fp32", "flower-tricks-fp32": "fp32", "flower-tricks": "bf16",
              "fedskew-fp32": "fp32", "fedskew-bf16": "bf16"}  # fmt: skip
 VARIANT = {"flower-docs": "docs", "flower-tricks-fp32": "tricks", "flower-tricks": "tricks"}
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs with bf16 instructions
 # (numerator, denominator, goal or None, what the ratio says)
 COMPARISONS = (
     ("fedskew-fp32", "flower-docs", 1.5,
@@ -545,25 +546,6 @@ def make_partition(s: dict[str, Any], work: Path) -> tuple[str, list[list[int]]]
     parts, _ = load_partition(path)
     command = shown(argv, work).replace("python -m fedskew", "fedskew", 1)
     return command, [p.tolist() for p in parts]
-
-
-def cpu_features() -> dict[str, Any]:
-    """What decides bf16's speed on this CPU: torch's kernel level and the CPU's flags."""
-    import torch
-
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return {
-        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "flags": {f: f in flags for f in wanted},
-    }
 
 
 def has_bf16(cpu: dict[str, Any]) -> bool:

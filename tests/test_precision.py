@@ -373,3 +373,30 @@ def test_loss_terms_are_computed_in_fp32_under_bf16_autocast(case: int) -> None:
         under_autocast = fn(*args)
     assert under_autocast.dtype == torch.float32, name
     torch.testing.assert_close(under_autocast, reference, rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_on_a_cpu_without_bf16_instructions_says_it_is_emulated(
+    tmp_path, monkeypatch, caplog, native
+):
+    features = {"torch_cpu_capability": "AVX2", "flags": {}, "native_bf16": native}
+    monkeypatch.setattr(experiment, "cpu_features", lambda: features)
+    cfg = ExperimentConfig(
+        precision="bf16", rounds=1, local_epochs=1, num_clients=2, device="cpu",
+        out_dir=str(tmp_path), quiet=True,
+    )  # fmt: skip
+    with caplog.at_level("WARNING", logger="fedskew.execution"):
+        run(cfg)
+    said = [r.message for r in caplog.records if "emulated" in r.message]
+    assert len(said) == (0 if native else 1)
+    if not native:
+        assert "avx512_bf16" in said[0] and "amx_bf16" in said[0]
+
+
+def test_run_folders_record_what_the_cpu_offers_torch(tmp_path):
+    folder, _ = run(ExperimentConfig(rounds=1, local_epochs=1, out_dir=str(tmp_path), quiet=True))
+    (process,) = [json.loads(x) for x in (folder / "processes.jsonl").read_text().splitlines()]
+    assert process["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
+    flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split()
+    expected = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    assert process["cpu_flags"] == (" ".join(expected) or "-")

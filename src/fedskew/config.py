@@ -176,6 +176,14 @@ class ExperimentConfig:
         help="add FedFM's anchor feature matching to the algorithm (plug-in)",
     )
     eval_every: int = option(1, help="evaluate every N rounds")
+    # Changes which samples train (in the config hash); folders from before the option ran
+    # without a local split: ``legacy`` 0.0 keeps their hash and resume.
+    local_test_fraction: float = option(
+        0.0, metavar="F", legacy=0.0, default_text="0: none",
+        help="hold out a stratified fraction F of every client's data as its local test "
+        "split; evaluation rounds then report each client's accuracy (and personalised "
+        "accuracy where the method keeps a personal part)",
+    )
     # Metrics besides accuracy (fedskew.metrics.features), every N rounds and the last; 0: off.
     feature_metrics_every: int = option(
         0, metavar="N", measurement=True, default_text="0: off",
@@ -290,6 +298,10 @@ class ExperimentConfig:
             raise UsageError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise UsageError(f"momentum must be in [0, 1), got {self.momentum}")
+        if not 0 <= self.local_test_fraction < 1:
+            raise UsageError(
+                f"local-test-fraction must be in [0, 1) (0: none), got {self.local_test_fraction}"
+            )
         if self.grad_clip < 0:
             raise UsageError(f"grad-clip must be >= 0 (0: off), got {self.grad_clip}")
         if self.weight_decay < 0:

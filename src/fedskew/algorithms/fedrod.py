@@ -157,6 +157,13 @@ class FedRODClient(ClientLogic):
         bias = state[PHEAD_BIAS].clone().requires_grad_(True)
         return weight, bias
 
+    def personal_model(self, ctx: ClientContext) -> torch.nn.Module | None:
+        """body + generic head + this client's personal head (None before its first round)."""
+        state = ctx.state.arrays
+        if PHEAD_WEIGHT not in state:
+            return None
+        return _Personalised(ctx.model, state[PHEAD_WEIGHT], state[PHEAD_BIAS])
+
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
         set_arrays(ctx.model, msg.arrays)
         counts = ctx.data.class_counts()

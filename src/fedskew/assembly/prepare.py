@@ -20,6 +20,7 @@ from fedskew.core.errors import UsageError
 from fedskew.core.rng import derive_seed
 from fedskew.data.datasets import DATASETS, Dataset
 from fedskew.data.federated import FederatedData
+from fedskew.data.local_test import split_local_test
 from fedskew.data.partition import (
     PARTITIONS,
     check_partition,
@@ -53,6 +54,17 @@ class Prepared:
     # dataset's own tensors stay in host memory for partitions, metrics and reports).
     device: torch.device = torch.device("cpu")
     test: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Each client's local test split (--local-test-fraction); ``partition`` is then what
+    # remains for training. None: no local split.
+    local_test: list[np.ndarray] | None = None
+    # The clients' whole data before the split (the run folder's partition.npz and its
+    # digest: the split is recomputed from it); None: ``partition`` itself.
+    whole_partition: list[np.ndarray] | None = None
+
+    @property
+    def clients_data(self) -> list[np.ndarray]:
+        """Every client's indices, local test split included (what partition.npz holds)."""
+        return self.partition if self.whole_partition is None else self.whole_partition
 
     @property
     def x_test(self) -> torch.Tensor:
@@ -147,6 +159,13 @@ def prepare(cfg: ExperimentConfig, dataset: Dataset | None = None) -> Prepared:
             f"partition '{cfg.partition}' left {len(empty)} client(s) without data "
             f"(first: client {empty[0]}); use fewer clients or another partition"
         )
+    local_test = whole = None
+    if cfg.local_test_fraction > 0:
+        whole = partition
+        partition, local_test = split_local_test(
+            partition, dataset.y_train.numpy(), dataset.num_classes, cfg.local_test_fraction,
+            cfg.seed,
+        )  # fmt: skip
     train = LocalTrainConfig(
         epochs=cfg.local_epochs,
         batch_size=cfg.batch_size,
@@ -167,11 +186,12 @@ def prepare(cfg: ExperimentConfig, dataset: Dataset | None = None) -> Prepared:
         dataset.y_train.to(device),
         partition,
         dataset.num_classes,
+        local_test,
     )
     test = (dataset.x_test.to(device), dataset.y_test.to(device))
     return Prepared(
         cfg, dataset, model_name, partition, fed, algorithm, params, train, channels_last,
-        device, test,
+        device, test, local_test, whole,
     )  # fmt: skip
 
 
@@ -235,6 +255,15 @@ def use_channels_last(cfg: ExperimentConfig, dataset: Dataset, model_name: str) 
     return any(isinstance(m, torch.nn.Conv2d) for m in probe.modules())
 
 
+def local_test_facts(prep: Prepared) -> dict[str, Any]:
+    """How many samples the local test splits hold, and how many clients got none (too
+    small for the fraction), when the run has them."""
+    if prep.local_test is None:
+        return {}
+    sizes = [len(t) for t in prep.local_test]
+    return {"local_test_samples": sum(sizes), "clients_without_local_test": sizes.count(0)}
+
+
 def resolved_facts(prep: Prepared, per_round: int) -> dict[str, Any]:
     return {
         "model": prep.model_name,
@@ -242,7 +271,8 @@ def resolved_facts(prep: Prepared, per_round: int) -> dict[str, Any]:
         "num_clients": len(prep.partition),
         # partition.npz stays out of shared results (it is large); its digest in config.json
         # lets a report check that compared runs had the same clients without it.
-        "partition_digest": partition_digest(prep.partition),
+        "partition_digest": partition_digest(prep.clients_data),
+        **local_test_facts(prep),
         "algorithm": prep.algorithm.name,
         "algorithm_params": vars(prep.params),
         "dataset_source": prep.dataset.source,

@@ -13,6 +13,30 @@ import torch
 
 from fedskew.version import __version__
 
+# /proc/cpuinfo flags that decide which kernels torch runs: bf16 is native only with the
+# AVX-512 BF16 or AMX instructions, else torch emulates it (far slower than fp32).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_features() -> dict[str, object]:
+    """What this CPU offers torch: its kernel level (``torch_cpu_capability``: DEFAULT,
+    AVX2, AVX512...), the CPU_FLAGS it shows, and whether it computes bf16 natively."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return {
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "flags": {f: f in flags for f in CPU_FLAGS},
+        "native_bf16": any(f in flags for f in BF16_FLAGS),
+    }
+
 
 def machine_facts() -> dict[str, str | int]:
     """CPU, cores, memory, OS and torch of this machine: what a run folder records."""
@@ -31,8 +55,13 @@ def machine_facts() -> dict[str, str | int]:
             mem_gib = round(int(fh.readline().split()[1]) / 1024**2)
     except (OSError, ValueError, IndexError):
         pass
+    features = cpu_features()
+    shown = [f for f, present in features["flags"].items() if present]  # type: ignore[union-attr]
     return {
         "cpu": cpu,
+        # Two hosts named alike ("AMD EPYC") may differ in what decides speed: record it.
+        "cpu_kernels": str(features["torch_cpu_capability"]),
+        "cpu_flags": " ".join(shown) or "-",
         "cores": os.cpu_count() or 0,
         "memory_gib": mem_gib,
         "torch": torch.__version__,

@@ -82,13 +82,21 @@ def _contiguous_strides(shape: torch.Size, stride: tuple[int, ...]) -> bool:
 
 class FederatedData:
     def __init__(
-        self, x: torch.Tensor, y: torch.Tensor, partition: list[np.ndarray], num_classes: int
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        partition: list[np.ndarray],
+        num_classes: int,
+        local_test: list[np.ndarray] | None = None,
     ) -> None:
         self.x = x
         self.y = y
         self.partition = partition
         self.num_classes = num_classes
+        # Each client's held-out rows (fedskew.data.local_test); None: no local split.
+        self.local_test = local_test
         self._clients: dict[int, ClientData] = {}
+        self._tests: dict[int, ClientData] = {}
 
     @property
     def num_clients(self) -> int:
@@ -97,17 +105,27 @@ class FederatedData:
     def forget_clients(self) -> None:
         """Drop the clients' cached data, after ``x`` or ``y`` was replaced."""
         self._clients.clear()
+        self._tests.clear()
 
     def sizes(self) -> list[int]:
         return [len(p) for p in self.partition]
 
     def client(self, cid: int) -> ClientData:
         # Built on first use, so 10,000 mostly idle clients cost only their index arrays.
-        data = self._clients.get(cid)
+        return self._view(self._clients, self.partition, cid)
+
+    def client_test(self, cid: int) -> ClientData | None:
+        """Client ``cid``'s local test split, or None when the run has none."""
+        if self.local_test is None:
+            return None
+        return self._view(self._tests, self.local_test, cid)
+
+    def _view(self, cache: dict[int, ClientData], parts: list[np.ndarray], cid: int) -> ClientData:
+        data = cache.get(cid)
         if data is None:
-            idx = torch.from_numpy(np.ascontiguousarray(self.partition[cid], dtype=np.int64))
+            idx = torch.from_numpy(np.ascontiguousarray(parts[cid], dtype=np.int64))
             idx = idx.to(self.x.device)
-            data = self._clients[cid] = ClientData(self.x, self.y, idx, self.num_classes)
+            data = cache[cid] = ClientData(self.x, self.y, idx, self.num_classes)
         return data
 
     def class_counts(self) -> np.ndarray:

@@ -33,6 +33,7 @@ from fedskew.data.federated import FederatedData
 from fedskew.engines.together import model_obstacle, plain_handler, resolve_mode, train_together
 from fedskew.training.interface import ClientContext, ClientLogic, LocalTrainConfig
 from fedskew.training.local import PlainTraining, set_arrays
+from fedskew.training.local_evaluation import LOCAL_EVALUATION, answer_local_evaluation
 from fedskew.training.protocol import ClientState, Message
 
 log = logging.getLogger("fedskew")
@@ -156,7 +157,13 @@ class ClientRuntime:
     def handle(self, cid: int, rnd: int, msg: Message, state: ClientState) -> Message:
         with self.denormals_held():
             msg = self.inbound(msg, state)
-            reply = self.client_logic.handle(msg, self.context(cid, rnd, state))
+            ctx = self.context(cid, rnd, state)
+            if msg.kind == LOCAL_EVALUATION:  # the engine's own kind, not the algorithm's
+                reply = answer_local_evaluation(
+                    self.client_logic, msg, ctx, self.data.client_test(cid)
+                )
+            else:
+                reply = self.client_logic.handle(msg, ctx)
             return self.outbound(reply, state)
 
     def handle_together(
@@ -172,6 +179,8 @@ class ClientRuntime:
     def _handle_together(
         self, rnd: int, messages: Mapping[int, Message], states: Mapping[int, ClientState]
     ) -> dict[int, Message] | None:
+        if any(m.kind == LOCAL_EVALUATION for m in messages.values()):
+            return None  # nothing is trained
         reason = self._together_obstacle(messages)
         if reason:
             if reason not in self._said:

@@ -17,6 +17,7 @@ class EvalResult:
     loss: float
     per_class_accuracy: np.ndarray  # nan for classes absent from the test set
     class_counts: np.ndarray
+    correct: int = 0  # samples classified correctly (accuracy = correct / class_counts.sum())
 
 
 @torch.inference_mode()
@@ -52,14 +53,16 @@ def evaluate(
         total.index_add_(0, yb, torch.ones_like(yb))
     model.train(was_training)
     n = int(total.sum())
+    hits = int(correct.sum())
     counts = total.cpu().numpy()
     with np.errstate(invalid="ignore", divide="ignore"):
         per_class = np.where(counts > 0, correct.cpu().numpy() / np.maximum(counts, 1), np.nan)
     return EvalResult(
-        accuracy=float(correct.sum()) / max(n, 1),
+        accuracy=hits / max(n, 1),
         loss=float(loss_sum) / max(n, 1),
         per_class_accuracy=per_class,
         class_counts=counts,
+        correct=hits,
     )
 
 

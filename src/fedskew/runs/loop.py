@@ -36,7 +36,7 @@ from fedskew.config import Execution, ExperimentConfig, config_hash, execution_c
 from fedskew.core.denormals import denormals_state
 from fedskew.core.device import device_facts, settings_applied
 from fedskew.core.errors import FedskewError, UsageError
-from fedskew.core.machine import machine_facts, software_facts
+from fedskew.core.machine import cpu_features, machine_facts, software_facts
 from fedskew.data.federated import sample_clients
 from fedskew.engines.base import Engine, ServerSideClientStates
 from fedskew.engines.inprocess import InProcessEngine
@@ -56,6 +56,7 @@ from fedskew.runs.checkpoint import (
     server_state,
 )
 from fedskew.runs.folder import RunFolder, check_writable
+from fedskew.runs.local_evaluation import evaluate_on_clients, has_personal_part
 from fedskew.runs.measurements import Measurements, final_values
 from fedskew.runs.tracking import TrackingSession, check_available
 from fedskew.training.interface import ClientLogic, ServerLogic, ServerSetup
@@ -126,6 +127,11 @@ def _run(
     execution = getattr(factory, "execution", None)
     if isinstance(execution, Execution) and (execution.auto or execution.capped):
         notes.info("%s", execution.note())
+    if cfg.precision == "bf16" and prep.device.type == "cpu" and not cpu_features()["native_bf16"]:
+        notes.warning(
+            "bf16 on this CPU is emulated (it shows neither avx512_bf16 nor amx_bf16): "
+            "expect it several times slower than fp32"
+        )
     measurements = Measurements(prep, eval_model)
     state = RunState(
         prep, setup, server, engine, eval_model, per_round, measurements=measurements,
@@ -143,6 +149,7 @@ def _run(
             if setup.is_eval_round(rnd):
                 t1 = time.perf_counter()
                 state.last_eval = evaluate_global_model(state)
+                state.last_eval.update(evaluate_local_splits(state, rnd))
                 record.update(state.last_eval)
                 record["eval_seconds"] = round(time.perf_counter() - t1, 4)
             record.update(measurements.measure(rnd, server, skipped="skipped" in record))
@@ -300,13 +307,13 @@ def open_folder(state: RunState, resume: Path | None) -> None:
         folder.claim()
         # config.json makes the folder resumable (RunFolder.reopen), so it comes last: a
         # kill before it leaves a folder that says so, never one without its partition.
-        folder.write_partition(prep.partition, partition_meta(cfg))
+        folder.write_partition(prep.clients_data, partition_meta(cfg))
         folder.write_config({**cfg.to_dict(), "resolved": resolved_facts(prep, state.per_round)})
     else:
         folder = RunFolder.reopen(resume)
         folder.claim()
         try:
-            if not partitions_equal(folder.read_partition(), prep.partition):
+            if not partitions_equal(folder.read_partition(), prep.clients_data):
                 raise FedskewError(
                     f"{resume}: the saved partition differs from the one rebuilt from its config"
                 )
@@ -390,8 +397,10 @@ def restore(state: RunState, folder: RunFolder) -> None:
     state.history = rows[:done]
     folder.keep_metrics(state.history)
     state.last_eval = next(
-        ({k: r[k] for k in EVAL_KEYS} for r in reversed(state.history) if "accuracy" in r), {}
-    )
+        ({k: v for k, v in r.items() if is_eval_key(k)}
+         for r in reversed(state.history) if "accuracy" in r),
+        {},
+    )  # fmt: skip
 
 
 def partition_meta(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -518,6 +527,20 @@ def evaluate_global_model(state: RunState) -> dict[str, Any]:
     }
 
 
+def evaluate_local_splits(state: RunState, rnd: int) -> dict[str, Any]:
+    """The per-client part of an evaluation round (--local-test-fraction), else nothing."""
+    local = state.prep.local_test
+    if local is None:
+        return {}
+    return evaluate_on_clients(
+        state.engine,
+        rnd,
+        state.server.eval_arrays(),
+        [len(t) for t in local],
+        has_personal_part(state.prep.algorithm.Client),
+    )
+
+
 def keep_round(state: RunState, rnd: int, record: dict[str, Any]) -> None:
     """The round's checkpoint (when due), then its metrics line: metrics of a round are
     only kept once its state is safe."""
@@ -566,6 +589,12 @@ def client_state_size(engine: Engine) -> dict[str, int]:
 
 
 EVAL_KEYS = ("accuracy", "loss", "client_dist_accuracy", "per_class_accuracy")
+CLIENT_SERIES = ("client_accuracy", "client_personal_accuracy")  # local evaluation's lists
+
+
+def is_eval_key(key: str) -> bool:
+    """Whether a metrics record's ``key`` is a result of the evaluation of its round."""
+    return key in EVAL_KEYS or key.startswith(CLIENT_SERIES) or key.startswith("local_eval_")
 
 
 def partitions_equal(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
@@ -595,6 +624,12 @@ def make_summary(
         "final_accuracy": last_eval.get("accuracy"),
         "final_loss": last_eval.get("loss"),
         "final_client_dist_accuracy": last_eval.get("client_dist_accuracy"),
+        **{
+            f"final_{name}_{stat}": last_eval[f"{name}_{stat}"]
+            for name in CLIENT_SERIES
+            for stat in ("mean", "std", "worst10", "gap")
+            if f"{name}_{stat}" in last_eval
+        },
         "best_accuracy": max(accuracies) if accuracies else None,
         "total_bytes_down": sum(r["bytes_down"] for r in history),
         "total_bytes_up": sum(r["bytes_up"] for r in history),

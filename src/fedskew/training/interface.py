@@ -81,6 +81,14 @@ class ClientLogic:
             raise UsageError(f"{type(self).__name__} has no handler for message kind '{msg.kind}'")
         return handler(msg, ctx)
 
+    def personal_model(self, ctx: ClientContext) -> torch.nn.Module | None:
+        """The model this client would predict with, for a method that keeps a personal part
+        on the client (``ctx.model`` holds the global model's weights already), or None: no
+        personal part (the default), or none yet for this client. Local evaluation
+        (``--local-test-fraction``) reports its accuracy as the personalised accuracy. It
+        must not change ``ctx.state``."""
+        return None
+
 
 @dataclass
 class ServerSetup:

@@ -26,6 +26,7 @@ from fedskew.assembly.prepare import (
     Prepared,
     check_names,
     execution_settings,
+    inactive_mechanisms,
     new_model,
     prepare,
     resolved_facts,
@@ -126,6 +127,8 @@ def _run(
     execution = getattr(factory, "execution", None)
     if isinstance(execution, Execution) and (execution.auto or execution.capped):
         notes.info("%s", execution.note())
+    for mechanism in inactive_mechanisms(prep, per_round):
+        log.warning("%s: %s", prep.algorithm.name, mechanism.line())
     measurements = Measurements(prep, eval_model)
     state = RunState(
         prep, setup, server, engine, eval_model, per_round, measurements=measurements,

@@ -111,7 +111,8 @@ def test_grid_runs_skips_resumes_and_tables_match_metrics(tmp_path, capsys):
         bests = [max(per_seed[s]) for s in (0, 1)]
         assert float(row["final_mean"]) == pytest.approx(np.mean(finals), abs=1e-3)
         assert float(row["final_std"]) == pytest.approx(np.std(finals, ddof=1), abs=1e-3)
-        assert float(row["last2_mean"]) == pytest.approx(np.mean(lasts), abs=1e-3)
+        assert float(row["last_mean"]) == pytest.approx(np.mean(lasts), abs=1e-3)
+        assert row["last_rounds"] == "2"
         assert float(row["best_mean"]) == pytest.approx(np.mean(bests), abs=1e-3)
         reached = [next((i + 1 for i, a in enumerate(per_seed[s]) if a >= 30), None)
                    for s in (0, 1)]  # fmt: skip
@@ -129,7 +130,12 @@ def test_grid_runs_skips_resumes_and_tables_match_metrics(tmp_path, capsys):
     cpu = json.loads((out / "fedavg-s0" / "processes.jsonl").read_text().splitlines()[0])["cpu"]
     assert rows["fedavg"]["machines"] == cpu  # both seeds on this machine
     md = (out / "comparison.md").read_text()
-    assert f"{np.mean(paired):+.2f} ± {np.std(paired, ddof=1):.2f}" in md
+    # 2 seeds: mean ± t(0.975, 1) s / sqrt(2), t from a printed table.
+    half = 12.7062047 * np.std(paired, ddof=1) / np.sqrt(2)
+    low, high = np.mean(paired) - half, np.mean(paired) + half
+    assert float(rows["prox"]["paired_ci95_low"]) == pytest.approx(low, abs=1e-3)
+    ahead = sum(d > 0 for d in paired)
+    assert f"{np.mean(paired):+.2f} [{low:+.2f}, {high:+.2f}]; ahead in {ahead}/2 seeds" in md
     assert "identical across methods in 2 of 2" in md
     runs = list(csv.DictReader((out / "runs.csv").open()))
     assert len(runs) == 4 and all(r["finished"] == "True" for r in runs)

@@ -54,12 +54,19 @@ from fedskew.algorithms.fedfm import (
     cg_loss,
     l2_loss,
     loss_term_installed,
+    matching_inactive,
     matching_term,
     reply_local_anchors,
     settings_of,
     take_received,
 )
-from fedskew.training.interface import Algorithm, ClientContext, ServerSetup
+from fedskew.training.interface import (
+    Algorithm,
+    ClientContext,
+    InactiveMechanism,
+    RunShape,
+    ServerSetup,
+)
 from fedskew.training.protocol import ArraySpec, Channel, Expected, Message
 
 # The plug-in, and FedFM's pieces that callers import from here (re-exported).
@@ -259,6 +266,14 @@ def with_feature_matching(cls: type[Algorithm]) -> type[Algorithm]:
         ) -> dict[str, ArraySpec] | None:
             inner = cls.inner.reply_arrays(params, model, num_classes)
             return None if inner is None else {**inner, **anchor_reply_arrays(model, num_classes)}
+
+        @classmethod
+        def inactive_mechanisms(cls, params: Any, shape: RunShape) -> list[InactiveMechanism]:
+            """The inner algorithm's own, and the matching launched after the last round."""
+            return [
+                *cls.inner.inactive_mechanisms(params, shape),
+                *matching_inactive(params, shape, f"every round trains as {cls.inner.name}"),
+            ]
 
     WithFM.__name__ = WithFM.__qualname__ = f"{cls.__name__}FM"
     _WRAPPED[cls] = WithFM

@@ -100,9 +100,12 @@ from fedskew.training.interface import (
     Algorithm,
     ClientContext,
     ClientLogic,
+    InactiveMechanism,
+    RunShape,
     ServerLogic,
     ServerSetup,
     check_one_of,
+    starts_too_late,
 )
 from fedskew.training.local import (
     LossFn,
@@ -623,3 +626,32 @@ class FedCME(Algorithm):
             PRESENT: ArraySpec((num_classes,), torch.bool, true_count="n"),
             EVAL_VECTOR: ArraySpec((num_classes,)),
         }
+
+    @classmethod
+    def inactive_mechanisms(cls, params: FedCMEParams, shape: RunShape) -> list[InactiveMechanism]:
+        """The exchange without the epochs to split or a partner to pair with; the feature
+        alignment in a one-round run (global class features exist from the second round)."""
+        found: list[InactiveMechanism] = []
+        if params.exchange != "none" and shape.local_epochs // 2 == 0:
+            found.append(
+                InactiveMechanism(
+                    "classifier exchange",
+                    {"exchange": params.exchange, "local_epochs": shape.local_epochs},
+                    "the exchange would come after floor(E/2) = 0 epochs, before any training, "
+                    "so rounds run as exchange=none",
+                )
+            )
+        elif params.exchange != "none" and shape.clients_per_round < 2:
+            found.append(
+                InactiveMechanism(
+                    "classifier exchange",
+                    {"exchange": params.exchange, "clients_per_round": shape.clients_per_round},
+                    "one client per round has no partner to exchange with",
+                )
+            )
+        if params.mu > 0:
+            found += starts_too_late(
+                "feature alignment", 1, shape, {"mu": params.mu},
+                "the global class features it aligns to come from the first round's uploads",
+            )  # fmt: skip
+        return found

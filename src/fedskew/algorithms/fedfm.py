@@ -83,9 +83,12 @@ from fedskew.training.interface import (
     Algorithm,
     ClientContext,
     ClientLogic,
+    InactiveMechanism,
+    RunShape,
     ServerLogic,
     ServerSetup,
     check_one_of,
+    starts_too_late,
 )
 from fedskew.training.local import (
     FeatureFn,
@@ -204,6 +207,21 @@ def settings_of(params: Any) -> FMSettings:
         agg=str(get("anchor_agg")),
         warmup=int(get("lam_warmup")),
     )
+
+
+def matching_inactive(
+    params: Any, shape: RunShape, consequence: str, first_round: int | None = None
+) -> list[InactiveMechanism]:
+    """Feature matching, when it launches after the run's last round (``first_round``: the
+    first round it can act in, 0-based; default ``start_round``). The option is named as
+    the user sees it (the plug-in may rename it ``fm_start_round``); ``lam`` = 0 is matching
+    switched off on purpose, not listed."""
+    s = settings_of(params)
+    if s.lam == 0:
+        return []
+    option = getattr(type(params), "fm_field_names", {}).get("start_round", "start_round")
+    first = s.start_round if first_round is None else first_round
+    return starts_too_late("feature matching", first, shape, {option: s.start_round}, consequence)
 
 
 # --- anchors --------------------------------------------------------------------------------
@@ -484,3 +502,7 @@ class FedFM(Algorithm):
         cls, params: Any, model: torch.nn.Module, num_classes: int
     ) -> dict[str, ArraySpec]:
         return anchor_reply_arrays(model, num_classes)
+
+    @classmethod
+    def inactive_mechanisms(cls, params: Any, shape: RunShape) -> list[InactiveMechanism]:
+        return matching_inactive(params, shape, "every round trains and aggregates as FedAvg")

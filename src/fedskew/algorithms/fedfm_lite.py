@@ -47,6 +47,7 @@ from fedskew.algorithms.fedfm import (
     defined_rows,
     local_anchor_arrays,
     loss_term_installed,
+    matching_inactive,
     received_anchor_term,
     settings_of,
 )
@@ -56,6 +57,8 @@ from fedskew.training.interface import (
     Algorithm,
     ClientContext,
     ClientLogic,
+    InactiveMechanism,
+    RunShape,
     ServerLogic,
     ServerSetup,
 )
@@ -174,3 +177,26 @@ class FedFMLite(Algorithm):
         cls, params: FedFMLiteParams, model: torch.nn.Module, num_classes: int
     ) -> dict[str, ArraySpec]:
         return anchor_reply_arrays(model, num_classes)
+
+    @classmethod
+    def inactive_mechanisms(
+        cls, params: FedFMLiteParams, shape: RunShape
+    ) -> list[InactiveMechanism]:
+        """Feature matching launched after the last round (round 0 has no anchors, so it
+        cannot act before round 1); a model period that no round of the run completes."""
+        found = matching_inactive(
+            params,
+            shape,
+            "clients train with plain cross-entropy",
+            first_round=max(settings_of(params).start_round, 1),
+        )
+        if params.a > shape.rounds:
+            found.append(
+                InactiveMechanism(
+                    "model averaging every a rounds",
+                    {"a": params.a, "rounds": shape.rounds},
+                    "no period completes within the run: the models are averaged only in the "
+                    "last round, which always is a model round (as with a = rounds)",
+                )
+            )
+        return found

@@ -39,9 +39,12 @@ from fedskew.training.interface import (
     Algorithm,
     ClientContext,
     ClientLogic,
+    InactiveMechanism,
+    RunShape,
     ServerLogic,
     ServerSetup,
     check_one_of,
+    starts_too_late,
 )
 from fedskew.training.local import (
     LossOutput,
@@ -185,3 +188,15 @@ class FedProto(Algorithm):
             PROTO_CLASSES: ArraySpec(("n",), torch.int64, classes=num_classes),
             PROTO_COUNTS: ArraySpec(("n",), torch.int64),
         }
+
+    @classmethod
+    def inactive_mechanisms(
+        cls, params: FedProtoParams, shape: RunShape
+    ) -> list[InactiveMechanism]:
+        """The regulariser in a one-round run: prototypes come from the first round's uploads."""
+        if params.ld == 0:
+            return []
+        return starts_too_late(
+            "prototype regulariser", 1, shape, {"ld": params.ld},
+            "the global prototypes come from the first round's uploads; the run is FedAvg",
+        )  # fmt: skip

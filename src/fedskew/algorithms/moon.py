@@ -40,7 +40,14 @@ from torch import nn
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
 from fedskew.core.errors import UsageError
 from fedskew.core.precision import in_fp32
-from fedskew.training.interface import Algorithm, ClientContext, ClientLogic
+from fedskew.training.interface import (
+    Algorithm,
+    ClientContext,
+    ClientLogic,
+    InactiveMechanism,
+    RunShape,
+    starts_too_late,
+)
 from fedskew.training.local import (
     LossOutput,
     frozen_copy,
@@ -151,3 +158,14 @@ class Moon(Algorithm):
             model.feature_dim, params.out_dim, old.out_features, old.bias is not None
         )
         return model
+
+    @classmethod
+    def inactive_mechanisms(cls, params: MoonParams, shape: RunShape) -> list[InactiveMechanism]:
+        """The contrastive term in a one-round run: a client's first round has no previous
+        model, and the term then has no gradient (see the module docstring)."""
+        if params.mu == 0:
+            return []
+        return starts_too_late(
+            "model-contrastive term", 1, shape, {"mu": params.mu},
+            "a client's first round has no previous model, so the term has no gradient",
+        )  # fmt: skip

@@ -66,9 +66,12 @@ from fedskew.training.interface import (
     Algorithm,
     ClientContext,
     ClientLogic,
+    InactiveMechanism,
+    RunShape,
     ServerLogic,
     ServerSetup,
     check_one_of,
+    starts_too_late,
 )
 from fedskew.training.local import get_arrays, set_arrays, train_client, trained_needs
 from fedskew.training.protocol import ArraySpec, Channel, Message, arrived
@@ -179,3 +182,13 @@ class Scaffold(Algorithm):
             DC_PREFIX + k: ArraySpec(tuple(state[k].shape), state[k].dtype)
             for k in trained_keys(state)
         }
+
+    @classmethod
+    def inactive_mechanisms(
+        cls, params: ScaffoldParams, shape: RunShape
+    ) -> list[InactiveMechanism]:
+        """The correction in a one-round run: c and every c_k start at zero."""
+        return starts_too_late(
+            "control-variate correction", 1, shape, {},
+            "c and c_k are zero in the first round, so its gradients are uncorrected",
+        )  # fmt: skip

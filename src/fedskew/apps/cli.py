@@ -261,15 +261,32 @@ def add_compare_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run and write nothing: where each run stands, who trains it, CPU time left",
     )
+    add_latex_options(g, "comparison.tex")
     from fedskew.grid.executors.options import add_executor_options
 
     add_executor_options(p)
+
+
+def add_latex_options(p: argparse.ArgumentParser | argparse._ArgumentGroup, name: str) -> None:
+    p.add_argument(
+        "--latex",
+        action="store_true",
+        help=f"also write {name} beside the Markdown: a booktabs table, methods x settings, "
+        "mean ± std of the mean of the last rounds, best of each column in bold",
+    )
+    p.add_argument(
+        "--latex-paired",
+        action="store_true",
+        help="--latex, with a column per setting with the paired difference to the reference "
+        "and its 95 %% interval over seeds",
+    )
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from fedskew.apps import compare
     from fedskew.grid.executors import dispatch
     from fedskew.grid.executors.options import executor_overrides
+    from fedskew.report.latex import latex_path
 
     if args.resume or args.name:
         raise UsageError("compare names and resumes its runs itself; drop --resume and --name")
@@ -326,8 +343,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
             if outcomes is None:  # submitted to Slurm: its last job writes the tables
                 return 0
             failed = sum(o.status == "failed" for o in outcomes)
-    md = compare.write_tables(root, compare.collect(root), options, command)
+    latex = args.latex or args.latex_paired
+    md = compare.write_tables(
+        root, compare.collect(root), options, command, latex, args.latex_paired
+    )
     print(f"tables: {md}, {root / 'comparison.csv'}, {root / 'runs.csv'}")
+    if latex:
+        print(f"LaTeX table (booktabs): {latex_path(root, 'comparison')}")
     print(f"full report (curves, partition, provenance): fedskew report {root}")
     return 1 if failed else 0
 
@@ -340,9 +362,18 @@ def cmd_grid_task(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from fedskew.apps.reporting import make_report
+    from fedskew.report.latex import latex_path
 
-    md, page = make_report(Path(args.folder), Path(args.out) if args.out else None)
+    latex = args.latex or args.latex_paired
+    md, page = make_report(
+        Path(args.folder),
+        Path(args.out) if args.out else None,
+        latex=latex,
+        latex_paired=args.latex_paired,
+    )
     print(f"report: {md} and {page} (self-contained)")
+    if latex:
+        print(f"LaTeX table (booktabs): {latex_path(md.parent, 'report')}")
     return 0
 
 
@@ -391,6 +422,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p_rep.add_argument("folder", help="a run folder, or a folder of runs (fedskew compare's)")
     p_rep.add_argument("-o", "--out", help="where report.md/.html go (default: the folder)")
+    add_latex_options(p_rep, "report.tex")
     p_rep.set_defaults(func=cmd_report)
     return parser
 

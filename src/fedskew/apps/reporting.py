@@ -28,6 +28,7 @@ from fedskew.assembly.prepare import build_partition, load_experiment_data
 from fedskew.core.errors import FedskewError
 from fedskew.data.partition import load_partition, partition_stats
 from fedskew.report.document import Block, Heading, Image, Para, write_report
+from fedskew.report.latex import write_latex
 from fedskew.report.plots import curves_png, partition_png
 from fedskew.report.runs import RunRecord
 from fedskew.report.tables import (
@@ -172,13 +173,21 @@ def report_blocks(root: Path, records: list[RunRecord], options: Options) -> lis
     return blocks
 
 
-def make_report(root: Path, out: Path | None = None) -> tuple[Path, Path]:
+def make_report(
+    root: Path, out: Path | None = None, latex: bool = False, latex_paired: bool = False
+) -> tuple[Path, Path]:
     """Write ``report.md`` (pictures in ``report_files/``) and ``report.html`` into ``out``
-    (default: the folder itself); returns their paths."""
+    (default: the folder itself); returns their paths. With ``latex`` also ``report.tex``
+    beside them (``fedskew.report.latex.latex_path``), the paired differences to the
+    reference in it with ``latex_paired``."""
     root = Path(root)
+    folder = Path(out) if out else root
     records = collect(root)
     options = options_from_manifest(root, Options())
     if len({r.method for r in records}) < 2:
         options = dataclasses.replace(options, reference=None)
     blocks = report_blocks(root, records, options)
-    return write_report(blocks, Path(out) if out else root, "report", f"fedskew report: {root}")
+    paths = write_report(blocks, folder, "report", f"fedskew report: {root}")
+    if latex:
+        write_latex(records, options, folder, "report", paired=latex_paired)
+    return paths

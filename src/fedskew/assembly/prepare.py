@@ -33,7 +33,7 @@ from fedskew.data.sources import load_dataset
 from fedskew.data.user_datasets import default_model_for, find_dataset_loader
 from fedskew.models import build_model, find_model
 from fedskew.models.cost import TRAIN_FLOPS_PER_FORWARD, forward_cost
-from fedskew.training.interface import Algorithm, LocalTrainConfig
+from fedskew.training.interface import Algorithm, InactiveMechanism, LocalTrainConfig, RunShape
 from fedskew.version import __version__
 
 
@@ -264,6 +264,15 @@ def local_test_facts(prep: Prepared) -> dict[str, Any]:
     return {"local_test_samples": sum(sizes), "clients_without_local_test": sizes.count(0)}
 
 
+def inactive_mechanisms(prep: Prepared, per_round: int) -> list[InactiveMechanism]:
+    """What the algorithm declares its options and this run's shape keep from ever acting
+    (``Algorithm.inactive_mechanisms``)."""
+    shape = RunShape(
+        rounds=prep.cfg.rounds, local_epochs=prep.train.epochs, clients_per_round=per_round
+    )
+    return list(prep.algorithm.inactive_mechanisms(prep.params, shape))
+
+
 def resolved_facts(prep: Prepared, per_round: int) -> dict[str, Any]:
     return {
         "model": prep.model_name,
@@ -275,6 +284,9 @@ def resolved_facts(prep: Prepared, per_round: int) -> dict[str, Any]:
         **local_test_facts(prep),
         "algorithm": prep.algorithm.name,
         "algorithm_params": vars(prep.params),
+        # Recorded once, when the run starts: a resume keeps config.json, and the reports
+        # mark the runs whose method was partly a plainer one.
+        "inactive_mechanisms": [m.record() for m in inactive_mechanisms(prep, per_round)],
         "dataset_source": prep.dataset.source,
         "num_classes": prep.dataset.num_classes,
         "train_samples": int(len(prep.dataset.y_train)),

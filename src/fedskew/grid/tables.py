@@ -11,6 +11,7 @@ from typing import Any
 from fedskew.core.durable import remove_stale_temps, write_bytes_durably
 from fedskew.grid.plan import Grid, PlannedRun
 from fedskew.report.document import Block, Heading, Para, write_report
+from fedskew.report.latex import write_latex
 from fedskew.report.runs import MANIFEST, MANIFEST_FORMAT, RunRecord, find_runs
 from fedskew.report.tables import (
     Options,
@@ -92,11 +93,22 @@ def table_blocks(records: list[RunRecord], options: Options, command: str) -> li
     return blocks
 
 
-def write_tables(root: Path, records: list[RunRecord], options: Options, command: str) -> Path:
-    """``comparison.md`` (+ .html), ``comparison.csv`` and ``runs.csv`` in the grid folder."""
+def write_tables(
+    root: Path,
+    records: list[RunRecord],
+    options: Options,
+    command: str,
+    latex: bool = False,
+    latex_paired: bool = False,
+) -> Path:
+    """``comparison.md`` (+ .html), ``comparison.csv`` and ``runs.csv`` in the grid folder;
+    with ``latex`` also ``comparison.tex`` (booktabs; the paired differences in it with
+    ``latex_paired``)."""
     md, _ = write_report(table_blocks(records, options, command), root, "comparison", "Comparison")
     write_bytes_durably(root / "comparison.csv", comparison_csv(records, options).encode())
     write_bytes_durably(root / "runs.csv", runs_csv(records, options).encode())
+    if latex:
+        write_latex(records, options, root, "comparison", paired=latex_paired)
     return md
 
 

@@ -1,11 +1,14 @@
 """Comparison and cost tables in the papers' form, computed from run records.
 
 Per (setting, method), over the finished seeds: mean ± sample standard deviation of the final
-accuracy, of the mean of the last N evaluated rounds and of the best accuracy; the rounds
+accuracy, of the mean of the last N evaluated rounds (all of them in a run that has fewer;
+the labels say how many: ``fedskew.report.windows``) and of the best accuracy; the rounds
 to reach a target accuracy; the difference to a reference method taken per seed (the same
-seed gives every method the same partition and the same clients each round) and then
-averaged; bytes per round; the largest per-client state. Every number is computed here from
-the run folders' files; the sentences that draw conclusions are computed too.
+seed gives every method the same partition and the same clients each round), averaged, with
+its 95 % Student-t interval over the seeds (``fedskew.report.intervals``); bytes per round;
+the largest per-client state. Rows of runs whose method had a mechanism that never acted
+are marked (``fedskew.report.inactive``). Every number is computed here from the run
+folders' files; the sentences that draw conclusions are computed too.
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ import numpy as np
 
 from fedskew.config import EXECUTION_ONLY, ExperimentConfig
 from fedskew.report.document import Block, Bullets, Heading, Para, Table
+from fedskew.report.inactive import Marks, Note, recorded_notes
+from fedskew.report.intervals import PairedSummary, paired_summary
 from fedskew.report.runs import NOT_RECORDED, RunRecord, machines, provenance
+from fedskew.report.windows import Window, window
 
 MIB = 2**20
 
@@ -47,6 +53,7 @@ class RunValues:
     seconds: float  # training plus evaluation, per round
     client_state_bytes: int | None
     machines: list[str] = field(default_factory=list)  # that computed its rounds
+    last_rounds: int = 0  # evaluated rounds ``last`` averages: min(Options.last, evaluated)
 
 
 def run_values(record: RunRecord, options: Options) -> RunValues | None:
@@ -70,6 +77,7 @@ def run_values(record: RunRecord, options: Options) -> RunValues | None:
         seconds=sum(float(r.get("seconds", 0)) + float(r.get("eval_seconds", 0)) for r in rows) / n,
         client_state_bytes=record.client_state_bytes,
         machines=machines(record),
+        last_rounds=min(options.last, len(values)),
     )
 
 
@@ -81,9 +89,25 @@ class MethodRow:
     runs: dict[int, RunValues] = field(default_factory=dict)
     unfinished: list[int] = field(default_factory=list)
     paired: dict[int, float] = field(default_factory=dict)  # seed -> last-N difference
+    notes: dict[int, list[Note]] = field(default_factory=dict)  # seed -> inactive mechanisms
 
     def column(self, name: str) -> np.ndarray:
         return np.array([getattr(self.runs[s], name) for s in self.seeds], dtype=float)
+
+    def paired_summary(self) -> PairedSummary | None:
+        return paired_summary([self.paired[s] for s in sorted(self.paired)])
+
+    def row_notes(self) -> list[Note]:
+        """The inactive mechanisms of its finished seeds, each once."""
+        return list(dict.fromkeys(n for s in self.seeds for n in self.notes.get(s, [])))
+
+    def windows(self, name: str | None = None) -> list[tuple[str, int]]:
+        """(name, rounds averaged) for the row, or per seed where its seeds differ."""
+        name = name or self.method
+        used = {s: self.runs[s].last_rounds for s in self.seeds}
+        if len(set(used.values())) == 1:
+            return [(name, next(iter(used.values())))]
+        return [(f"{name} seed {s}", k) for s, k in used.items()]
 
 
 def group(records: list[RunRecord], options: Options) -> dict[str, list[MethodRow]]:
@@ -101,6 +125,7 @@ def group(records: list[RunRecord], options: Options) -> dict[str, list[MethodRo
             continue  # a second folder of the same seed: the first one counts
         row.seeds.append(rec.seed)
         row.runs[rec.seed] = values
+        row.notes[rec.seed] = recorded_notes(rec)
     for methods in rows.values():
         ref = methods.get(options.reference or "")
         for row in methods.values():
@@ -146,22 +171,43 @@ def _reached_cell(row: MethodRow) -> str:
 def _paired_cell(row: MethodRow, options: Options) -> str:
     if row.method == options.reference:
         return "reference"
-    if not row.paired:
+    summary = row.paired_summary()
+    if summary is None:
         return "n/a (no common seed)"
-    d = np.array(list(row.paired.values()))
-    value = mean_std(d, sign=True).removesuffix(" (1 seed)")
-    return f"{value} ({int((d > 0).sum())}/{d.size} seed{'s' if d.size > 1 else ''} up)"
+    return summary.markdown()
 
 
-def comparison_table(rows: list[MethodRow], options: Options) -> Table:
+def table_window(rows: list[MethodRow], options: Options) -> Window:
+    """What the rows' "last" values average (rows without a finished run say nothing)."""
+    return window([w for r in rows if r.seeds for w in r.windows()], options.last)
+
+
+def best_of(rows: list[MethodRow]) -> set[str]:
+    """The methods with the highest mean of the last rounds, as printed (2 decimals), so
+    that rows equal on the page are bold together; the LaTeX tables decide the same way."""
+    means = {r.method: round(float(r.column("last").mean()), 2) for r in rows if r.seeds}
+    means = {m: v for m, v in means.items() if math.isfinite(v)}
+    top = max(means.values(), default=None)
+    return {m for m, v in means.items() if v == top}
+
+
+def _bold(text: str) -> str:
+    return f"**{text}**"
+
+
+def comparison_table(rows: list[MethodRow], options: Options, marks: Marks | None = None) -> Table:
+    """The accuracy table of one setting; ``marks`` collects the footnotes of rows whose
+    method had a mechanism that never acted (printed by the caller)."""
+    marks = Marks() if marks is None else marks
+    last = table_window(rows, options).header()
     header = [
-        "method", "seeds", "final accuracy (%)", f"mean of last {options.last} (%)",
-        "best accuracy (%)",
+        "method", "seeds", "final accuracy (%)", f"mean of {last} (%)", "best accuracy (%)",
     ]  # fmt: skip
     if options.target is not None:
         header.append(f"rounds to {options.target:g} % (seeds reaching it)")
     if options.reference:
-        header.append(f"last {options.last} vs {options.reference}, paired (points)")
+        header.append(f"{last} vs {options.reference}, paired: mean [95 % interval] (points)")
+    best = best_of(rows)
     body = []
     for row in rows:
         seeds = f"{len(row.seeds)}" + (
@@ -172,11 +218,13 @@ def comparison_table(rows: list[MethodRow], options: Options) -> Table:
             cells += [""] * (len(header) - len(cells))
             body.append(cells)
             continue
+        symbols = marks.mark(row.row_notes(), row.method)
+        last_cell = mean_std(row.column("last"))
         cells = [
-            row.method,
+            row.method + (f" {symbols}" if symbols else ""),
             seeds,
             mean_std(row.column("final")),
-            mean_std(row.column("last")),
+            _bold(last_cell) if row.method in best else last_cell,
             mean_std(row.column("best")),
         ]
         if options.target is not None:
@@ -223,29 +271,55 @@ def _row_machines(row: MethodRow) -> list[str]:
     return list(dict.fromkeys(m for s in row.seeds for m in row.runs[s].machines))
 
 
-def overview_table(grouped: dict[str, list[MethodRow]], options: Options) -> Table:
-    """Methods down, settings across: mean of the last N rounds, as papers print them."""
+def overview_window(grouped: dict[str, list[MethodRow]], options: Options) -> Window:
+    """What the overview's cells average, rows named with their setting."""
+    return window(
+        [
+            w
+            for setting, rows in grouped.items()
+            for r in rows
+            if r.seeds
+            for w in r.windows(f"{r.method} ({setting})" if setting else r.method)
+        ],
+        options.last,
+    )
+
+
+def overview_table(
+    grouped: dict[str, list[MethodRow]], options: Options, marks: Marks | None = None
+) -> Table:
+    """Methods down, settings across: mean of the last N rounds, as papers print them; the
+    best of each column in bold, marks on the cells of runs whose mechanism never acted."""
+    marks = Marks() if marks is None else marks
     settings = list(grouped)
     methods = list(dict.fromkeys(r.method for rows in grouped.values() for r in rows))
+    best = {setting: best_of(rows) for setting, rows in grouped.items()}
     body = []
     for method in methods:
         cells = [method]
         for setting in settings:
             row = next((r for r in grouped[setting] if r.method == method), None)
-            cells.append(mean_std(row.column("last")) if row and row.seeds else "")
+            if not (row and row.seeds):
+                cells.append("")
+                continue
+            cell = mean_std(row.column("last"))
+            cell = _bold(cell) if method in best[setting] else cell
+            symbols = marks.mark(row.row_notes(), f"{method} ({setting})" if setting else method)
+            cells.append(cell + (f" {symbols}" if symbols else ""))
         body.append(cells)
     return Table(["method", *settings], body)
 
 
 def conclusions(rows: list[MethodRow], options: Options) -> list[str]:
-    """Sentences computed from the rows: the highest mean of the last N rounds, and which
-    methods beat the reference on every seed they share with it."""
+    """Sentences computed from the rows: the highest mean of the last N rounds, which
+    methods beat the reference on every seed they share with it, and whose paired
+    interval lies on one side of zero; each names the seeds it rests on."""
     done = [r for r in rows if r.seeds]
     if not done:
         return ["No finished run yet."]
     best = max(done, key=lambda r: r.column("last").mean())
     out = [
-        f"Highest mean of the last {options.last} rounds: **{best.method}** "
+        f"Highest mean of the {table_window(rows, options).phrase()}: **{best.method}** "
         f"({best.column('last').mean():.2f} % over {len(best.seeds)} seed(s))."
     ]
     if options.reference and any(r.method == options.reference for r in done):
@@ -259,6 +333,17 @@ def conclusions(rows: list[MethodRow], options: Options) -> list[str]:
             f"Above {options.reference} on every seed both ran: {', '.join(up) or 'none'}; "
             f"below it on every such seed: {', '.join(down) or 'none'}."
         )
+        summaries = [(r, r.paired_summary()) for r in done if r.method != options.reference]
+        above = [seeds(r) for r, p in summaries if p and p.excludes_zero and p.mean > 0]
+        below = [seeds(r) for r, p in summaries if p and p.excludes_zero and p.mean < 0]
+        single = [r.method for r, p in summaries if p and p.n == 1]
+        sentence = (
+            f"95 % interval of the paired difference entirely above 0: "
+            f"{', '.join(above) or 'none'}; entirely below 0: {', '.join(below) or 'none'}"
+        )
+        if single:
+            sentence += f"; 1 seed, no interval: {', '.join(single)}"
+        out.append(sentence + ".")
     return out
 
 
@@ -321,15 +406,21 @@ def shared_data_checks(records: list[RunRecord]) -> list[str]:
 
 
 def per_run_table(records: list[RunRecord], options: Options) -> Table:
+    """One row per run folder; a run whose "last" value averages other than the header's
+    number of rounds says how many beside it."""
+    values = [run_values(rec, options) for rec in records]
+    main = window([("", v.last_rounds) for v in values if v], options.last).main
     header = [
-        "setting", "method", "seed", "rounds", "final (%)", f"last {options.last} (%)",
+        "setting", "method", "seed", "rounds", "final (%)", f"last {main} (%)",
         "best (%)", "computed on",
     ]  # fmt: skip
     body = []
-    for rec in records:
-        v = run_values(rec, options)
+    for rec, v in zip(records, values, strict=True):
         done = f"{len(rec.metrics)}/{rec.rounds_planned}" + ("" if rec.finished else " (running)")
-        nums = [f"{v.final:.2f}", f"{v.last:.2f}", f"{v.best:.2f}"] if v else ["", "", ""]
+        nums = ["", "", ""]
+        if v:
+            last = f"{v.last:.2f}" + (f" (last {v.last_rounds})" if v.last_rounds != main else "")
+            nums = [f"{v.final:.2f}", last, f"{v.best:.2f}"]
         body.append(
             [rec.setting or "-", rec.method, str(rec.seed), done, *nums,
              provenance(rec)["machine"]]
@@ -355,13 +446,18 @@ def comparison_blocks(
     blocks: list[Block] = []
     multi = len(grouped) > 1 or any(s for s in grouped)
     if multi:
-        blocks.append(Heading(h, f"Overview: mean of the last {options.last} rounds (%)"))
-        blocks.append(overview_table(grouped, options))
+        last = overview_window(grouped, options).phrase()
+        blocks.append(Heading(h, f"Overview: mean of the {last} (%)"))
+        marks = Marks()
+        blocks.append(overview_table(grouped, options, marks))
+        blocks += [Para(line) for line in marks.markdown_lines()]
     for setting, rows in grouped.items():
         if multi:
             blocks.append(Heading(h, f"Setting {setting}"))
         blocks.append(Heading(h + (1 if multi else 0), "Accuracy"))
-        blocks.append(comparison_table(rows, options))
+        marks = Marks()
+        blocks.append(comparison_table(rows, options, marks))
+        blocks += [Para(line) for line in marks.markdown_lines()]
         blocks.append(Bullets(conclusions(rows, options)))
         blocks.append(Heading(h + (1 if multi else 0), "Cost"))
         blocks.append(cost_table(rows))
@@ -381,15 +477,23 @@ def explanation(options: Options) -> str:
     text = (
         "Mean ± sample standard deviation over each row's finished seeds (accuracy of the "
         "global model on the test set, in %). The mean of the last "
-        f"{options.last} evaluated rounds is steadier than the final accuracy under strong "
-        "skew."
+        f"{options.last} evaluated rounds (all of them in a run that has fewer; each label "
+        "says how many its values average) is steadier than the final accuracy under strong "
+        "skew; the highest is in bold."
     )
     if options.reference:
         text += (
             f" The difference to {options.reference} is taken per seed (the same seed gives "
             "every method the same partition and the same clients each round) and then "
-            "averaged."
+            "averaged; the brackets hold its 95 % Student-t interval over the n seeds both "
+            "ran (mean ± t(0.975, n - 1) s / sqrt(n)), none with 1 seed, and 'ahead in a/n' "
+            "counts the seeds where the method is above the reference."
         )
+    text += (
+        " A mark (†, ‡, ...) on a method says that a mechanism of it never acted within the "
+        "run (a launch round after the last round, a period longer than the run), so that "
+        "the run trained as a plainer method; the footnote under the table names it."
+    )
     text += (
         " Bytes are those the engine carried (metrics.jsonl), averaged over rounds; the client "
         "state is the largest client's state at the end of the run (its last checkpoint, or "
@@ -554,45 +658,51 @@ def _num(x: float | None, digits: int = 4) -> str:
 
 
 def comparison_csv(records: list[RunRecord], options: Options) -> str:
-    """One line per (setting, method): the comparison and cost numbers, unformatted."""
+    """One line per (setting, method): the comparison and cost numbers, unformatted.
+    ``last_rounds``: the evaluated rounds the last_* values average (``6;10`` where the
+    row's seeds differ); ``paired_ci95_*``: the Student-t interval of the paired mean (empty
+    with one seed); ``inactive_mechanisms``: those that never acted in the row's runs."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(
-        [
-            "setting", "method", "seeds", "unfinished", "final_mean", "final_std",
-            f"last{options.last}_mean", f"last{options.last}_std", "best_mean", "best_std",
-            "target", "rounds_to_target_mean", "seeds_reaching_target", "reference",
-            "paired_mean", "paired_std", "paired_seeds", "paired_seeds_up",
-            "bytes_down_per_round", "bytes_up_per_round", "client_state_bytes_max",
-            "seconds_per_round", "machines",
-        ]
-    )  # fmt: skip
+    header = [
+        "setting", "method", "seeds", "unfinished", "final_mean", "final_std",
+        "last_mean", "last_std", "last_rounds", "best_mean", "best_std",
+        "target", "rounds_to_target_mean", "seeds_reaching_target", "reference",
+        "paired_mean", "paired_std", "paired_ci95_low", "paired_ci95_high", "paired_seeds",
+        "paired_seeds_up", "bytes_down_per_round", "bytes_up_per_round",
+        "client_state_bytes_max", "seconds_per_round", "machines", "inactive_mechanisms",
+    ]  # fmt: skip
+    w.writerow(header)
     for setting, rows in group(records, options).items():
         for row in rows:
             if not row.seeds:
-                w.writerow([setting, row.method, 0, len(row.unfinished)] + [""] * 19)
+                w.writerow([setting, row.method, 0, len(row.unfinished)] + [""] * (len(header) - 4))
                 continue
             final, last, best = row.column("final"), row.column("last"), row.column("best")
             reached = [row.runs[s].reached for s in row.seeds if row.runs[s].reached is not None]
             d = np.array(list(row.paired.values()))
+            paired = row.paired_summary()
             states = [row.runs[s].client_state_bytes for s in row.seeds]
             states = [s for s in states if s is not None]
+            windows = sorted({row.runs[s].last_rounds for s in row.seeds})
             w.writerow(
                 [
                     setting, row.method, len(row.seeds), len(row.unfinished),
                     _num(final.mean()), _num(_std(final)), _num(last.mean()), _num(_std(last)),
-                    _num(best.mean()), _num(_std(best)),
+                    ";".join(map(str, windows)), _num(best.mean()), _num(_std(best)),
                     "" if options.target is None else options.target,
                     _num(float(np.mean(reached)) if reached else None, 2),
                     len(reached) if options.target is not None else "",
                     options.reference or "",
                     _num(d.mean() if d.size else None), _num(_std(d) if d.size else None),
+                    _num(paired.low if paired else None), _num(paired.high if paired else None),
                     d.size, int((d > 0).sum()),
                     _num(row.column("bytes_down").mean(), 1),
                     _num(row.column("bytes_up").mean(), 1),
                     max(states) if states else "",
                     _num(row.column("seconds").mean(), 3),
                     "; ".join(_row_machines(row)),
+                    "; ".join(n.text() for n in row.row_notes()),
                 ]
             )  # fmt: skip
     return buf.getvalue()
@@ -605,7 +715,7 @@ def runs_csv(records: list[RunRecord], options: Options) -> str:
     prov_keys = list(provenance(records[0])) if records else []
     w.writerow(
         ["setting", "method", "seed", "folder", "finished", "rounds_done", "final", "last",
-         "best", "rounds_to_target", "bytes_down_per_round", "bytes_up_per_round",
+         "last_rounds", "best", "rounds_to_target", "bytes_down_per_round", "bytes_up_per_round",
          "client_state_bytes_max", "seconds_per_round", *prov_keys]
     )  # fmt: skip
     for rec in records:
@@ -616,6 +726,7 @@ def runs_csv(records: list[RunRecord], options: Options) -> str:
                 rec.setting, rec.method, rec.seed, rec.folder.name, rec.finished,
                 len(rec.metrics),
                 _num(v.final if v else None), _num(v.last if v else None),
+                v.last_rounds if v else "",
                 _num(v.best if v else None), "" if not v or v.reached is None else v.reached,
                 _num(v.bytes_down if v else None, 1), _num(v.bytes_up if v else None, 1),
                 "" if rec.client_state_bytes is None else rec.client_state_bytes,

@@ -26,6 +26,7 @@ from fedskew.assembly.prepare import (
     Prepared,
     check_names,
     execution_settings,
+    inactive_mechanisms,
     new_model,
     prepare,
     resolved_facts,
@@ -132,6 +133,8 @@ def _run(
             "bf16 on this CPU is emulated (it shows neither avx512_bf16 nor amx_bf16): "
             "expect it several times slower than fp32"
         )
+    for mechanism in inactive_mechanisms(prep, per_round):
+        log.warning("%s: %s", prep.algorithm.name, mechanism.line())
     measurements = Measurements(prep, eval_model)
     state = RunState(
         prep, setup, server, engine, eval_model, per_round, measurements=measurements,

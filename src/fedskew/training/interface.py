@@ -136,6 +136,48 @@ class ServerLogic:
         return self.global_arrays
 
 
+@dataclass(frozen=True)
+class RunShape:
+    """What decides whether a mechanism gets to act within a run: its length and shape."""
+
+    rounds: int
+    local_epochs: int
+    clients_per_round: int
+
+
+@dataclass(frozen=True)
+class InactiveMechanism:
+    """A mechanism of a method that never acts within a run, so that the run trains as a
+    plainer method does (FedFM launched after the last round is FedAvg). A run records
+    these (config.json, ``resolved.inactive_mechanisms``) and the reports mark its rows."""
+
+    mechanism: str  # what never acts, e.g. "feature matching"
+    options: dict[str, Any]  # the values that keep it off, e.g. {"start_round": 20, "rounds": 6}
+    reason: str  # why, in a few words: "it starts in round 21"
+
+    def record(self) -> dict[str, Any]:
+        return {"mechanism": self.mechanism, "options": dict(self.options), "reason": self.reason}
+
+    def line(self) -> str:
+        values = ", ".join(f"{k}={v}" for k, v in self.options.items())
+        return f"{self.mechanism} never acts in this run ({values}): {self.reason}"
+
+
+def starts_too_late(
+    mechanism: str, first_round: int, shape: RunShape, options: Mapping[str, Any], consequence: str
+) -> list[InactiveMechanism]:
+    """The mechanism, when the first round it acts in (0-based) is past the run's last."""
+    if first_round < shape.rounds:
+        return []
+    return [
+        InactiveMechanism(
+            mechanism,
+            {**options, "rounds": shape.rounds},
+            f"it first acts in round {first_round + 1}, the run has {shape.rounds}; " + consequence,
+        )
+    ]
+
+
 class Algorithm:
     """An algorithm: hyper-parameters, a server logic and a client logic."""
 
@@ -168,6 +210,15 @@ class Algorithm:
         that does not fit its spec, so an algorithm whose clients add arrays must declare
         them here; ``None`` leaves such arrays unchecked."""
         return {}
+
+    @classmethod
+    def inactive_mechanisms(cls, params: Any, shape: RunShape) -> list[InactiveMechanism]:
+        """The method's mechanisms that the options and the run's shape keep from ever acting
+        (a launch round after the last round, a period longer than the run, an exchange
+        that needs two clients with one per round). An option set to its documented off
+        value (a weight of 0) is the user's stated choice and is not listed. The run warns
+        of each at its start and records them; the reports mark the runs' rows."""
+        return []
 
     @classmethod
     def make_params(cls, values: Mapping[str, object]) -> Any:

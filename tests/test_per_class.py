@@ -67,7 +67,7 @@ def test_ranking_by_samples_when_class_totals_differ():
     ranking = class_ranking(counts)
     assert ranking.rule == BY_SAMPLES
     assert ranking.minority == [2, 1]  # fewest samples; 2 has fewer clients than 1
-    assert ranking.majority == [0, 4]  # class 3 (middle of 5) in neither half
+    assert ranking.majority == [4, 0]  # most common last: 0 has more clients; 3 in neither
     assert class_ranking(ClassCounts([0, 5, 5, 5], [0, 1, 1, 1], "x")).rule == BY_SAMPLES
 
 
@@ -76,7 +76,7 @@ def test_ranking_by_clients_when_class_totals_are_alike():
     counts = ClassCounts(samples=[100, 104, 98, 101], clients=[3, 1, 4, 1], where="x")
     ranking = class_ranking(counts)
     assert ranking.rule == BY_CLIENTS
-    assert ranking.minority == [1, 3]  # one client each; tie broken by samples (104 > 101)
+    assert ranking.minority == [3, 1]  # one client each; rarest first: 101 samples < 104
     assert ranking.majority == [0, 2]
     flat = class_ranking(ClassCounts(samples=[100, 101], clients=[4, 4], where="x"))
     assert isinstance(flat, str) and "balanced" in flat

@@ -137,14 +137,14 @@ def with_client_accuracy(evaluate):
     return evaluate_with_clients
 
 
-def run_with_clients(cfg: ExperimentConfig) -> Path:
+def run_with_clients(cfg: ExperimentConfig, **kwargs) -> Path:
     from fedskew.runs import loop
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(
             loop, "evaluate_global_model", with_client_accuracy(loop.evaluate_global_model)
         )
-        folder, _ = run(cfg)
+        folder, _ = run(cfg, **kwargs)
     return folder
 
 
@@ -254,7 +254,7 @@ def test_a_tracker_failing_mid_run_warns_once_and_changes_nothing(tmp_path, capl
     folder_path = tmp_path / "r.incomplete"
     cfg = ExperimentConfig(out_dir=str(tmp_path), name="r", track=["mlflow"], **TINY)
     with caplog.at_level(logging.WARNING, logger="fedskew"):
-        folder, _ = run(cfg, on_round=delete_the_mlflow_run)
+        folder = run_with_clients(cfg, on_round=delete_the_mlflow_run)
     warnings = [r for r in caplog.records if "tracking with mlflow stopped" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
     assert (folder / "summary.json").is_file()

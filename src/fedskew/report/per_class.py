@@ -233,7 +233,8 @@ def per_class_blocks(
             name,
             per_class_png(values, labels, classes, setting_title),
             f"Per-class test accuracy (%) of the global model: each run's mean over its last "
-            f"{last} evaluated rounds, then the mean over the method's finished seeds.",
+            f"{last} evaluated rounds (fewer where a run has fewer), then the mean over the "
+            "method's finished seeds.",
         )
     )
     if missing:

@@ -35,8 +35,9 @@ def per_class_png(values: np.ndarray, methods: list[str], classes: list[str], ti
     fig.colorbar(image, ax=ax, label="test accuracy (%)", pad=0.01)
     ax.set_yticks(np.arange(rows), labels=methods)
     if not many:
-        ax.set_xticks(np.arange(cols), labels=classes, rotation=45 if cols > 4 else 0,
-                      ha="right" if cols > 4 else "center")  # fmt: skip
+        slanted = any(len(c) > 3 for c in classes)  # names, not numbers: slanted to fit
+        ax.set_xticks(np.arange(cols), labels=classes, rotation=40 if slanted else 0,
+                      ha="right" if slanted else "center")  # fmt: skip
     ax.set_xlabel("class")
     if values.size <= _MAX_ANNOTATED_CELLS:
         for (i, j), v in np.ndenumerate(values):

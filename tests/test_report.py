@@ -287,7 +287,7 @@ def test_report_per_class_heatmap_and_minority_majority_table(grid, tmp_path):
     assert (out / "report_files" / "per-class-all.png").read_bytes().startswith(b"\x89PNG")
     rule, expected = _expected_split_rows(grid)
     assert md.count(f"ranked by the {rule}") == 2  # one line per seed, naming the rule
-    assert "(config.json)" in md
+    assert md.count("(counts from config.json)") == 2
     rows = _split_rows(md)
     for method, cells in expected.items():
         assert rows[method] == "| " + " | ".join(cells) + " |"
@@ -315,7 +315,7 @@ def test_report_per_class_of_runs_from_before_the_summary_recorded_it(grid, tmp_
     rule, expected = _expected_split_rows(grid)
     assert main(["report", str(copy), "-o", str(tmp_path / "a")]) == 0
     md = (tmp_path / "a" / "report.md").read_text()
-    assert md.count("(partition.npz with the dataset's labels)") == 2
+    assert md.count("(counts from partition.npz with the dataset's labels)") == 2
     assert all(r == "| " + " | ".join(expected[m]) + " |" for m, r in _split_rows(md).items())
     for folder in copy.iterdir():
         (folder / "partition.npz").unlink()
@@ -326,7 +326,9 @@ def test_report_per_class_of_runs_from_before_the_summary_recorded_it(grid, tmp_
     ))  # fmt: skip
     assert main(["report", str(copy), "-o", str(tmp_path / "b")]) == 0
     md = (tmp_path / "b" / "report.md").read_text()
-    assert md.count("(partition rebuilt from config.json with the dataset's labels)") == 2
+    assert (
+        md.count("(counts from partition rebuilt from config.json with the dataset's labels)") == 2
+    )
     assert "Per-class accuracy not recorded in: prox seed 1." in md
     assert _split_rows(md)["fedavg"] == "| " + " | ".join(expected["fedavg"]) + " |"
     assert _split_rows(md)["prox"].startswith("| prox | 1 |")
@@ -376,9 +378,9 @@ def test_report_client_spread_of_runs_with_a_local_test_split(grid, tmp_path):
     for method in ("fedavg", "prox"):
         cells = [method, "2"]
         for suffix in ("", "p"):
-            got = [stats(lists[f"{method}-s{s}{suffix}"]) for s in (0, 1)]
-            if method == "fedavg" and suffix:
+            if method == "fedavg" and suffix:  # fedavg has no personal model
                 cells += ["-"] * 4
                 continue
+            got = [stats(lists[f"{method}-s{s}{suffix}"]) for s in (0, 1)]
             cells += [_cell([100 * g[k] for g in got]) for k in ("mean", "std", "worst10", "gap")]
         assert "| " + " | ".join(cells) + " |" in section.splitlines(), (method, section)

@@ -70,9 +70,8 @@ def class_ranking(counts: ClassCounts) -> Ranking | str:
         rule, first, second = BY_CLIENTS, clients, samples
     else:
         return (
-            "the partition is balanced over classes (class totals within "
-            f"{100 * (SAMPLES_DIFFER - 1):.0f} % of each other, every class held by as many "
-            "clients): no minority or majority classes"
+            f"the classes are balanced in the partition (totals within "
+            f"{100 * (SAMPLES_DIFFER - 1):.0f} % of each other, each held by as many clients)"
         )
     order = sorted(range(samples.size), key=lambda c: (first[c], second[c], c))
     half = samples.size // 2
@@ -102,26 +101,11 @@ def _name(names: list[str] | None, c: int) -> str:
     return names[c] if names is not None and c < len(names) else str(c)
 
 
-# Runs share a ranking when they share the partition: the same seed and partition digest
-# (a grid's methods of one seed do; the digest is None where the folder does not record it).
-Key = tuple[int, str | None]
-
-
-def _key(record: RunRecord) -> Key:
-    return record.seed, record.partition_digest
-
-
-def _label(key: Key, keys: set[Key]) -> str:
-    seed, digest = key
-    several = sum(k[0] == seed for k in keys) > 1
-    return f"seed {seed}" + (f" (partition {digest or NOT_RECORDED})" if several else "")
-
-
 @dataclass
 class _Method:
     name: str
     runs: dict[int, list[float | None]]  # seed -> per-class accuracy (fractions)
-    keys: dict[int, Key]  # seed -> its partition's key
+    records: dict[int, RunRecord]  # seed -> its run
 
 
 def _methods(records: list[RunRecord], last: int) -> tuple[list[_Method], list[str]]:
@@ -138,7 +122,7 @@ def _methods(records: list[RunRecord], last: int) -> tuple[list[_Method], list[s
         method = methods.setdefault(rec.method, _Method(rec.method, {}, {}))
         if rec.seed not in method.runs:  # a second folder of the same seed: the first counts
             method.runs[rec.seed] = values
-            method.keys[rec.seed] = _key(rec)
+            method.records[rec.seed] = rec
     return list(methods.values()), missing
 
 
@@ -155,15 +139,19 @@ def heatmap_values(methods: list[_Method]) -> np.ndarray:
     return out
 
 
-def split_table(methods: list[_Method], rankings: dict[Key, Ranking]) -> tuple[Table, list[str]]:
+# Per (method, seed): the run's ranking, or why it has none; and where its counts came from.
+Found = dict[tuple[str, int], "Ranking | str"]
+
+
+def split_table(methods: list[_Method], found: Found) -> tuple[Table, list[str]]:
     """Per method, over the seeds that have a ranking: the mean accuracy of the minority
     and majority halves, their gap and the lowest class, each mean ± std over seeds."""
     rows, unranked = [], []
     for m in methods:
         low, high, gap, worst = [], [], [], []
         for seed, values in sorted(m.runs.items()):
-            ranking = rankings.get(m.keys[seed])
-            if ranking is None:
+            ranking = found.get((m.name, seed))
+            if not isinstance(ranking, Ranking):
                 unranked.append(f"{m.name} seed {seed}")
                 continue
             a, b = _mean(values, ranking.minority), _mean(values, ranking.majority)
@@ -186,23 +174,30 @@ def split_table(methods: list[_Method], rankings: dict[Key, Ranking]) -> tuple[T
 
 
 def ranking_lines(
-    rankings: dict[Key, Ranking], names: list[str] | None, reasons: dict[Key, str],
-    where: dict[Key, str],
-) -> list[str]:  # fmt: skip
-    """Which ranking each partition used and which classes fell in each half."""
+    found: Found, where: dict[tuple[str, int], str], names: list[str] | None
+) -> list[str]:
+    """Per seed, which ranking its runs used and which classes fell in each half; runs of one
+    seed that share the partition (a grid's do) share a line, others get their own."""
+    by_seed: dict[int, dict[str, tuple[list[str], set[str]]]] = {}
+    for (method, seed), ranking in sorted(found.items(), key=lambda kv: kv[0][1]):
+        if isinstance(ranking, str):
+            text = f"no split: {ranking}"
+        else:
+            text = (
+                f"ranked by the {ranking.rule}; minority half: "
+                f"{', '.join(_name(names, c) for c in ranking.minority)}; majority half: "
+                f"{', '.join(_name(names, c) for c in ranking.majority)}"
+            )
+        methods, sources = by_seed.setdefault(seed, {}).setdefault(text, ([], set()))
+        methods.append(method)
+        if where.get((method, seed)):
+            sources.add(where[method, seed])
     lines = []
-    keys = {*rankings, *reasons}
-    for key in sorted(keys, key=lambda k: (k[0], k[1] or "")):
-        label = _label(key, keys)
-        if key in reasons:
-            lines.append(f"{label}: no split ({reasons[key]})")
-            continue
-        r = rankings[key]
-        lines.append(
-            f"{label}: ranked by the {r.rule} ({where[key]}); minority half: "
-            f"{', '.join(_name(names, c) for c in r.minority)}; majority half: "
-            f"{', '.join(_name(names, c) for c in r.majority)}"
-        )
+    for seed, texts in by_seed.items():
+        for text, (methods, sources) in texts.items():
+            who = f" ({', '.join(methods)})" if len(texts) > 1 else ""
+            came = f" (counts from {', '.join(sorted(sources))})" if sources else ""
+            lines.append(f"seed {seed}{who}: {text}{came}")
     return lines
 
 
@@ -239,7 +234,7 @@ def per_class_blocks(
     )
     if missing:
         blocks.append(Para(f"Per-class accuracy {NOT_RECORDED} in: {', '.join(missing)}."))
-    split = _split(records, methods, counts_of, class_names)
+    split = _split(methods, counts_of, class_names)
     blocks.append(Para("**Minority and majority classes.** " + SPLIT_TEXT))
     blocks.append(Bullets(split.lines))
     if split.table is not None:
@@ -264,34 +259,24 @@ def minority_majority(
 ) -> Split:
     """The minority / majority split of one setting's runs, each run's per-class accuracy
     the mean of its last ``last`` evaluated rounds."""
-    return _split(records, _methods(records, last)[0], counts_of, class_names)
+    return _split(_methods(records, last)[0], counts_of, class_names)
 
 
-def _split(
-    records: list[RunRecord],
-    methods: list[_Method],
-    counts_of: CountsOf,
-    class_names: list[str] | None,
-) -> Split:
-    rankings: dict[Key, Ranking] = {}
-    reasons: dict[Key, str] = {}
-    where: dict[Key, str] = {}
-    used = {m.keys[s] for m in methods for s in m.runs}
-    for rec in records:
-        key = _key(rec)
-        if key not in used or key in rankings or key in reasons:
-            continue
-        counts = counts_of(rec)
-        found = counts if isinstance(counts, str) else class_ranking(counts)
-        if isinstance(found, str):
-            reasons[key] = found
-        else:
-            rankings[key] = found
-            where[key] = counts.where if isinstance(counts, ClassCounts) else ""
-    lines = ranking_lines(rankings, class_names, reasons, where)
-    if not rankings:
+def _split(methods: list[_Method], counts_of: CountsOf, class_names: list[str] | None) -> Split:
+    found: Found = {}
+    where: dict[tuple[str, int], str] = {}
+    for m in methods:
+        for seed, rec in m.records.items():
+            counts = counts_of(rec)
+            if isinstance(counts, str):
+                found[m.name, seed] = counts
+                continue
+            found[m.name, seed] = class_ranking(counts)
+            where[m.name, seed] = counts.where
+    lines = ranking_lines(found, where, class_names)
+    if not any(isinstance(r, Ranking) for r in found.values()):
         return Split(None, lines, [])
-    table, unranked = split_table(methods, rankings)
+    table, unranked = split_table(methods, found)
     return Split(table, lines, unranked)
 
 
@@ -304,7 +289,7 @@ SPLIT_TEXT = (
     "the middle class is in neither). Each cell: per run, the mean accuracy over the "
     "half's classes (each class's mean over the last evaluated rounds, as in the heatmap; "
     "a class without test samples left out), then mean ± std over seeds; the gap is taken "
-    "per seed. The ranking is each partition's (a grid's runs of one seed share theirs):"
+    "per seed. Rankings, per seed (a grid's runs of one seed share the partition):"
 )
 
 

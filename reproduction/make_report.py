@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from fedskew.apps import compare
+from fedskew.apps.class_counts import PartitionCounts, class_names_of
+from fedskew.assembly.prepare import load_experiment_data
+from fedskew.report.per_class import SAMPLES_DIFFER, minority_majority
 from fedskew.report.runs import (
     RunRecord,
     estimated_seconds,
@@ -766,6 +769,43 @@ def measures_section(grid: Grid | None) -> list[str]:
     return lines
 
 
+def per_class_section(grids: dict[str, Grid]) -> list[str]:
+    """Per grid and setting: the mean accuracy over the minority and the majority half of
+    the classes, as `fedskew report` splits them, and which ranking each seed used."""
+    datasets: dict[str, Any] = {}
+
+    def load(cfg):  # each dataset once, from local files only (cfg.download is off)
+        key = repr((cfg.dataset, cfg.data_dir, cfg.num_clients, cfg.seed))
+        if key not in datasets:
+            datasets[key] = load_experiment_data(cfg)
+        return datasets[key]
+
+    counts = PartitionCounts(load)
+    lines: list[str] = []
+    for name, grid in grids.items():
+        settings: dict[str, list[RunRecord]] = defaultdict(list)
+        for rec in grid.records:
+            settings[rec.setting].append(rec)
+        rows, header = [], []
+        rankings = defaultdict(list)  # ranking line -> the settings that share it
+        for setting, recs in settings.items():
+            split = minority_majority(recs, grid.last, counts, class_names_of(recs))
+            for line in split.lines:
+                rankings[line].append(setting)
+            if split.table is not None:
+                rows += [[setting or "-", *row] for row in split.table.rows]
+                header = ["setting", *split.table.header]
+        lines += [f"### {name}", ""]
+        lines += [
+            f"- {', '.join(s for s in settings_of if s) or 'all runs'}: {line}"
+            for line, settings_of in rankings.items()
+        ]
+        if rows:
+            lines += ["", *table(header, rows)]
+        lines.append("")
+    return lines[:-1]
+
+
 def launch_section(grids: dict[str, Grid]) -> list[str]:
     """What the FedFM runs looked like at their launching round: the accuracy before it and
     after it, and how far apart the global anchors were (runs that log it)."""
@@ -1014,6 +1054,23 @@ def build(grids: dict[str, Grid]) -> str:
         "is better), at the last round.",
         "",
         *measures_section(grids.get("fedacd-cifar10")),
+        "",
+        "## Per-class view: minority and majority classes",
+        "",
+        "The global model's per-class test accuracy, each run's mean over the grid's last "
+        "rounds (`last` of its compare file), averaged over the minority half and over the "
+        "majority half of the classes, then mean ± std over the seeds that finished; the "
+        "gap is taken per seed, the lowest class is each run's worst class. Each seed's "
+        "classes are ranked by their share of the training data in its partition when the "
+        f"class totals differ (the largest at least {SAMPLES_DIFFER:g} times the smallest), "
+        "else by how many clients hold the class (a Dirichlet split hands out every sample, "
+        "so only that differs); the minority half is the floor(C/2) classes ranked lowest, "
+        "the majority half the floor(C/2) ranked highest. The partitions are rebuilt from "
+        "each run's config.json and counted against the dataset's labels (the same rule and "
+        "code as `fedskew report`: `src/fedskew/report/per_class.py`). No verdict above uses "
+        "these numbers.",
+        "",
+        *per_class_section(grids),
         "",
         "## Tables and curves of each grid",
         "",

@@ -192,3 +192,196 @@ def test_cost_table_names_the_machines_behind_its_seconds(grid, tmp_path):
     # fedavg-s1 has no processes.jsonl: its machine is not recorded, and the row says so.
     fedavg = next(x for x in md.splitlines() if x.startswith("| fedavg |") and "KiB" in x)
     assert fedavg.endswith(f"(mixed: {cpu}, not recorded) |")
+
+
+# ------------------------------------------------------------------ per-class and clients
+
+
+def _lines(folder: Path) -> list[dict]:
+    return [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def _per_class_last(folder: Path, last: int = 10) -> np.ndarray:
+    """Each class's mean over the last evaluated rounds, NaN for a class never scored."""
+    table = np.array(
+        [[np.nan if v is None else v for v in r["per_class_accuracy"]] for r in _lines(folder)
+         if "per_class_accuracy" in r][-last:], dtype=float,
+    )  # fmt: skip
+    with np.errstate(all="ignore"):
+        return np.nanmean(table, axis=0)
+
+
+def _counts(folder: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Per class: training samples of the run's partition and clients holding any, counted
+    from partition.npz against the digits labels."""
+    from fedskew.data.partition import load_partition
+    from fedskew.data.sources import load_dataset
+
+    config = json.loads((folder / "config.json").read_text())
+    labels = load_dataset("digits", None, seed=config["seed"]).y_train.numpy()
+    per_client = np.array([np.bincount(labels[i], minlength=10)
+                           for i in load_partition(folder / "partition.npz")[0]])  # fmt: skip
+    return per_client.sum(0), (per_client > 0).sum(0)
+
+
+def _split(folder: Path) -> tuple[str, float, float]:
+    """(rule, minority-half mean %, majority-half mean %) as the report defines them."""
+    samples, clients = _counts(folder)
+    by_samples = samples.min() == 0 or samples.max() >= 1.1 * samples.min()
+    first, second = (samples, clients) if by_samples else (clients, samples)
+    order = np.lexsort((np.arange(10), second, first))  # last key sorts first
+    acc = 100 * _per_class_last(folder)
+    return (
+        "share of the training data" if by_samples else "number of clients holding",
+        float(np.nanmean(acc[order[:5]])),
+        float(np.nanmean(acc[order[5:]])),
+    )
+
+
+def _cell(values: list[float], sign: str = "") -> str:
+    a = np.array(values)
+    return f"{a.mean():{sign}.2f} ± {a.std(ddof=1):.2f}"
+
+
+def test_summary_has_per_class_accuracy_of_the_final_and_last_rounds(grid):
+    for folder in sorted(p for p in grid.iterdir() if p.is_dir()):
+        summary = json.loads((folder / "summary.json").read_text())
+        rows = _lines(folder)
+        assert summary["final_per_class_accuracy"] == rows[-1]["per_class_accuracy"]
+        assert summary["per_class_last_k"] == 2  # 2 evaluated rounds, fewer than 10
+        mean = np.mean([r["per_class_accuracy"] for r in rows], axis=0)
+        assert np.allclose(summary["last_k_per_class_accuracy"], mean, atol=1e-6)
+        resolved = json.loads((folder / "config.json").read_text())["resolved"]
+        samples, clients = _counts(folder)
+        assert resolved["partition_class_samples"] == samples.tolist()
+        assert resolved["partition_class_clients"] == clients.tolist()
+        assert resolved["class_names"] == [str(i) for i in range(10)]
+
+
+def _split_rows(md: str) -> dict[str, str]:
+    section = md.split("## Per-class accuracy", 1)[1].split("\n## ", 1)[0]
+    return {
+        line.split(" | ")[0].removeprefix("| "): line
+        for line in section.splitlines()
+        if line.startswith(("| fedavg |", "| prox |"))
+    }
+
+
+def _expected_split_rows(grid: Path) -> tuple[str, dict[str, list[str]]]:
+    rules, rows = set(), {}
+    for method in ("fedavg", "prox"):
+        splits = [_split(grid / f"{method}-s{seed}") for seed in (0, 1)]
+        rules |= {rule for rule, _, _ in splits}
+        low, high = [s[1] for s in splits], [s[2] for s in splits]
+        gap = [b - a for a, b in zip(low, high, strict=True)]
+        worst = [100 * np.nanmin(_per_class_last(grid / f"{method}-s{s}")) for s in (0, 1)]
+        rows[method] = [method, "2", _cell(low), _cell(high), _cell(gap, "+"), _cell(worst)]
+    [rule] = rules
+    return rule, rows
+
+
+def test_report_per_class_heatmap_and_minority_majority_table(grid, tmp_path):
+    out = tmp_path / "r"
+    assert main(["report", str(grid), "-o", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert "## Per-class accuracy" in md
+    assert (out / "report_files" / "per-class-all.png").read_bytes().startswith(b"\x89PNG")
+    rule, expected = _expected_split_rows(grid)
+    assert md.count(f"ranked by the {rule}") == 2  # one line per seed, naming the rule
+    assert md.count("(counts from config.json)") == 2
+    rows = _split_rows(md)
+    for method, cells in expected.items():
+        assert rows[method] == "| " + " | ".join(cells) + " |"
+    assert md.count("No per-client test split: run with --local-test-fraction.") == 1
+
+
+def test_report_per_class_of_runs_from_before_the_summary_recorded_it(grid, tmp_path):
+    """Folders without the per-class summary and the recorded class counts: the numbers come
+    from metrics.jsonl and the counts from partition.npz, or the partition rebuilt."""
+    import shutil
+
+    copy = tmp_path / "grid"
+    shutil.copytree(grid, copy)
+    for folder in sorted(copy.iterdir()):
+        path = folder / "summary.json"
+        summary = json.loads(path.read_text())
+        for key in ("final_per_class_accuracy", "last_k_per_class_accuracy", "per_class_last_k"):
+            del summary[key]
+        path.write_text(json.dumps(summary))
+        path = folder / "config.json"
+        config = json.loads(path.read_text())
+        for key in ("partition_class_samples", "partition_class_clients", "class_names"):
+            del config["resolved"][key]
+        path.write_text(json.dumps(config))
+    rule, expected = _expected_split_rows(grid)
+    assert main(["report", str(copy), "-o", str(tmp_path / "a")]) == 0
+    md = (tmp_path / "a" / "report.md").read_text()
+    assert md.count("(counts from partition.npz with the dataset's labels)") == 2
+    assert all(r == "| " + " | ".join(expected[m]) + " |" for m, r in _split_rows(md).items())
+    for folder in copy.iterdir():
+        (folder / "partition.npz").unlink()
+    path = copy / "prox-s1" / "metrics.jsonl"
+    path.write_text("".join(
+        json.dumps({k: v for k, v in r.items() if k != "per_class_accuracy"}) + "\n"
+        for r in _lines(path.parent)
+    ))  # fmt: skip
+    assert main(["report", str(copy), "-o", str(tmp_path / "b")]) == 0
+    md = (tmp_path / "b" / "report.md").read_text()
+    assert (
+        md.count("(counts from partition rebuilt from config.json with the dataset's labels)") == 2
+    )
+    assert "Per-class accuracy not recorded in: prox seed 1." in md
+    assert _split_rows(md)["fedavg"] == "| " + " | ".join(expected["fedavg"]) + " |"
+    assert _split_rows(md)["prox"].startswith("| prox | 1 |")
+
+
+def test_report_client_spread_of_runs_with_a_local_test_split(grid, tmp_path):
+    """The per-client statistics as summary.json, the metrics line or only the list give
+    them; personalised columns where a run has them."""
+    import shutil
+
+    copy = tmp_path / "grid"
+    shutil.copytree(grid, copy)
+    rng = np.random.default_rng(3)
+    lists = {name: rng.uniform(0.2, 1.0, 4).round(4).tolist() for name in
+             ("fedavg-s0", "fedavg-s1", "prox-s0", "prox-s1", "prox-s0p", "prox-s1p")}  # fmt: skip
+    lists["fedavg-s1"][2] = None  # a client without local test samples
+
+    def stats(values: list) -> dict[str, float]:
+        a = np.sort([v for v in values if v is not None])
+        t = int(np.ceil(0.1 * a.size))
+        return {"mean": a.mean(), "std": a.std(), "worst10": a[:t].mean(),
+                "gap": a[-t:].mean() - a[:t].mean()}  # fmt: skip
+
+    for name in ("fedavg-s0", "fedavg-s1", "prox-s0", "prox-s1"):
+        rows = _lines(copy / name)
+        last = rows[-1]
+        last["client_accuracy"] = lists[name]
+        if name.startswith("prox"):  # the statistics in the line, personal ones too
+            for prefix, values in (("client_accuracy", lists[name]),
+                                   ("client_personal_accuracy", lists[name + "p"])):  # fmt: skip
+                last.update({f"{prefix}_{k}": v for k, v in stats(values).items()})
+            last["client_personal_accuracy"] = lists[name + "p"]
+        if name == "fedavg-s0":  # the final values in summary.json only
+            path = copy / name / "summary.json"
+            summary = json.loads(path.read_text())
+            summary.update({f"final_client_accuracy_{k}": v
+                            for k, v in stats(lists[name]).items()})  # fmt: skip
+            path.write_text(json.dumps(summary))
+            del last["client_accuracy"]
+        (copy / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(copy), "-o", str(tmp_path / "r")]) == 0
+    md = (tmp_path / "r" / "report.md").read_text()
+    section = md.split("## Accuracy across clients", 1)[1].split("\n## ", 1)[0]
+    assert "No per-client test split" not in section
+    header = next(x for x in section.splitlines() if x.startswith("| method |"))
+    assert "personalised client mean (%)" in header
+    for method in ("fedavg", "prox"):
+        cells = [method, "2"]
+        for suffix in ("", "p"):
+            if method == "fedavg" and suffix:  # fedavg has no personal model
+                cells += ["-"] * 4
+                continue
+            got = [stats(lists[f"{method}-s{s}{suffix}"]) for s in (0, 1)]
+            cells += [_cell([100 * g[k] for g in got]) for k in ("mean", "std", "worst10", "gap")]
+        assert "| " + " | ".join(cells) + " |" in section.splitlines(), (method, section)

@@ -208,3 +208,24 @@ def test_still_to_run_tells_runs_a_verdict_waits_for_from_those_that_only_fill_m
     assert "b (s1)" in rows["a verdict"]
     assert "b (s0)" in rows["a claim's means only"]
     assert "d (s0, s1)" in rows["no claim"]
+
+
+def test_per_class_view_splits_classes_as_the_report_does(mr, tmp_path, monkeypatch):
+    """Per setting, the minority and majority halves from the counts config.json recorded:
+    4 classes, totals alike, so ranked by clients (classes 1 and 3 held by one client)."""
+    counts = {"partition_class_samples": [100, 100, 100, 100],
+              "partition_class_clients": [3, 1, 4, 1], "class_names": list("abcd")}  # fmt: skip
+    recs = []
+    for method, accs in (("a", [0.9, 0.1, 0.8, 0.3]), ("b", [0.7, 0.5, 0.6, 0.5])):
+        for seed in range(3):
+            rec = record(method, seed, [0.5])
+            rec.resolved = counts
+            rec.metrics[0]["per_class_accuracy"] = [x + seed / 100 for x in accs]
+            recs.append(rec)
+    lines = mr.per_class_section({"g": grid(mr, tmp_path, monkeypatch, recs)})
+    assert lines[0] == "### g"
+    assert any("seed 0: ranked by the number of clients holding the class" in x
+               and "minority half: b, d; majority half: a, c" in x for x in lines)  # fmt: skip
+    # a: minority (0.1 + 0.3) / 2 = 20 % (+1 per seed), majority 85 %; std over seeds 1.00
+    assert "| - | a | 3 | 21.00 ± 1.00 | 86.00 ± 1.00 | +65.00 ± 0.00 | 11.00 ± 1.00 |" in lines
+    assert "| - | b | 3 | 51.00 ± 1.00 | 66.00 ± 1.00 | +15.00 ± 0.00 | 51.00 ± 1.00 |" in lines

@@ -120,10 +120,37 @@ def read_back(name: str, folder: Path) -> dict[str, list[tuple[int, float]]]:
 # ------------------------------------------------------------------------------ the tests
 
 
+# Per-client accuracy as runs with --local-test-fraction log it: the list (which trackers do
+# not get) and its statistics (which they do). Added to each evaluation of the fixtures' runs.
+CLIENTS = [0.5, None, 0.75, 0.25]
+SPREAD = {"mean": 0.5, "std": 0.2041241452, "worst10": 0.25, "gap": 0.5}
+
+
+def with_client_accuracy(evaluate):
+    def evaluate_with_clients(state):
+        out = evaluate(state)
+        for prefix in ("client_accuracy", "client_personal_accuracy"):
+            out[prefix] = CLIENTS
+            out.update({f"{prefix}_{k}": v for k, v in SPREAD.items()})
+        return out
+
+    return evaluate_with_clients
+
+
+def run_with_clients(cfg: ExperimentConfig, **kwargs) -> Path:
+    from fedskew.runs import loop
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            loop, "evaluate_global_model", with_client_accuracy(loop.evaluate_global_model)
+        )
+        folder, _ = run(cfg, **kwargs)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def untracked(tmp_path_factory) -> Path:
-    folder, _ = run(ExperimentConfig(out_dir=str(tmp_path_factory.mktemp("plain")), **TINY))
-    return folder
+    return run_with_clients(ExperimentConfig(out_dir=str(tmp_path_factory.mktemp("plain")), **TINY))
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +158,7 @@ def tracked(tmp_path_factory) -> Path:
     if not INSTALLED:
         pytest.skip("no tracker package installed")
     out = tmp_path_factory.mktemp("tracked")
-    folder, _ = run(ExperimentConfig(out_dir=str(out), name="r", track=INSTALLED, **TINY))
-    return folder
+    return run_with_clients(ExperimentConfig(out_dir=str(out), name="r", track=INSTALLED, **TINY))
 
 
 @pytest.mark.parametrize("name", list(MODULES))
@@ -141,7 +167,20 @@ def test_every_round_reaches_the_tracker_as_in_metrics_jsonl(name, tracked, untr
     expected = logged_in_folder(tracked)
     assert set(expected) >= {"accuracy", "loss", "train_loss", "client_dist_accuracy",
                              "bytes_down", "bytes_up"}  # fmt: skip
-    assert read_back(name, tracked) == expected
+    got = read_back(name, tracked)
+    assert got == expected
+    # One series per class, named by the class index, as metrics.jsonl's lists have them.
+    rows = metrics(tracked)
+    per_class = {
+        f"per_class_accuracy/{c}": [(r["round"], r["per_class_accuracy"][c]) for r in rows]
+        for c in range(10)
+    }
+    assert {k: v for k, v in got.items() if k.startswith("per_class_accuracy/")} == per_class
+    # The clients' statistics are there, their lists are not.
+    for prefix in ("client_accuracy", "client_personal_accuracy"):
+        for k, v in SPREAD.items():
+            assert got[f"{prefix}_{k}"] == [(r, v) for r in (1, 2, 3)]
+    assert not any(k.startswith("client_accuracy/") or k == "client_accuracy" for k in got)
     # Tracking changes nothing in the run.
     assert without_timing(metrics(tracked)) == without_timing(metrics(untracked))
 
@@ -215,7 +254,7 @@ def test_a_tracker_failing_mid_run_warns_once_and_changes_nothing(tmp_path, capl
     folder_path = tmp_path / "r.incomplete"
     cfg = ExperimentConfig(out_dir=str(tmp_path), name="r", track=["mlflow"], **TINY)
     with caplog.at_level(logging.WARNING, logger="fedskew"):
-        folder, _ = run(cfg, on_round=delete_the_mlflow_run)
+        folder = run_with_clients(cfg, on_round=delete_the_mlflow_run)
     warnings = [r for r in caplog.records if "tracking with mlflow stopped" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
     assert (folder / "summary.json").is_file()
@@ -310,3 +349,19 @@ def test_compare_groups_its_runs_by_grid_setting_and_method(tmp_path):
         assert read_mlflow(out, got.info.run_id) == logged_in_folder(out / name)
     grid = compare.grid_from(compare.read_file(file), str(file), {}, None, {})
     assert all(r.cfg.track == ["mlflow"] for r in compare.plan(grid))
+
+
+def test_per_class_entries_and_client_statistics_are_scalars():
+    record = {
+        "round": 4, "clients": [0, 2], "accuracy": 0.5, "fm_active": True,
+        "per_class_accuracy": [0.25, None, 1.0],
+        "client_accuracy": [0.5, None, 0.75], "client_accuracy_mean": 0.625,
+        "client_accuracy_std": 0.125, "client_accuracy_worst10": 0.5,
+        "client_accuracy_gap": 0.25, "client_personal_accuracy_mean": 0.7,
+    }  # fmt: skip
+    assert scalars(record) == {
+        "accuracy": 0.5, "per_class_accuracy/0": 0.25, "per_class_accuracy/2": 1.0,
+        "client_accuracy_mean": 0.625, "client_accuracy_std": 0.125,
+        "client_accuracy_worst10": 0.5, "client_accuracy_gap": 0.25,
+        "client_personal_accuracy_mean": 0.7,
+    }  # fmt: skip

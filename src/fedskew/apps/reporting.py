@@ -23,12 +23,15 @@ from typing import Any
 
 import numpy as np
 
+from fedskew.apps.class_counts import PartitionCounts, class_names_of
 from fedskew.apps.compare import collect, options_from_manifest
 from fedskew.assembly.prepare import build_partition, load_experiment_data
 from fedskew.core.errors import FedskewError
 from fedskew.data.partition import load_partition, partition_stats
+from fedskew.report.client_spread import client_spread_blocks
 from fedskew.report.document import Block, Heading, Image, Para, write_report
 from fedskew.report.latex import write_latex
+from fedskew.report.per_class import per_class_section
 from fedskew.report.plots import curves_png, partition_png
 from fedskew.report.runs import RunRecord
 from fedskew.report.tables import (
@@ -148,11 +151,14 @@ def report_blocks(root: Path, records: list[RunRecord], options: Options) -> lis
                 "method's seeds, band from the lowest to the highest seed.",
             )
         )
+    datasets = _Datasets()
+    counts = PartitionCounts(datasets.load)
+    blocks += per_class_section(settings, counts, class_names_of, options.last, _title)
+    blocks += client_spread_blocks(settings, _title)
     tsne = tsne_blocks(records)
     if tsne:
         blocks.append(Heading(2, "t-SNE of test features"))
         blocks += tsne
-    datasets = _Datasets()
     blocks.append(Heading(2, "Partition"))
     for setting, recs in settings.items():
         if len(settings) > 1:

@@ -273,6 +273,18 @@ def inactive_mechanisms(prep: Prepared, per_round: int) -> list[InactiveMechanis
     return list(prep.algorithm.inactive_mechanisms(prep.params, shape))
 
 
+def partition_class_facts(prep: Prepared) -> dict[str, Any]:
+    """Per class, the training samples the partition holds and how many clients hold any,
+    with the classes' names: what a report ranks minority and majority classes by, kept
+    here so that it needs neither partition.npz nor the dataset."""
+    counts = prep.fed.class_counts()
+    return {
+        "class_names": list(prep.dataset.class_names),
+        "partition_class_samples": counts.sum(axis=0).tolist(),
+        "partition_class_clients": (counts > 0).sum(axis=0).tolist(),
+    }
+
+
 def resolved_facts(prep: Prepared, per_round: int) -> dict[str, Any]:
     return {
         "model": prep.model_name,
@@ -289,6 +301,7 @@ def resolved_facts(prep: Prepared, per_round: int) -> dict[str, Any]:
         "inactive_mechanisms": [m.record() for m in inactive_mechanisms(prep, per_round)],
         "dataset_source": prep.dataset.source,
         "num_classes": prep.dataset.num_classes,
+        **partition_class_facts(prep),
         "train_samples": int(len(prep.dataset.y_train)),
         "test_samples": int(len(prep.dataset.y_test)),
         "fedskew_version": __version__,

@@ -1,24 +1,35 @@
-"""How a metric spreads over clients: mean, std, the worst tenth and the fairness gap."""
+"""How evenly the global model serves the clients: statistics of a list of per-client
+accuracies (one per client id, None for a client not evaluated or without local test
+samples).
+
+* ``mean``: the unweighted mean over the clients that have a value;
+* ``std``: their population standard deviation (divided by n, not n - 1: the clients are
+  the whole federation, not a sample of one);
+* ``worst10``: the mean of the ceil(0.1 n) lowest values (at least one client);
+* ``gap``: the mean of the ceil(0.1 n) highest minus that of the ceil(0.1 n) lowest.
+"""
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
+SPREAD_KEYS = ("mean", "std", "worst10", "gap")
 
 
 def client_spread(values: list[float | None]) -> dict[str, float]:
-    """Unweighted statistics over the clients with a value (None: no value): ``mean``,
-    ``std`` (population), ``worst10`` (mean of the ceil(n/10) lowest) and ``gap`` (mean of
-    the ceil(n/10) highest minus ``worst10``). Empty when no client has a value."""
-    present = np.sort(np.array([v for v in values if v is not None], dtype=np.float64))
-    if present.size == 0:
+    """``mean``, ``std``, ``worst10`` and ``gap`` of the clients' values, None left out;
+    empty when no client has a value."""
+    present = sorted(float(v) for v in values if v is not None)
+    n = len(present)
+    if n == 0:
         return {}
-    tenth = math.ceil(present.size / 10)
-    worst = float(present[:tenth].mean())
+    mean = sum(present) / n
+    tenth = math.ceil(0.1 * n)
+    worst = sum(present[:tenth]) / tenth
+    best = sum(present[-tenth:]) / tenth
     return {
-        "mean": float(present.mean()),
-        "std": float(present.std()),
+        "mean": mean,
+        "std": math.sqrt(sum((v - mean) ** 2 for v in present) / n),
         "worst10": worst,
-        "gap": float(present[-tenth:].mean()) - worst,
+        "gap": best - worst,
     }

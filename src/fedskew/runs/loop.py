@@ -49,6 +49,7 @@ from fedskew.engines.workers import (
     worker_bytes,
 )
 from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
+from fedskew.metrics.per_class import per_class_summary
 from fedskew.runs.checkpoint import (
     check_checkpoint,
     load_server_state,
@@ -574,6 +575,7 @@ def finish(state: RunState, seconds_this_process: float) -> tuple[Path, dict[str
         state.last_eval,
     )
     summary.update(final_values(state.history))  # final_personal_accuracy and the like
+    summary.update(per_class_summary(state.history))
     summary.update(client_state_size(state.engine))
     summary["wall_seconds_this_process"] = round(seconds_this_process, 3)
     summary["processes"] = folder.read_processes()

@@ -67,14 +67,27 @@ def run_info(cfg: ExperimentConfig, folder: RunFolder) -> RunInfo:
     )
 
 
+# Lists of a metrics line that trackers get one scalar per entry of, named
+# ``<list>/<index>`` (TensorBoard groups them under the list's name). Per-client lists
+# (``clients``, ``client_accuracy``) stay out: a federation of thousands of clients would
+# make thousands of series; their statistics (``client_accuracy_mean``, ...) are numbers.
+PER_ENTRY = ("per_class_accuracy",)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """The numbers of a metrics.jsonl line, the round (the step) left out; lists (clients,
-    per-class accuracy) and flags are not scalars."""
-    return {
-        key: value
-        for key, value in record.items()
-        if key != "round" and isinstance(value, (int, float)) and not isinstance(value, bool)
-    }
+    """The numbers of a metrics.jsonl line, the round (the step) left out, and the entries of
+    its PER_ENTRY lists as ``per_class_accuracy/<class index>`` (a class without test
+    samples, None, has none); other lists and flags are not scalars."""
+    out = {key: value for key, value in record.items() if key != "round" and _number(value)}
+    for key in PER_ENTRY:
+        values = record.get(key)
+        if isinstance(values, list):
+            out.update({f"{key}/{i}": v for i, v in enumerate(values) if _number(v)})
+    return out
 
 
 def flat(values: dict[str, Any], prefix: str = "") -> dict[str, str]:

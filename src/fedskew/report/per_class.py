@@ -1,0 +1,312 @@
+"""Per-class results of a comparison: which classes each method gets right, and how the
+classes that are rare in the partition fare against the common ones.
+
+Per setting: a methods x classes heatmap of the global model's per-class test accuracy
+(each run's mean over its last N evaluated rounds, then the mean over the method's finished
+seeds), and a table of the mean accuracy over the minority half and the majority half of the
+classes. The halves come from each run's partition:
+
+* classes are ranked by their share of the training data in the partition when the
+  partition's class totals differ (the largest at least ``SAMPLES_DIFFER`` times the
+  smallest, or a class left out), else by how many clients hold the class (a Dirichlet
+  split of a balanced dataset hands out every sample, so only the spread over clients
+  differs); ties go by the other count, then by class index;
+* the minority half is the floor(C/2) classes ranked lowest, the majority half the floor(C/2)
+  ranked highest (with C odd the middle class is in neither); a class the test set lacks has
+  no accuracy and is left out of its half's mean.
+
+Where the partition's class counts come from (config.json's resolved facts, partition.npz
+with the dataset's labels, or the partition rebuilt from the configuration) is the caller's
+business: it passes them in as :class:`ClassCounts`, or a reason why there are none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedskew.metrics.per_class import mean_of_last
+from fedskew.report.document import Block, Bullets, Heading, Image, Para, Table
+from fedskew.report.per_class_plot import per_class_png
+from fedskew.report.runs import NOT_RECORDED, RunRecord
+from fedskew.report.tables import mean_std
+
+# Class totals within 10 % of each other are taken as equal: ranking classes by a few
+# samples more or less (a natural dataset's mild imbalance) would call noise a minority.
+SAMPLES_DIFFER = 1.1
+BY_SAMPLES = "share of the training data in the run's partition"
+BY_CLIENTS = "number of clients holding the class in the run's partition"
+
+
+@dataclass(frozen=True)
+class ClassCounts:
+    """Per class, the training samples a run's partition holds and how many clients hold
+    any; ``where`` says where they were read."""
+
+    samples: list[int]
+    clients: list[int]
+    where: str
+
+
+@dataclass(frozen=True)
+class Ranking:
+    rule: str  # BY_SAMPLES or BY_CLIENTS
+    minority: list[int]  # class indices, rarest first
+    majority: list[int]  # most common last
+
+
+def class_ranking(counts: ClassCounts) -> Ranking | str:
+    """The minority and majority halves of the classes, or why there are none."""
+    samples = np.asarray(counts.samples, dtype=float)
+    clients = np.asarray(counts.clients, dtype=float)
+    if samples.size < 2:
+        return "fewer than two classes"
+    top, low = samples.max(), samples.min()
+    if top > 0 and (low == 0 or top >= SAMPLES_DIFFER * low):
+        rule, first, second = BY_SAMPLES, samples, clients
+    elif clients.max() > clients.min():
+        rule, first, second = BY_CLIENTS, clients, samples
+    else:
+        return (
+            f"the classes are balanced in the partition (totals within "
+            f"{100 * (SAMPLES_DIFFER - 1):.0f} % of each other, each held by as many clients)"
+        )
+    order = sorted(range(samples.size), key=lambda c: (first[c], second[c], c))
+    half = samples.size // 2
+    return Ranking(rule, order[:half], order[-half:])
+
+
+def run_per_class(record: RunRecord, last: int) -> list[float | None] | None:
+    """The run's per-class accuracy (fractions), mean of its last ``last`` evaluated rounds:
+    summary.json's ``last_k_per_class_accuracy`` where it averaged as many rounds, else
+    computed from metrics.jsonl; None when neither records per-class accuracy."""
+    found = mean_of_last(record.metrics, last)
+    if found is None:
+        return None
+    summary = record.summary or {}
+    stored = summary.get("last_k_per_class_accuracy")
+    if isinstance(stored, list) and summary.get("per_class_last_k") == found[1]:
+        return stored
+    return found[0]
+
+
+def _mean(values: list[float | None], classes: list[int]) -> float | None:
+    scored = [values[c] for c in classes if c < len(values) and values[c] is not None]
+    return 100 * sum(scored) / len(scored) if scored else None
+
+
+def _name(names: list[str] | None, c: int) -> str:
+    return names[c] if names is not None and c < len(names) else str(c)
+
+
+@dataclass
+class _Method:
+    name: str
+    runs: dict[int, list[float | None]]  # seed -> per-class accuracy (fractions)
+    records: dict[int, RunRecord]  # seed -> its run
+
+
+def _methods(records: list[RunRecord], last: int) -> tuple[list[_Method], list[str]]:
+    """Finished runs with per-class accuracy, by method; and the finished runs without."""
+    methods: dict[str, _Method] = {}
+    missing: list[str] = []
+    for rec in records:
+        if not rec.finished:
+            continue
+        values = run_per_class(rec, last)
+        if values is None:
+            missing.append(f"{rec.method} seed {rec.seed}")
+            continue
+        method = methods.setdefault(rec.method, _Method(rec.method, {}, {}))
+        if rec.seed not in method.runs:  # a second folder of the same seed: the first counts
+            method.runs[rec.seed] = values
+            method.records[rec.seed] = rec
+    return list(methods.values()), missing
+
+
+def heatmap_values(methods: list[_Method]) -> np.ndarray:
+    """(methods, classes) accuracies in %: each method's mean over seeds, NaN where no seed
+    scored the class."""
+    classes = max(len(v) for m in methods for v in m.runs.values())
+    out = np.full((len(methods), classes), np.nan)
+    for i, m in enumerate(methods):
+        for c in range(classes):
+            scored = [v[c] for v in m.runs.values() if c < len(v) and v[c] is not None]
+            if scored:
+                out[i, c] = 100 * float(np.mean(scored))
+    return out
+
+
+# Per (method, seed): the run's ranking, or why it has none; and where its counts came from.
+Found = dict[tuple[str, int], "Ranking | str"]
+
+
+def split_table(methods: list[_Method], found: Found) -> tuple[Table, list[str]]:
+    """Per method, over the seeds that have a ranking: the mean accuracy of the minority
+    and majority halves, their gap and the lowest class, each mean ± std over seeds."""
+    rows, unranked = [], []
+    for m in methods:
+        low, high, gap, worst = [], [], [], []
+        for seed, values in sorted(m.runs.items()):
+            ranking = found.get((m.name, seed))
+            if not isinstance(ranking, Ranking):
+                unranked.append(f"{m.name} seed {seed}")
+                continue
+            a, b = _mean(values, ranking.minority), _mean(values, ranking.majority)
+            if a is None or b is None:
+                continue
+            low.append(a)
+            high.append(b)
+            gap.append(b - a)
+            worst.append(100 * min(v for v in values if v is not None))
+        if not low:
+            rows.append([m.name, "0", "no ranked seed", "", "", ""])
+            continue
+        rows.append(
+            [m.name, str(len(low)), mean_std(low), mean_std(high), mean_std(gap, sign=True),
+             mean_std(worst)]
+        )  # fmt: skip
+    header = ["method", "seeds", "minority half (%)", "majority half (%)",
+              "majority - minority (points)", "lowest class (%)"]  # fmt: skip
+    return Table(header, rows), unranked
+
+
+def ranking_lines(
+    found: Found, where: dict[tuple[str, int], str], names: list[str] | None
+) -> list[str]:
+    """Per seed, which ranking its runs used and which classes fell in each half; runs of one
+    seed that share the partition (a grid's do) share a line, others get their own."""
+    by_seed: dict[int, dict[str, tuple[list[str], set[str]]]] = {}
+    for (method, seed), ranking in sorted(found.items(), key=lambda kv: kv[0][1]):
+        if isinstance(ranking, str):
+            text = f"no split: {ranking}"
+        else:
+            text = (
+                f"ranked by the {ranking.rule}; minority half: "
+                f"{', '.join(_name(names, c) for c in ranking.minority)}; majority half: "
+                f"{', '.join(_name(names, c) for c in ranking.majority)}"
+            )
+        methods, sources = by_seed.setdefault(seed, {}).setdefault(text, ([], set()))
+        methods.append(method)
+        if where.get((method, seed)):
+            sources.add(where[method, seed])
+    lines = []
+    for seed, texts in by_seed.items():
+        for text, (methods, sources) in texts.items():
+            who = f" ({', '.join(methods)})" if len(texts) > 1 else ""
+            came = f" (counts from {', '.join(sorted(sources))})" if sources else ""
+            lines.append(f"seed {seed}{who}: {text}{came}")
+    return lines
+
+
+CountsOf = Callable[[RunRecord], "ClassCounts | str"]
+
+
+def per_class_blocks(
+    records: list[RunRecord],
+    counts_of: CountsOf,
+    class_names: list[str] | None,
+    last: int,
+    setting_title: str = "",
+    heading_level: int = 3,
+) -> list[Block]:
+    """The heatmap and the minority / majority table of one setting's runs."""
+    blocks: list[Block] = []
+    if setting_title:
+        blocks.append(Heading(heading_level, setting_title))
+    methods, missing = _methods(records, last)
+    if not methods:
+        return blocks + [Para(f"Per-class accuracy {NOT_RECORDED} in any finished run.")]
+    values = heatmap_values(methods)
+    classes = [_name(class_names, c) for c in range(values.shape[1])]
+    labels = [f"{m.name} ({len(m.runs)} seed{'s' if len(m.runs) != 1 else ''})" for m in methods]
+    name = f"per-class-{records[0].setting or 'all'}.png".replace("/", "_")
+    blocks.append(
+        Image(
+            name,
+            per_class_png(values, labels, classes, setting_title),
+            f"Per-class test accuracy (%) of the global model: each run's mean over its last "
+            f"{last} evaluated rounds (fewer where a run has fewer), then the mean over the "
+            "method's finished seeds.",
+        )
+    )
+    if missing:
+        blocks.append(Para(f"Per-class accuracy {NOT_RECORDED} in: {', '.join(missing)}."))
+    split = _split(methods, counts_of, class_names)
+    blocks.append(Para("**Minority and majority classes.** " + SPLIT_TEXT))
+    blocks.append(Bullets(split.lines))
+    if split.table is not None:
+        blocks.append(split.table)
+        if split.unranked:
+            blocks.append(Para(f"Left out of the table (no ranking): {', '.join(split.unranked)}."))
+    return blocks
+
+
+@dataclass
+class Split:
+    """The minority / majority table of a setting, which ranking each partition used, and
+    the runs left out for want of one."""
+
+    table: Table | None  # None when no partition has a ranking
+    lines: list[str]
+    unranked: list[str]
+
+
+def minority_majority(
+    records: list[RunRecord], last: int, counts_of: CountsOf, class_names: list[str] | None
+) -> Split:
+    """The minority / majority split of one setting's runs, each run's per-class accuracy
+    the mean of its last ``last`` evaluated rounds."""
+    return _split(_methods(records, last)[0], counts_of, class_names)
+
+
+def _split(methods: list[_Method], counts_of: CountsOf, class_names: list[str] | None) -> Split:
+    found: Found = {}
+    where: dict[tuple[str, int], str] = {}
+    for m in methods:
+        for seed, rec in m.records.items():
+            counts = counts_of(rec)
+            if isinstance(counts, str):
+                found[m.name, seed] = counts
+                continue
+            found[m.name, seed] = class_ranking(counts)
+            where[m.name, seed] = counts.where
+    lines = ranking_lines(found, where, class_names)
+    if not any(isinstance(r, Ranking) for r in found.values()):
+        return Split(None, lines, [])
+    table, unranked = split_table(methods, found)
+    return Split(table, lines, unranked)
+
+
+SPLIT_TEXT = (
+    "Each seed's classes are ranked by their share of the training data in the run's "
+    f"partition when the class totals differ (the largest at least {SAMPLES_DIFFER:g} times "
+    "the smallest, or a class left out), otherwise by how many clients hold the class; "
+    "ties go by the other count, then by class index. The minority half is the floor(C/2) "
+    "classes ranked lowest, the majority half the floor(C/2) ranked highest (with C odd "
+    "the middle class is in neither). Each cell: per run, the mean accuracy over the "
+    "half's classes (each class's mean over the last evaluated rounds, as in the heatmap; "
+    "a class without test samples left out), then mean ± std over seeds; the gap is taken "
+    "per seed. Rankings, per seed (a grid's runs of one seed share the partition):"
+)
+
+
+def per_class_section(
+    settings: dict[str, list[RunRecord]],
+    counts_of: CountsOf,
+    names_of: Callable[[list[RunRecord]], list[str] | None],
+    last: int,
+    title: Callable[[str], str],
+    heading_level: int = 2,
+) -> list[Block]:
+    """The report's per-class section: for each setting its heatmap and split table."""
+    blocks: list[Block] = [Heading(heading_level, "Per-class accuracy")]
+    for setting, recs in settings.items():
+        blocks += per_class_blocks(
+            recs, counts_of, names_of(recs), last,
+            setting_title=title(setting) if len(settings) > 1 else "",
+            heading_level=heading_level + 1,
+        )  # fmt: skip
+    return blocks

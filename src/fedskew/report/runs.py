@@ -31,6 +31,8 @@ STANDARD_KEYS = frozenset(
         "eval_seconds", "skipped",
     }
 )  # fmt: skip
+# Local evaluation's keys (--local-test-fraction) have a table of their own (client_spread).
+LOCAL_EVALUATION_PREFIXES = ("client_accuracy", "client_personal_accuracy", "local_eval_")
 IMAGE_PATTERN = re.compile(r"t-?sne", re.IGNORECASE)
 
 
@@ -87,6 +89,8 @@ class RunRecord:
         for row in self.metrics:
             for key, value in row.items():
                 if key in STANDARD_KEYS or isinstance(value, bool):
+                    continue
+                if key.startswith(LOCAL_EVALUATION_PREFIXES):
                     continue
                 if isinstance(value, (int, float)):
                     names[key] = None

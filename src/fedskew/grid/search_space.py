@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedskew.algorithms import get_algorithm
-from fedskew.config import build_config
+from fedskew.config import TABLES, build_config
 from fedskew.core.errors import UsageError
 from fedskew.grid.plan import RUN_KEYS, SHARED_KEYS, PlannedRun, merge, typed_values
 
@@ -34,16 +34,16 @@ class Dimension:
         return {self.key: {self.kind: list(self.values)}}
 
 
-def flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(table: dict[str, Any]) -> dict[str, Any]:
     """``{params = {lam = {log = [..]}}}`` (what TOML makes of ``params.lam = {...}``) as
-    ``{"params.lam": {log = [..]}}``: a table is a dimension when it has one of KINDS."""
+    ``{"params.lam": {log = [..]}}``: the config's tables (params, partition_params, ...)
+    hold dimensions, any other key is one."""
     out: dict[str, Any] = {}
     for key, value in table.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and not any(k in value for k in KINDS):
-            out.update(flatten(value, name + "."))
+        if str(key).replace("-", "_") in TABLES and isinstance(value, dict):
+            out.update({f"{key}.{leaf}": spec for leaf, spec in value.items()})
         else:
-            out[name] = value
+            out[key] = value
     return out
 
 

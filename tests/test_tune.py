@@ -16,6 +16,8 @@ import pytest
 optuna = pytest.importorskip("optuna")
 
 from fedskew.apps.cli import main  # noqa: E402
+from fedskew.grid.plan import grid_from, plan, read_file  # noqa: E402
+from fedskew.runs.loop import run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = ("seconds", "eval_seconds")
@@ -90,15 +92,20 @@ def env() -> dict[str, str]:
 
 
 def test_two_methods_get_their_budget_and_the_tuned_file_reproduces_the_best(tmp_path, capsys):
-    file = tune_file(tmp_path, 2, TWO_METHODS, pruner="successive-halving")
+    file = tune_file(tmp_path, 3, TWO_METHODS, pruner="successive-halving")
     out = tmp_path / "tuned"
     assert main(["tune", "-c", str(file), "-o", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "2 trials per method" in printed and "params.mu in [0.01, 0.1]" in printed
+    assert "3 trials per method" in printed and "params.mu in [0.01, 0.1]" in printed
+    pruned = []
     for method in ("fedavg", "prox"):
-        assert len(finished(study(out, method))) == 2
+        trials = finished(study(out, method))
+        assert len(trials) == 3
+        pruned += [f"{method}-t{t.number}" for t in trials if t.state.name == "PRUNED"]
+    assert pruned and "pruned at round 1" in printed  # the weakest draw, after one round
+    assert (out / "trials" / f"{pruned[0]}-s100.incomplete" / "metrics.jsonl").is_file()
     record = json.loads((out / "tune.json").read_text())
-    assert record["trials_per_method"] == 2 and record["tuning_seeds"] == [100]
+    assert record["trials_per_method"] == 3 and record["tuning_seeds"] == [100]
     assert record["search_space"]["prox"] == {
         "lr": {"log": [0.01, 0.1]},
         "params.mu": {"choice": [0.01, 0.1]},
@@ -108,12 +115,14 @@ def test_two_methods_get_their_budget_and_the_tuned_file_reproduces_the_best(tmp
     # The tuned compare file, run on the tuning seed, gives the best trial's rounds exactly.
     best = record["results"]["prox"]
     tuned = json.loads((out / "tuned.json").read_text())
-    assert tuned["compare"]["seeds"] == [0, 1]
+    assert tuned["compare"]["seeds"] == [0, 1] and tuned["compare"]["out_dir"].endswith(
+        "evaluation"
+    )
     assert tuned["methods"]["prox"]["params"]["mu"] == best["best_params"]["params.mu"]
-    again = tmp_path / "again"
-    argv = ["compare", "-c", str(out / "tuned.json"), "--seeds", "100", "--methods", "prox"]
-    assert main([*argv, "-o", str(again)]) == 0
-    assert rows(again / "prox-s100") == rows(out / "trials" / best["best_folders"][0])
+    grid = grid_from(read_file(out / "tuned.json"), "tuned.json", {}, ["prox"], {"seeds": [100]})
+    (planned,) = plan(grid)
+    folder, _ = run(planned.cfg)  # as compare's run process runs it, here in-process
+    assert rows(folder) == rows(out / "trials" / best["best_folders"][0])
 
 
 KILL_AFTER_FIRST_ROUND = """
@@ -157,7 +166,7 @@ def test_a_killed_tune_resumes_its_cut_off_trial(tmp_path):
 
 
 def test_two_processes_share_one_study_without_running_a_trial_twice(tmp_path):
-    file = tune_file(tmp_path, 4, ONE_METHOD)
+    file = tune_file(tmp_path, 3, ONE_METHOD)
     out = tmp_path / "tuned"
     cmd = [sys.executable, "-m", "fedskew", "tune", "-c", str(file), "-o", str(out)]
     procs = [subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -165,14 +174,14 @@ def test_two_processes_share_one_study_without_running_a_trial_twice(tmp_path):
     outputs = [p.communicate(timeout=180) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     trials = study(out, "fedavg").get_trials(deepcopy=False)
-    assert sorted(t.number for t in finished(study(out, "fedavg"))) == [0, 1, 2, 3]
-    assert len(trials) == 4
+    assert sorted(t.number for t in finished(study(out, "fedavg"))) == [0, 1, 2]
+    assert len(trials) == 3
     folders = sorted(p.name for p in (out / "trials").iterdir())
-    assert folders == [f"fedavg-t{n}-s100" for n in range(4)]
+    assert folders == [f"fedavg-t{n}-s100" for n in range(3)]
     for folder in folders:  # each trial ran once, by one process
         assert len((out / "trials" / folder / "processes.jsonl").read_text().splitlines()) == 1
     ran = [line for o, _ in outputs for line in o.splitlines() if "] trial " in line]
-    assert len(ran) == 4
+    assert len(ran) == 3
 
 
 @pytest.mark.parametrize(
@@ -209,8 +218,6 @@ def test_without_optuna_tune_says_how_to_install_it(tmp_path, capsys, monkeypatc
 
 
 def test_compare_reads_past_the_tune_tables(tmp_path):
-    from fedskew.grid.plan import grid_from, read_file
-
     file = tune_file(tmp_path, 2, TWO_METHODS)
     grid = grid_from(read_file(file), str(file), {}, None, {})
     assert grid.methods["prox"] == {"algorithm": "fedprox"} and grid.seeds == [0, 1]

@@ -397,13 +397,24 @@ def _short(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def tune_all(tune: Tune, print_line: Callable[[str], None] = print) -> dict[str, optuna.Study]:
+def open_studies(tune: Tune) -> tuple[optuna.storages.RDBStorage, dict[str, optuna.Study]]:
+    """The storage and every method's study, created if new. Two processes that start
+    together would both create the database's tables (and one fail on the other's rows), so
+    they take turns here."""
     tune.out_dir.mkdir(parents=True, exist_ok=True)
-    storage = open_storage(tune.storage)
+    fd = wait_lock(tune.out_dir / LOCKS / "storage.lock")
+    try:
+        storage = open_storage(tune.storage)
+        return storage, {m: load_study(tune, m, storage) for m in tune.spaces}
+    finally:
+        unlock(fd)
+
+
+def tune_all(tune: Tune, print_line: Callable[[str], None] = print) -> dict[str, optuna.Study]:
+    storage, _ = open_studies(tune)
     return {m: tune_method(tune, m, storage, print_line) for m in tune.spaces}
 
 
 def studies_of(tune: Tune) -> dict[str, optuna.Study]:
     """The method studies as they stand (for writing results without running)."""
-    storage = open_storage(tune.storage)
-    return {m: load_study(tune, m, storage) for m in tune.spaces}
+    return open_studies(tune)[1]

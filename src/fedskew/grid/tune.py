@@ -32,6 +32,7 @@ from fedskew.config import build_config, config_differences, config_hash
 from fedskew.core.errors import FedskewError, UsageError
 from fedskew.core.locks import Busy, holder, lock, unlock
 from fedskew.grid.plan import Grid, PlannedRun, grid_from, plan
+from fedskew.grid.plan import _check_name as check_name
 from fedskew.grid.search_space import Dimension, check_space, read_space, suggest, with_values
 from fedskew.report.runs import INCOMPLETE
 from fedskew.runs.folder import RunFolder, saved_config
@@ -130,6 +131,7 @@ def tune_from(
     if not _is_int(sampler_seed) or sampler_seed < 0:
         raise UsageError(f"[tune] sampler_seed must be an integer >= 0, got {sampler_seed!r}")
     study = str(conf.get("study") or (Path(source).stem if source else "tune"))
+    check_name(study, "study")
     out_dir = Path(conf.get("out_dir") or Path("runs") / f"tune-{study}")
     storage = conf.get("storage") or f"sqlite:///{(out_dir / 'study.db').resolve()}"
     if not isinstance(storage, str) or "://" not in storage:

@@ -38,8 +38,10 @@ from fedskew.report.runs import INCOMPLETE
 from fedskew.runs.folder import RunFolder, saved_config
 from fedskew.runs.loop import run
 
-TUNE_KEYS = ("trials", "seeds", "last", "pruner", "sampler_seed", "storage", "study", "out_dir")
+TUNE_KEYS = ("trials", "seeds", "last", "pruner", "sampler", "sampler_seed", "storage", "study",
+             "out_dir")  # fmt: skip
 PRUNERS = ("median", "successive-halving", "none")
+SAMPLERS = ("tpe", "random")
 LOCKS = ".tune-locks"
 TrialState = optuna.trial.TrialState
 
@@ -55,6 +57,7 @@ class Tune:
     eval_seeds: list[int]  # [compare] seeds: the tuned compare file's
     last: int  # objective: mean accuracy of the last `last` evaluated rounds
     pruner: str
+    sampler: str
     sampler_seed: int
     storage: str
     spaces: dict[str, list[Dimension]]
@@ -127,6 +130,9 @@ def tune_from(
     pruner = conf.get("pruner", "median")
     if pruner not in PRUNERS:
         raise UsageError(f"[tune] pruner must be one of {', '.join(PRUNERS)}, got {pruner!r}")
+    sampler = conf.get("sampler", "tpe")
+    if sampler not in SAMPLERS:
+        raise UsageError(f"[tune] sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
     sampler_seed = conf.get("sampler_seed", 0)
     if not _is_int(sampler_seed) or sampler_seed < 0:
         raise UsageError(f"[tune] sampler_seed must be an integer >= 0, got {sampler_seed!r}")
@@ -154,7 +160,8 @@ def tune_from(
         check_space(spaces[name], runs[name][int(seeds[0])], where)
     return Tune(
         study=study, out_dir=out_dir, trials=int(trials), seeds=[int(s) for s in seeds],
-        eval_seeds=grid.seeds, last=int(last), pruner=pruner, sampler_seed=int(sampler_seed),
+        eval_seeds=grid.seeds, last=int(last), pruner=pruner, sampler=sampler,
+        sampler_seed=int(sampler_seed),
         storage=storage, spaces=spaces, runs=runs, grid=grid,
         raw_compare=dict(raw.get("compare", {})), source=source,
     )  # fmt: skip
@@ -196,11 +203,13 @@ def make_pruner(name: str) -> optuna.pruners.BasePruner:
     return optuna.pruners.NopPruner()
 
 
-def sampler_for(seed: int, number: int) -> optuna.samplers.BaseSampler:
-    """TPE seeded by (sampler seed, trial number): a trial's draw depends on the study's
-    history and its number, not on which process asked for it or what that process drew
-    before (randomness is addressed, not consumed, as in runs)."""
+def sampler_for(name: str, seed: int, number: int) -> optuna.samplers.BaseSampler:
+    """The sampler seeded by (sampler seed, trial number): a trial's draw depends on the
+    study's history and its number, not on which process asked for it or what that process
+    drew before (randomness is addressed, not consumed, as in runs)."""
     state = int(np.random.SeedSequence([seed, number]).generate_state(1)[0])
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=state)
     return optuna.samplers.TPESampler(seed=state)
 
 
@@ -371,7 +380,7 @@ def tune_method(
             waiting = any(t.state == TrialState.WAITING for t in trials)
             if not waiting and counted(trials) >= tune.trials:
                 return study
-            study.sampler = sampler_for(tune.sampler_seed, len(trials))
+            study.sampler = sampler_for(tune.sampler, tune.sampler_seed, len(trials))
             trial = study.ask()
             if "folder" not in trial.user_attrs:
                 trial.set_user_attr("folder", f"{method}-t{trial.number}")

@@ -65,7 +65,7 @@ def record(tune: Tune, studies: dict[str, optuna.Study]) -> dict[str, Any]:
         "objective": f"mean accuracy (%) of the last {tune.last} evaluated rounds, averaged "
         "over the tuning seeds",
         "last": tune.last,
-        "sampler": "TPE",
+        "sampler": tune.sampler,
         "sampler_seed": tune.sampler_seed,
         "pruner": tune.pruner,
         "search_space": {
@@ -82,7 +82,7 @@ def budget_lines(tune: Tune) -> list[str]:
         f"study {tune.study} in {tune.out_dir} (storage {redacted(tune.storage)}): "
         f"{tune.trials} trials per method, tuning seeds {tune.seeds}, evaluation seeds "
         f"{tune.eval_seeds}; objective: mean accuracy of the last {tune.last} evaluated rounds; "
-        f"TPE sampler (seed {tune.sampler_seed}), pruner {tune.pruner}"
+        f"{tune.sampler} sampler (seed {tune.sampler_seed}), pruner {tune.pruner}"
     ]
     for method, dims in tune.spaces.items():
         lines.append(f"  {method}: " + "; ".join(d.describe() for d in dims))

@@ -55,7 +55,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     from fedskew.grid.plan import read_file
     from fedskew.grid.tune import studies_of, tune_all, tune_from
-    from fedskew.grid.tune_results import budget_lines, write_results
+    from fedskew.grid.tune_results import best_trial, budget_lines, write_results
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # fedskew prints each trial itself
     raw = read_file(args.config)
@@ -87,9 +87,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     paths = write_results(tune, studies)
     record, tuned = paths[0], paths[1]
     for method, study in studies.items():
-        try:
-            best = study.best_trial
-        except ValueError:
+        best = best_trial(study)
+        if best is None:
             print(f"{method}: no trial completed")
             continue
         shown = ", ".join(f"{k}={v}" for k, v in best.params.items())

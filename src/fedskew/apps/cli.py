@@ -1,4 +1,4 @@
-"""The ``fedskew`` command line: run, list, partition."""
+"""The ``fedskew`` command line: run, list, partition, compare, tune, report."""
 
 from __future__ import annotations
 
@@ -406,6 +406,14 @@ def make_parser() -> argparse.ArgumentParser:
     )
     add_compare_options(p_cmp)
     p_cmp.set_defaults(func=cmd_compare)
+
+    from fedskew.apps.tune import add_tune_options, cmd_tune
+
+    p_tune = sub.add_parser(
+        "tune", help="tune each method of a compare file with Optuna, the same budget for all"
+    )
+    add_tune_options(p_tune)
+    p_tune.set_defaults(func=cmd_tune)
 
     p_task = sub.add_parser(
         "grid-task", help="run one run of a compare grid's runs list (a Slurm array task's job)"

@@ -24,7 +24,9 @@ from fedskew.core.errors import UsageError
 from fedskew.grid.executors import EXECUTOR_KEYS
 from fedskew.report.tables import Options
 
-SECTIONS = ("compare", "experiment", "methods", "settings", "axes")
+# [tune] and each method's [methods.NAME.search] are fedskew tune's (fedskew.grid.tune);
+# compare reads past them, so that one file serves both.
+SECTIONS = ("compare", "experiment", "methods", "settings", "axes", "tune")
 COMPARE_KEYS = ("out_dir", "seeds", "reference", "last", "target", "jobs", "threads", "track",
                 *EXECUTOR_KEYS)  # fmt: skip
 # What decides a (setting, seed)'s partition and the clients of each round: a setting's,
@@ -115,7 +117,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def _typed_values(values: dict[str, Any], where: str) -> dict[str, Any]:
+def typed_values(values: dict[str, Any], where: str) -> dict[str, Any]:
     """Experiment keys checked (names; tables as tables), dotted keys expanded."""
     out: dict[str, Any] = {}
     for key, value in values.items():
@@ -182,7 +184,7 @@ def grid_from(
     conf = {k.replace("-", "_"): v for k, v in settings_raw.items()}
     conf.update({k: v for k, v in overrides.items() if v is not None})
 
-    base = merge(_typed_values(raw.get("experiment", {}), f"{where} [experiment]"), cli_base)
+    base = merge(typed_values(raw.get("experiment", {}), f"{where} [experiment]"), cli_base)
     for key in RUN_KEYS:
         if key in base and key != "seed":
             raise UsageError(f"{where}: '{key}' is set by compare for each run; drop it")
@@ -207,7 +209,8 @@ def grid_from(
             value = file_methods[name] or {}
             if not isinstance(value, dict):
                 raise UsageError(f"{where}: [methods.{name}] must be a table")
-            chosen[name] = _typed_values(value, f"{where} [methods.{name}]")
+            value = {k: v for k, v in value.items() if k != "search"}
+            chosen[name] = typed_values(value, f"{where} [methods.{name}]")
     elif methods:
         chosen = {name: {} for name in methods}
     else:
@@ -225,7 +228,7 @@ def grid_from(
             )
 
     named = {
-        name: _typed_values(v or {}, f"{where} [settings.{name}]")
+        name: typed_values(v or {}, f"{where} [settings.{name}]")
         for name, v in raw.get("settings", {}).items()
     }
     for name in named:
@@ -234,12 +237,12 @@ def grid_from(
     for key, values in axes.items():
         if not isinstance(values, list) or not values:
             raise UsageError(f"{where}: axis '{key}' must be a non-empty list of values")
-        _typed_values({key: values[0]}, f"{where} [axes]")
+        typed_values({key: values[0]}, f"{where} [axes]")
     settings: dict[str, dict[str, Any]] = {}
     combos = list(itertools.product(*[[(k, v) for v in vals] for k, vals in axes.items()]))
     for sname, svalues in (named or {"": {}}).items():
         for combo in combos:
-            axis_values = _typed_values(dict(combo), f"{where} [axes]")
+            axis_values = typed_values(dict(combo), f"{where} [axes]")
             name = "-".join(p for p in (sname, setting_name(list(combo))) if p)
             if name in settings:
                 raise UsageError(f"{where}: two settings are both named '{name}'")

@@ -1,0 +1,431 @@
+"""``fedskew tune``: each method of a compare file tuned by Optuna over its search space, with
+the same trial budget for every method, on tuning seeds kept apart from the evaluation seeds.
+
+Every trial is an ordinary run folder per tuning seed, ``<out>/trials/<method>-t<N>-s<seed>``,
+built by compare's own planning (:func:`fedskew.grid.plan.plan`) with the trial's values put
+in; the objective is the mean accuracy (%) of the last ``last`` evaluated rounds, averaged over
+the tuning seeds. One Optuna study per method (``<study>.<method>``) lives in relational
+storage (SQLite in the tune folder by default), so a killed ``tune`` continues where it was and
+several ``tune`` processes can share a study:
+
+* a process holds a lock file per trial while it runs it (``<out>/.tune-locks/``); a trial
+  left RUNNING whose lock no live process holds was cut off by a kill: the next process marks
+  it FAIL and enqueues its parameters again, with its folder name, so the new trial resumes
+  that trial's run folders from their last checkpoint instead of starting over;
+* asking for a trial, counting the budget and the stale check happen under one lock per
+  study, so two processes never exceed the budget and never both resume one folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import optuna
+
+from fedskew.config import build_config, config_differences, config_hash
+from fedskew.core.errors import FedskewError, UsageError
+from fedskew.core.locks import Busy, holder, lock, unlock
+from fedskew.grid.plan import Grid, PlannedRun, grid_from, plan
+from fedskew.grid.plan import _check_name as check_name
+from fedskew.grid.search_space import Dimension, check_space, read_space, suggest, with_values
+from fedskew.report.runs import INCOMPLETE
+from fedskew.runs.folder import RunFolder, saved_config
+from fedskew.runs.loop import run
+
+TUNE_KEYS = ("trials", "seeds", "last", "pruner", "sampler", "sampler_seed", "storage", "study",
+             "out_dir")  # fmt: skip
+PRUNERS = ("median", "successive-halving", "none")
+SAMPLERS = ("tpe", "random")
+LOCKS = ".tune-locks"
+TrialState = optuna.trial.TrialState
+
+
+@dataclass
+class Tune:
+    """A tuning study: what is tuned, on which seeds, with which budget, and where."""
+
+    study: str
+    out_dir: Path
+    trials: int  # per method
+    seeds: list[int]  # tuning seeds
+    eval_seeds: list[int]  # [compare] seeds: the tuned compare file's
+    last: int  # objective: mean accuracy of the last `last` evaluated rounds
+    pruner: str
+    sampler: str
+    sampler_seed: int
+    storage: str
+    spaces: dict[str, list[Dimension]]
+    runs: dict[str, dict[int, PlannedRun]]  # method -> tuning seed -> its planned run
+    grid: Grid = field(repr=False)  # the evaluation grid (base, methods, [compare] options)
+    raw_compare: dict[str, Any] = field(default_factory=dict)
+    source: str = ""
+
+    @property
+    def trials_dir(self) -> Path:
+        return self.out_dir / "trials"
+
+    def study_name(self, method: str) -> str:
+        return f"{self.study}.{method}"
+
+
+class Pruned(Exception):
+    """Raised from a run's on_round when Optuna's pruner stops the trial."""
+
+
+# ------------------------------------------------------------------ reading a tune file
+
+
+def tune_from(
+    raw: dict[str, Any],
+    source: str,
+    cli_base: dict[str, Any],
+    methods: list[str] | None,
+    overrides: dict[str, Any],
+) -> Tune:
+    """The study of a compare file with a [tune] table and [methods.NAME.search] tables;
+    ``overrides`` are [tune] keys from the command line (None: not given)."""
+    where = source or "the command line"
+    conf_raw = raw.get("tune")
+    if not isinstance(conf_raw, dict):
+        raise UsageError(f"{where}: fedskew tune needs a [tune] table (trials, seeds, ...)")
+    unknown = [k for k in conf_raw if k.replace("-", "_") not in TUNE_KEYS]
+    if unknown:
+        raise UsageError(
+            f"{where}: [tune] has no key '{unknown[0]}' (valid: {', '.join(TUNE_KEYS)})"
+        )
+    conf = {k.replace("-", "_"): v for k, v in conf_raw.items()}
+    conf.update({k: v for k, v in overrides.items() if v is not None})
+    if raw.get("settings") or raw.get("axes"):
+        raise UsageError(
+            f"{where}: fedskew tune tunes one setting: put its options in [experiment] "
+            "(no [settings] or [axes])"
+        )
+
+    grid = grid_from(raw, source, cli_base, methods, {})  # the evaluation grid, checked
+    trials = conf.get("trials")
+    if not _is_int(trials) or trials < 1:
+        raise UsageError(f"[tune] trials (per method) must be a positive integer, got {trials!r}")
+    seeds = conf.get("seeds")
+    if not isinstance(seeds, list) or not seeds or not all(_is_int(s) and s >= 0 for s in seeds):
+        raise UsageError(
+            f"[tune] seeds (the tuning seeds) must be a list of integers >= 0, got {seeds!r}"
+        )
+    if len(set(seeds)) != len(seeds):
+        raise UsageError(f"[tune] seeds repeat: {seeds}")
+    shared = sorted(set(seeds) & set(grid.seeds))
+    if shared:
+        raise UsageError(
+            f"tuning seeds {seeds} and evaluation seeds {grid.seeds} ([compare] seeds) share "
+            f"{shared}: tune on other seeds than those you report"
+        )
+    last = conf.get("last", grid.options.last)
+    if not _is_int(last) or last < 1:
+        raise UsageError(f"[tune] last must be a positive integer, got {last!r}")
+    pruner = conf.get("pruner", "median")
+    if pruner not in PRUNERS:
+        raise UsageError(f"[tune] pruner must be one of {', '.join(PRUNERS)}, got {pruner!r}")
+    sampler = conf.get("sampler", "tpe")
+    if sampler not in SAMPLERS:
+        raise UsageError(f"[tune] sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    sampler_seed = conf.get("sampler_seed", 0)
+    if not _is_int(sampler_seed) or sampler_seed < 0:
+        raise UsageError(f"[tune] sampler_seed must be an integer >= 0, got {sampler_seed!r}")
+    study = str(conf.get("study") or (Path(source).stem if source else "tune"))
+    check_name(study, "study")
+    out_dir = Path(conf.get("out_dir") or Path("runs") / f"tune-{study}")
+    storage = conf.get("storage") or f"sqlite:///{(out_dir / 'study.db').resolve()}"
+    if not isinstance(storage, str) or "://" not in storage:
+        raise UsageError(f"[tune] storage must be an SQLAlchemy URL, got {storage!r}")
+
+    search = {name: (raw.get("methods", {}).get(name) or {}).get("search") for name in grid.methods}
+    missing = [name for name, s in search.items() if s is None]
+    if missing:
+        raise UsageError(
+            f"{where}: method '{missing[0]}' has no [methods.{missing[0]}.search] table"
+        )
+    tuning = Grid(**{**grid.__dict__, "seeds": [int(s) for s in seeds],
+                     "out_dir": out_dir / "trials"})  # fmt: skip
+    runs: dict[str, dict[int, PlannedRun]] = {}
+    for r in plan(tuning):
+        runs.setdefault(r.method, {})[r.seed] = r
+    spaces = {}
+    for name, table in search.items():
+        spaces[name] = read_space(name, table, where)
+        check_space(spaces[name], runs[name][int(seeds[0])], where)
+    return Tune(
+        study=study, out_dir=out_dir, trials=int(trials), seeds=[int(s) for s in seeds],
+        eval_seeds=grid.seeds, last=int(last), pruner=pruner, sampler=sampler,
+        sampler_seed=int(sampler_seed),
+        storage=storage, spaces=spaces, runs=runs, grid=grid,
+        raw_compare=dict(raw.get("compare", {})), source=source,
+    )  # fmt: skip
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ------------------------------------------------------------------ the study
+
+
+def open_storage(url: str) -> optuna.storages.RDBStorage:
+    # SQLite serialises writers; several tune processes wait for each other's short
+    # transactions rather than failing with "database is locked".
+    kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None
+    try:
+        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+    except Exception as exc:  # sqlalchemy's errors: a bad URL, a database out of reach
+        raise FedskewError(f"cannot open the study storage {redacted(url)}: "
+                           f"{str(exc).splitlines()[0]}") from None  # fmt: skip
+
+
+def redacted(url: str) -> str:
+    """The storage URL without its password (it goes into files and onto the terminal)."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not a URL sqlalchemy reads: show it as given
+        return url
+
+
+def make_pruner(name: str) -> optuna.pruners.BasePruner:
+    if name == "median":
+        return optuna.pruners.MedianPruner()
+    if name == "successive-halving":
+        return optuna.pruners.SuccessiveHalvingPruner()
+    return optuna.pruners.NopPruner()
+
+
+def sampler_for(name: str, seed: int, number: int) -> optuna.samplers.BaseSampler:
+    """The sampler seeded by (sampler seed, trial number): a trial's draw depends on the
+    study's history and its number, not on which process asked for it or what that process
+    drew before (randomness is addressed, not consumed, as in runs)."""
+    state = int(np.random.SeedSequence([seed, number]).generate_state(1)[0])
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=state)
+    return optuna.samplers.TPESampler(seed=state)
+
+
+def load_study(tune: Tune, method: str, storage: optuna.storages.RDBStorage) -> optuna.Study:
+    return optuna.create_study(
+        storage=storage,
+        study_name=tune.study_name(method),
+        direction="maximize",
+        pruner=make_pruner(tune.pruner),
+        load_if_exists=True,
+    )
+
+
+def retried(trials: list[optuna.trial.FrozenTrial]) -> set[int]:
+    """Numbers of the stale trials whose parameters another trial took over."""
+    return {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
+
+
+def counted(trials: list[optuna.trial.FrozenTrial]) -> int:
+    """Trials that use the budget: all but the stale ones taken over by a retry."""
+    again = retried(trials)
+    return sum(t.number not in again for t in trials)
+
+
+def trial_lock(tune: Tune, method: str, number: int) -> Path:
+    return tune.out_dir / LOCKS / f"{method}-t{number}.lock"
+
+
+def fail_stale(study: optuna.Study, tune: Tune, method: str) -> list[int]:
+    """RUNNING trials that no live process runs (their process was killed): marked FAIL and
+    their parameters enqueued with their folder name, so that the retry resumes their run
+    folders. Called under the study's ask lock, where every running trial's lock exists."""
+    stale = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if holder(trial_lock(tune, method, t.number)) is not None:
+            continue
+        study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+        folder = t.user_attrs.get("folder", f"{method}-t{t.number}")
+        study.enqueue_trial(t.params, user_attrs={"folder": folder, "retry_of": t.number})
+        stale.append(t.number)
+    return stale
+
+
+def wait_lock(path: Path) -> int | None:
+    """Block until this process holds ``path``'s lock (held for a moment by others)."""
+    import time
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        try:
+            return lock(path)
+        except Busy:
+            time.sleep(0.05)
+
+
+# ------------------------------------------------------------------ running trials
+
+
+def trial_folders(tune: Tune, method: str, stem: str) -> dict[int, str]:
+    return {seed: f"{stem}-s{seed}" for seed in tune.seeds}
+
+
+def objective(rows: list[dict[str, Any]], last: int) -> float | None:
+    """Mean accuracy (%) of the last ``last`` evaluated rounds, None without one."""
+    acc = [100 * float(r["accuracy"]) for r in rows if r.get("accuracy") is not None]
+    return float(np.mean(acc[-last:])) if acc else None
+
+
+def read_rows(folder: Path) -> list[dict[str, Any]]:
+    path = folder / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+
+def run_seed(
+    cfg_values: dict[str, Any], folder: Path, report: Callable[[dict[str, Any]], None]
+) -> list[dict[str, Any]]:
+    """One tuning seed of a trial: a finished folder read, an unfinished one resumed from
+    its checkpoint (its earlier rounds reported first), a missing one run; the rows of
+    metrics.jsonl."""
+    cfg = build_config(cfg_values, {})
+    unfinished = folder.with_name(folder.name + INCOMPLETE)
+    for existing in (folder, unfinished):
+        if existing.is_dir():
+            saved = saved_config(existing)
+            if config_hash(saved) != config_hash(cfg):
+                raise FedskewError(
+                    f"{existing} holds a run with another configuration "
+                    f"({config_differences(saved, cfg)}); move it away"
+                )
+    if (folder / "summary.json").is_file():
+        rows = read_rows(folder)
+        for row in rows:
+            report(row)
+        return rows
+    if unfinished.is_dir():
+        for row in RunFolder.reopen(unfinished).read_metrics():
+            report(row)
+        path, _ = run(saved_config(unfinished), on_round=report, resume=unfinished)
+    else:
+        path, _ = run(cfg, on_round=report)
+    return read_rows(path)
+
+
+@dataclass
+class TrialOutcome:
+    number: int
+    state: str  # "complete", "pruned", "failed"
+    value: float | None
+    params: dict[str, Any]
+    detail: str = ""
+
+
+def run_trial(tune: Tune, method: str, study: optuna.Study, trial: optuna.Trial) -> TrialOutcome:
+    """Draw the trial's values, run its folders seed after seed (reporting each evaluated
+    round to the pruner), and tell the study the objective."""
+    params = suggest(trial, tune.spaces[method])
+    stem = trial.user_attrs["folder"]
+    rounds = tune.runs[method][tune.seeds[0]].cfg.rounds
+    values: list[float] = []
+    try:
+        for index, (seed, name) in enumerate(trial_folders(tune, method, stem).items()):
+            planned = tune.runs[method][seed]
+            cfg_values = with_values(planned.values, params, f"trial {trial.number}")
+            cfg_values.update(name=name, out_dir=str(tune.trials_dir.resolve()))
+            offset = index * rounds  # steps run on over the seeds, one per round
+
+            def report(row: dict[str, Any], offset: int = offset, seed: int = seed) -> None:
+                if row.get("accuracy") is None:
+                    return
+                trial.report(100 * float(row["accuracy"]), offset + int(row["round"]))
+                if trial.should_prune():
+                    raise Pruned(f"pruned at round {row['round']} of seed {seed}")
+
+            rows = run_seed(cfg_values, tune.trials_dir / name, report)
+            value = objective(rows, tune.last)
+            if value is None or not math.isfinite(value):
+                raise FedskewError(f"{name} has no evaluated round with an accuracy")
+            values.append(value)
+    except Pruned as exc:
+        study.tell(trial, state=TrialState.PRUNED)
+        return TrialOutcome(trial.number, "pruned", None, params, str(exc))
+    except FedskewError as exc:  # the run's own refusal (diverged, bad values): a used trial
+        trial.set_user_attr("error", str(exc))
+        study.tell(trial, state=TrialState.FAIL)
+        return TrialOutcome(trial.number, "failed", None, params, str(exc))
+    value = float(np.mean(values))
+    study.tell(trial, value)
+    return TrialOutcome(trial.number, "complete", value, params)
+
+
+def tune_method(
+    tune: Tune,
+    method: str,
+    storage: optuna.storages.RDBStorage,
+    print_line: Callable[[str], None] = print,
+) -> optuna.Study:
+    """Trials of one method until its study holds the budget (with other processes' ones)."""
+    study = load_study(tune, method, storage)
+    ask_lock = tune.out_dir / LOCKS / f"{method}.ask.lock"
+    while True:
+        fd = wait_lock(ask_lock)
+        try:
+            for number in fail_stale(study, tune, method):
+                print_line(f"{method}: trial {number} was cut off; a new trial resumes its runs")
+            trials = study.get_trials(deepcopy=False)
+            waiting = any(t.state == TrialState.WAITING for t in trials)
+            if not waiting and counted(trials) >= tune.trials:
+                return study
+            study.sampler = sampler_for(tune.sampler, tune.sampler_seed, len(trials))
+            trial = study.ask()
+            if "folder" not in trial.user_attrs:
+                trial.set_user_attr("folder", f"{method}-t{trial.number}")
+            own = wait_lock(trial_lock(tune, method, trial.number))
+        finally:
+            unlock(fd)
+        try:
+            outcome = run_trial(tune, method, study, trial)
+        finally:
+            unlock(own)
+        trials = study.get_trials(deepcopy=False)
+        again = retried(trials)
+        done = sum(t.state in _FINISHED and t.number not in again for t in trials)
+        shown = ", ".join(f"{k}={_short(v)}" for k, v in outcome.params.items())
+        result = f"{outcome.value:.2f}" if outcome.value is not None else outcome.state
+        detail = f" ({outcome.detail})" if outcome.detail else ""
+        print_line(f"[{method} {done}/{tune.trials}] trial {outcome.number}: {result}{detail}"
+                   f"  {shown}")  # fmt: skip
+
+
+_FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def open_studies(tune: Tune) -> tuple[optuna.storages.RDBStorage, dict[str, optuna.Study]]:
+    """The storage and every method's study, created if new. Two processes that start
+    together would both create the database's tables (and one fail on the other's rows), so
+    they take turns here."""
+    tune.out_dir.mkdir(parents=True, exist_ok=True)
+    fd = wait_lock(tune.out_dir / LOCKS / "storage.lock")
+    try:
+        storage = open_storage(tune.storage)
+        return storage, {m: load_study(tune, m, storage) for m in tune.spaces}
+    finally:
+        unlock(fd)
+
+
+def tune_all(tune: Tune, print_line: Callable[[str], None] = print) -> dict[str, optuna.Study]:
+    storage, _ = open_studies(tune)
+    return {m: tune_method(tune, m, storage, print_line) for m in tune.spaces}
+
+
+def studies_of(tune: Tune) -> dict[str, optuna.Study]:
+    """The method studies as they stand (for writing results without running)."""
+    return open_studies(tune)[1]

@@ -1,0 +1,155 @@
+"""What ``fedskew tune`` leaves in its folder: ``tune.json`` (budget, search space, seeds,
+objective and each method's best trial), ``tuned.json`` (a compare file of the tuned methods,
+to evaluate them on the evaluation seeds) and ``tune_report.md`` / ``.html``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from fedskew.core.durable import write_bytes_durably
+from fedskew.grid.plan import merge, typed_values
+from fedskew.grid.tune import TrialState, Tune, redacted, retried, trial_folders
+from fedskew.report.document import Block, Heading, Para, Table, write_report
+
+TUNED_FILE = "tuned.json"
+RECORD_FILE = "tune.json"
+
+
+def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    return max(complete, key=lambda t: (t.value, -t.number)) if complete else None
+
+
+def tuned_compare(tune: Tune, studies: dict[str, optuna.Study]) -> dict[str, Any]:
+    """The compare file of the tuned methods: the tune file's experiment and [compare]
+    table (its evaluation seeds), each method with its best trial's values put in."""
+    methods = {}
+    for method, study in studies.items():
+        best = best_trial(study)
+        if best is not None:
+            methods[method] = merge(tune.grid.methods[method], typed_values(best.params, method))
+    compare = {k: v for k, v in tune.raw_compare.items() if k.replace("-", "_") != "out_dir"}
+    compare.update(seeds=tune.eval_seeds, out_dir=str(tune.out_dir / "evaluation"))
+    return {"compare": compare, "experiment": tune.grid.base, "methods": methods}
+
+
+def record(tune: Tune, studies: dict[str, optuna.Study]) -> dict[str, Any]:
+    """Budget, search space, seeds, objective and results, as tune.json holds them."""
+    results = {}
+    for method, study in studies.items():
+        trials = study.get_trials(deepcopy=False)
+        again = retried(trials)
+        states = [t.state.name.lower() for t in trials if t.number not in again]
+        best = best_trial(study)
+        results[method] = {
+            "study": tune.study_name(method),
+            "trials": {s: states.count(s) for s in sorted(set(states))},
+            "best_value": None if best is None else best.value,
+            "best_trial": None if best is None else best.number,
+            "best_params": None if best is None else best.params,
+            "best_folders": None
+            if best is None
+            else list(trial_folders(tune, method, best.user_attrs["folder"]).values()),
+        }
+    return {
+        "study": tune.study,
+        "source": tune.source,
+        "storage": redacted(tune.storage),
+        "trials_per_method": tune.trials,
+        "tuning_seeds": tune.seeds,
+        "evaluation_seeds": tune.eval_seeds,
+        "objective": f"mean accuracy (%) of the last {tune.last} evaluated rounds, averaged "
+        "over the tuning seeds",
+        "last": tune.last,
+        "sampler": tune.sampler,
+        "sampler_seed": tune.sampler_seed,
+        "pruner": tune.pruner,
+        "search_space": {
+            m: {k: v for d in dims for k, v in d.as_dict().items()}
+            for m, dims in tune.spaces.items()
+        },
+        "results": results,
+    }
+
+
+def budget_lines(tune: Tune) -> list[str]:
+    """The budget and search space, as tune prints them before it starts."""
+    lines = [
+        f"study {tune.study} in {tune.out_dir} (storage {redacted(tune.storage)}): "
+        f"{tune.trials} trials per method, tuning seeds {tune.seeds}, evaluation seeds "
+        f"{tune.eval_seeds}; objective: mean accuracy of the last {tune.last} evaluated rounds; "
+        f"{tune.sampler} sampler (seed {tune.sampler_seed}), pruner {tune.pruner}"
+    ]
+    for method, dims in tune.spaces.items():
+        lines.append(f"  {method}: " + "; ".join(d.describe() for d in dims))
+    return lines
+
+
+def importance(study: optuna.Study, params: int) -> dict[str, float] | None:
+    """Optuna's parameter importances, None when there is too little to compute them."""
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    if params < 2 or len(complete) < 2:
+        return None
+    try:
+        return optuna.importance.get_param_importances(study)
+    except Exception:  # noqa: BLE001 - too few distinct values, one-valued params, ...
+        return None
+
+
+def report_blocks(tune: Tune, studies: dict[str, optuna.Study]) -> list[Block]:
+    blocks: list[Block] = [Heading(1, f"Tuning study {tune.study}")]
+    blocks += [Para(line.strip()) for line in budget_lines(tune)]
+    for method, study in studies.items():
+        blocks.append(Heading(2, method))
+        best = best_trial(study)
+        if best is None:
+            blocks.append(Para("No trial completed."))
+            continue
+        shown = ", ".join(f"`{k}` = {v:.4g}" if isinstance(v, float) else f"`{k}` = {v}"
+                          for k, v in best.params.items())  # fmt: skip
+        blocks.append(Para(f"Best: **{best.value:.2f} %** (trial {best.number}): {shown}."))
+        again = retried(study.get_trials(deepcopy=False))
+        keys = [d.key for d in tune.spaces[method]]
+        rows, so_far = [], None
+        for t in study.get_trials(deepcopy=False):
+            if t.number in again or t.state not in (TrialState.COMPLETE, TrialState.PRUNED,
+                                                    TrialState.FAIL):  # fmt: skip
+                continue
+            if t.state == TrialState.COMPLETE and (so_far is None or t.value > so_far):
+                so_far = t.value
+            value = f"{t.value:.2f}" if t.value is not None else ""
+            best_cell = "" if so_far is None else f"{so_far:.2f}"
+            params = [_cell(t.params.get(k)) for k in keys]
+            rows.append([str(t.number), t.state.name.lower(), value, best_cell, *params])
+        blocks.append(Table(["trial", "state", "value (%)", "best so far (%)", *keys], rows))
+        found = importance(study, len(keys))
+        if found:
+            blocks.append(Para("Parameter importance (Optuna, fANOVA):"))
+            blocks.append(Table(["parameter", "importance"],
+                                [[k, f"{v:.3f}"] for k, v in found.items()]))  # fmt: skip
+    return blocks
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def write_results(tune: Tune, studies: dict[str, optuna.Study]) -> list[Path]:
+    """tune.json, tuned.json and the report; returns their paths."""
+    out = tune.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, data in ((RECORD_FILE, record(tune, studies)),
+                       (TUNED_FILE, tuned_compare(tune, studies))):  # fmt: skip
+        path = out / name
+        write_bytes_durably(path, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
+        paths.append(path)
+    md, page = write_report(report_blocks(tune, studies), out, "tune_report",
+                            f"Tuning study {tune.study}")  # fmt: skip
+    return [*paths, md, page]

@@ -369,6 +369,8 @@ def test_deployment_trains_every_node_like_in_process(
     assert summary["final_accuracy"] == want[-1]["accuracy"]
 
 
+# Two minutes on 2 cores: outside the default run, with `pytest -m slow` (benchmarks/README.md).
+@pytest.mark.slow
 def test_killed_node_is_missing_and_no_round_is_lost(
     federation: Federation, tmp_path: Path
 ) -> None:
@@ -511,6 +513,7 @@ def make_certificates(folder: Path) -> dict[str, Path]:
     return paths
 
 
+@pytest.mark.slow  # a minute on 2 cores; `pytest -m slow`
 def test_deployment_over_tls(federation: Federation, tmp_path: Path) -> None:
     tls = make_certificates(tmp_path / "certs")
     options = {"num-clients": 2, "clients-per-round": 2, "rounds": 1, "local-epochs": 1}

@@ -51,6 +51,7 @@ from fedskew.engines.flower_codec import (  # noqa: E402
     arrays_of,
     arrays_record,
     check_reply,
+    check_sample_count,
     decode,
     encode,
 )
@@ -353,6 +354,39 @@ def test_reply_lacking_what_fedavg_reads_is_rejected_like_a_lost_one(tmp_path, l
     cfg_lost = digits_cfg(tmp_path / "lost", "fedavg", clients_per_round=4, rounds=2)
     lost, _ = serve(LocalGrid(4, drop={(0, 2)}), cfg_lost)
     assert_same_curves(rows, metrics(lost))
+
+
+def _claiming(samples: float):
+    def corrupt(content: RecordDict) -> None:
+        scalars = dict(content.metric_records[SCALARS])
+        scalars["num_samples"] = samples
+        content[SCALARS] = MetricRecord(scalars)
+
+    return corrupt
+
+
+def test_a_sample_count_the_client_cannot_have_is_rejected_like_a_lost_reply(tmp_path, caplog):
+    """Every method weighs a reply by its num_samples: a node claiming 1e30 would own the
+    average, 0 or a negative count would break it. The server knows each client's size from
+    its own partition, so any other count is refused and the round goes on without it."""
+    corrupt = {(0, 1): _claiming(1e30), (0, 2): _claiming(-5.0), (1, 0): _claiming(0.0)}
+    cfg = digits_cfg(tmp_path / "bad", "fedavg", clients_per_round=4, rounds=2)
+    with caplog.at_level(logging.WARNING, logger="fedskew"):
+        folder, summary = serve(LocalGrid(4, corrupt=corrupt), cfg)
+    rows = metrics(folder)
+    assert rows[0]["rejected_replies"] == [1, 2] and rows[1]["rejected_replies"] == [0]
+    warnings = " ".join(r.getMessage() for r in caplog.records)
+    assert "num_samples 1e+30 is not the client's" in warnings
+    assert "num_samples -5.0 is not a whole number above 0" in warnings
+    assert math.isfinite(summary["final_accuracy"])
+    lost, _ = serve(
+        LocalGrid(4, drop={(0, 1), (0, 2), (1, 0)}),
+        digits_cfg(tmp_path / "lost", "fedavg", clients_per_round=4, rounds=2),
+    )
+    assert_same_curves(rows, metrics(lost))
+    assert check_sample_count(Message("r", scalars={"num_samples": 7.0}), 7) is None
+    with pytest.raises(RejectedReply):
+        check_sample_count(Message("r", scalars={"num_samples": 7.5}), None)
 
 
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))

@@ -125,6 +125,19 @@ def check_reply(
             raise RejectedReply(f"array '{name}' has non-finite values")
 
 
+def check_sample_count(reply: Message, size: int | None) -> None:
+    """Raise RejectedReply unless the reply's ``num_samples`` (where it has one) is a whole
+    number above 0, and ``size`` where the server knows the client's size: every method
+    weighs a client's reply by it."""
+    if "num_samples" not in reply.scalars:
+        return
+    value = reply.scalars["num_samples"]
+    if not (float(value).is_integer() and value > 0):
+        raise RejectedReply(f"num_samples {value!r} is not a whole number above 0")
+    if size is not None and value != size:
+        raise RejectedReply(f"num_samples {value:g} is not the client's {size} training samples")
+
+
 def check_declared(name: str, tensor: torch.Tensor, spec: ArraySpec, sizes: dict[str, int]) -> None:
     """One declared array against its spec; ``sizes`` binds the spec's named sizes across
     the arrays of one reply."""

@@ -19,7 +19,13 @@ from flwr.app import Message as FlowerMessage
 from flwr.serverapp import Grid
 
 from fedskew.engines.base import ExchangeFaults, TrafficCounter
-from fedskew.engines.flower_codec import RejectedReply, check_reply, decode, encode
+from fedskew.engines.flower_codec import (
+    RejectedReply,
+    check_reply,
+    check_sample_count,
+    decode,
+    encode,
+)
 from fedskew.training.protocol import ArraySpec, ClientState, Expected, Message, unmet
 
 log = logging.getLogger("fedskew")
@@ -42,8 +48,13 @@ class FlowerEngine:
         reference: Mapping[str, torch.Tensor],
         timeout: float | None = None,
         declared: Mapping[str, ArraySpec] | None = None,
+        client_sizes: list[int] | None = None,
     ) -> None:
         self.grid = grid
+        # Each client's training samples, as the server's own copy of the partition says:
+        # a reply's ``num_samples`` (its weight in every weighted average) must be exactly
+        # that, so one node cannot own the average by claiming 1e30 samples. None: unknown.
+        self.client_sizes = client_sizes
         self.node_of = dict(node_of)
         self.reference = dict(reference)
         self.declared = None if declared is None else dict(declared)
@@ -107,6 +118,9 @@ class FlowerEngine:
             try:
                 decoded, _ = decode(reply.content)
                 check_reply(decoded, {**self.reference, **messages[cid].arrays}, self.declared)
+                check_sample_count(
+                    decoded, None if self.client_sizes is None else self.client_sizes[cid]
+                )
                 why = None if expect is None else unmet(decoded, expect)
                 if why is not None:  # the server's aggregation would fail on it
                     raise RejectedReply(f"it {why}")

@@ -202,7 +202,10 @@ def serve(
         prep: Prepared, client_logic: ClientLogic, model: torch.nn.Module
     ) -> FlowerEngine:
         declared = prep.algorithm.reply_arrays(prep.params, model, prep.dataset.num_classes)
-        engine = FlowerEngine(grid, node_of, model.state_dict(), timeout=timeout, declared=declared)
+        engine = FlowerEngine(
+            grid, node_of, model.state_dict(), timeout=timeout, declared=declared,
+            client_sizes=[len(p) for p in prep.partition],
+        )  # fmt: skip
         engine.client_denormals = dict(node_denormals)
         return engine
 

@@ -5,7 +5,9 @@ says how to continue."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -230,3 +232,49 @@ def test_interrupt_from_the_command_line_names_the_folder(tmp_path, capsys, monk
     assert main(["run", "-o", str(tmp_path), "--name", "i", "-q", "-r", "3"]) == 130
     err = capsys.readouterr().err
     assert f"fedskew run --resume {tmp_path / 'i.incomplete'}" in err
+
+
+def _fifo_in_place_of(path: Path) -> threading.Thread:
+    """A FIFO where ``path`` was. A writer thread waits on it, so a reader that wrongly
+    opens it sees end-of-file and fails the test instead of blocking it for ever."""
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+
+    def writer() -> None:
+        with open(path, "wb"):
+            pass
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    return thread
+
+
+def _release(path: Path, thread: threading.Thread) -> None:
+    if thread.is_alive():  # nobody opened it: let the writer go
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        thread.join(5)
+        os.close(fd)
+
+
+@pytest.mark.parametrize("name", ["checkpoint.npz", "partition.npz", "metrics.jsonl"])
+def test_a_fifo_where_a_run_file_belongs_is_refused_not_waited_on(tmp_path, capsys, name):
+    folder = unfinished(tmp_path)
+    thread = _fifo_in_place_of(folder / name)
+    try:
+        code, err = resume_cli(folder, capsys)
+    finally:
+        _release(folder / name, thread)
+    assert code != 0 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "is not a regular file" in err and name in err
+
+
+def test_a_fifo_given_as_partition_file_is_refused(tmp_path, capsys):
+    fifo = tmp_path / "clients.json"
+    thread = _fifo_in_place_of(fifo)
+    try:
+        code = main(["run", "--partition-file", str(fifo), "-n", "4", "-r", "1", "-q",
+                     "-o", str(tmp_path / "out")])  # fmt: skip
+    finally:
+        _release(fifo, thread)
+    err = capsys.readouterr().err
+    assert code != 0 and err.count("\n") == 1 and "is not a regular file" in err, err

@@ -7,9 +7,12 @@ import itertools
 import json
 import os
 import re
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from fedskew.core.errors import FedskewError
 
 # Two processes may write the same file at once (two `fedskew compare` on one grid both write
 # compare.json and the tables): each write gets its own temp name, so neither can rename or
@@ -94,11 +97,26 @@ def append_line_durably(path: Path, line: str) -> None:
         fsync_dir(path.parent)
 
 
+def refuse_non_regular(path: Path, what: str) -> None:
+    """A one-line FedskewError when ``path`` exists but is not a regular file (after links):
+    reading a FIFO placed where a checkpoint, partition or metrics file belongs would block
+    for ever, a device would never end. A missing file is the caller's to report."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise FedskewError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        raise FedskewError(f"{what} {path} is not a regular file; refusing to read it")
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The rows of a JSON-lines file up to the first line that does not parse (one cut by a
     kill mid-write, or being written now); none if the file does not exist."""
     if not path.exists():
         return []
+    refuse_non_regular(path, "metrics file")
     rows = []
     for line in path.read_bytes().split(b"\n"):
         try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedskew.core.durable import replace_durably
+from fedskew.core.durable import refuse_non_regular, replace_durably
 from fedskew.core.errors import DataError, FedskewError, UsageError
 from fedskew.core.rng import numpy_rng
 
@@ -549,6 +549,7 @@ def save_partition(path: Path, partition: list[np.ndarray], meta: dict) -> None:
 def load_partition(path: Path) -> tuple[list[np.ndarray], dict]:
     """Read a file written by ``save_partition``."""
     path = Path(path)
+    refuse_non_regular(path, "partition file")
     try:
         with np.load(path, allow_pickle=False) as data:
             indices = data["indices"].astype(np.int64, copy=False)
@@ -582,6 +583,7 @@ def read_partition_file(path: str | Path) -> list[np.ndarray]:
         return load_partition(p)[0]
     if p.suffix.lower() != ".json":
         raise UsageError(f"partition file must end in .npz or .json: {p}")
+    refuse_non_regular(p, "partition file")
     try:
         raw = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:

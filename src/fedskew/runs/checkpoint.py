@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedskew.core.durable import replace_durably
+from fedskew.core.durable import refuse_non_regular, replace_durably
 from fedskew.core.errors import FedskewError
 from fedskew.training.interface import ServerLogic
 from fedskew.training.protocol import ClientState
@@ -132,6 +132,7 @@ def save_checkpoint(
 def read_checkpoint(path: Path) -> Checkpoint:
     """The checkpoint in ``path``; one-line FedskewError for a missing, torn, corrupt or
     foreign file (nothing is unpickled)."""
+    refuse_non_regular(Path(path), "checkpoint")
     try:
         with np.load(path, allow_pickle=False) as data:
             index = json.loads(bytes(data["__index__"]).decode("utf-8"))

@@ -25,6 +25,7 @@ from fedskew.core.durable import (
     append_line_durably,
     fsync_dir,
     read_jsonl,
+    refuse_non_regular,
     remove_stale_temps,
     write_bytes_durably,
 )
@@ -49,6 +50,7 @@ def check_writable(out_dir: Path) -> None:
 
 def read_config_json(path: Path) -> dict[str, Any]:
     """A run folder's config.json as written, with one-line errors for what is not one."""
+    refuse_non_regular(path, "run configuration")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
@@ -141,6 +143,7 @@ class RunFolder:
         path = self.metrics_path
         if not path.exists():
             return []
+        refuse_non_regular(path, "metrics file")
         try:
             text = path.read_bytes().decode("utf-8")
         except OSError as exc:

@@ -7,7 +7,6 @@ import hashlib
 import json
 import math
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from fedskew.core.device import check_device_spec, cuda_count
 from fedskew.core.errors import UsageError
 from fedskew.core.machine import usable_cores
 from fedskew.core.precision import check_precision
+from fedskew.core.structured_text import parse_structured_text
 from fedskew.data.partition import read_partition_file
 
 
@@ -467,23 +467,11 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise UsageError(f"cannot parse {p}: not UTF-8 text") from None
     except OSError as exc:
         raise UsageError(f"cannot read config file {p}: {exc.strerror or exc}") from None
-    try:
-        if p.suffix.lower() == ".toml":
-            raw = tomllib.loads(text)
-        elif p.suffix.lower() in {".yaml", ".yml"}:
-            import yaml
-
-            raw = yaml.safe_load(text) or {}
-        elif p.suffix.lower() == ".json":
-            raw = json.loads(text)
-        else:
-            raise UsageError(f"config file must end in .toml, .yaml or .yml: {p}")
-    except (tomllib.TOMLDecodeError, ValueError) as exc:
-        raise UsageError(f"cannot parse {p}: {str(exc).splitlines()[0]}") from None
-    except Exception as exc:  # yaml.YAMLError without importing yaml at module load
-        if type(exc).__module__.startswith("yaml"):
-            raise UsageError(f"cannot parse {p}: {str(exc).splitlines()[0]}") from None
-        raise
+    if p.suffix.lower() not in {".toml", ".yaml", ".yml", ".json"}:
+        raise UsageError(f"config file must end in .toml, .yaml or .yml: {p}")
+    raw = parse_structured_text(text, p.suffix, str(p))
+    if raw is None:  # an empty YAML file
+        raw = {}
     if not isinstance(raw, dict):
         raise UsageError(f"{p}: the top level must be a table of options")
     return normalise_keys(raw, str(p))

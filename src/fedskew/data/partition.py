@@ -22,6 +22,7 @@ import numpy as np
 from fedskew.core.durable import refuse_non_regular, replace_durably
 from fedskew.core.errors import DataError, FedskewError, UsageError
 from fedskew.core.rng import numpy_rng
+from fedskew.core.structured_text import parse_structured_text
 
 
 @dataclass(frozen=True)
@@ -585,11 +586,12 @@ def read_partition_file(path: str | Path) -> list[np.ndarray]:
         raise UsageError(f"partition file must end in .npz or .json: {p}")
     refuse_non_regular(p, "partition file")
     try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
+        text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise UsageError(f"partition file not found: {p}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read partition file {p}: {str(exc).splitlines()[0]}") from None
+    raw = parse_structured_text(text, ".json", f"partition file {p}")
     if isinstance(raw, dict):
         # isdecimal, not isdigit: "²" is a digit that int() refuses.
         keys = sorted(raw, key=lambda k: int(k) if str(k).isdecimal() else -1)
@@ -602,6 +604,8 @@ def read_partition_file(path: str | Path) -> list[np.ndarray]:
     for k, indices in enumerate(raw):
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
             raise UsageError(f"{p}: client {k} has an index that is not an integer")
+        if any(not -(2**63) <= i < 2**63 for i in indices):  # numpy would overflow
+            raise UsageError(f"{p}: client {k} has an index outside the training set")
         clients.append(np.asarray(indices, dtype=np.int64))
     return clients
 

@@ -5,9 +5,7 @@ built and checked before anything runs."""
 from __future__ import annotations
 
 import itertools
-import json
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from fedskew.config import (
     normalise_keys,
 )
 from fedskew.core.errors import UsageError
+from fedskew.core.structured_text import parse_structured_text
 from fedskew.grid.executors import EXECUTOR_KEYS
 from fedskew.report.tables import Options
 
@@ -80,27 +79,15 @@ def read_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"config file not found: {p}")
+    if p.suffix.lower() not in {".toml", ".yaml", ".yml", ".json"}:
+        raise UsageError(f"config file must end in .toml, .yaml, .yml or .json: {p}")
     try:
         text = p.read_text(encoding="utf-8")
-        suffix = p.suffix.lower()
-        if suffix == ".toml":
-            raw = tomllib.loads(text)
-        elif suffix in {".yaml", ".yml"}:
-            import yaml
-
-            raw = yaml.safe_load(text) or {}
-        elif suffix == ".json":
-            raw = json.loads(text)
-        else:
-            raise UsageError(f"config file must end in .toml, .yaml, .yml or .json: {p}")
     except UnicodeDecodeError:
         raise UsageError(f"cannot parse {p}: not UTF-8 text") from None
-    except (tomllib.TOMLDecodeError, ValueError) as exc:
-        raise UsageError(f"cannot parse {p}: {str(exc).splitlines()[0]}") from None
-    except Exception as exc:  # yaml.YAMLError
-        if type(exc).__module__.startswith("yaml"):
-            raise UsageError(f"cannot parse {p}: {str(exc).splitlines()[0]}") from None
-        raise
+    raw = parse_structured_text(text, p.suffix, str(p))
+    if raw is None:  # an empty YAML file
+        raw = {}
     if not isinstance(raw, dict):
         raise UsageError(f"{p}: the top level must be a table")
     if not any(k in raw for k in SECTIONS):

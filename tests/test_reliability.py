@@ -278,3 +278,35 @@ def test_a_fifo_given_as_partition_file_is_refused(tmp_path, capsys):
         _release(fifo, thread)
     err = capsys.readouterr().err
     assert code != 0 and err.count("\n") == 1 and "is not a regular file" in err, err
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("rounds = 1e3\n", "rounds must be an integer"),
+        ('out_dir = ["a", "b"]\n', "out-dir expects text"),
+        ("name = 3\n", "name expects text"),
+        ('name = "r.incomplete"\n', "ends in .incomplete"),
+        ('data_dir = "no-such-folder"\nrounds = 1\n', "no such folder"),
+    ],
+)
+def test_values_of_the_wrong_kind_are_refused_from_any_source(
+    tmp_path, capsys, monkeypatch, text, needle
+):
+    """A float where an integer belongs, a list where a path belongs, a name that would pass
+    for an unfinished folder, a data folder that is not there: refused from a file and
+    through the Python API alike, before any run folder is made."""
+    import tomllib
+
+    import fedskew
+    from fedskew.core.errors import UsageError
+
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "f.toml"
+    path.write_text(text)
+    assert main(["run", "-c", str(path), "-q"]) != 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err, err
+    with pytest.raises(UsageError, match=needle.split()[0]):
+        fedskew.run(**tomllib.loads(text), quiet=True)
+    assert not list(tmp_path.rglob("config.json"))

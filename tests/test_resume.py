@@ -93,6 +93,7 @@ def test_resume_may_change_where_and_how_it_executes(tmp_path, capsys):
         run(ExperimentConfig(out_dir=str(tmp_path / "b"), name="r", **common), kill_after(1))
     unfinished = tmp_path / "b" / "r.incomplete"
     data_dir = str(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").mkdir()  # a folder named must exist (digits needs no files)
     args = ["run", "--resume", str(unfinished), "-q", "--workers", "2", "--data-dir", data_dir]
     assert main(args) == 0
     resumed = tmp_path / "b" / "r"

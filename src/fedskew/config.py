@@ -331,6 +331,10 @@ class ExperimentConfig:
                 f"clients-together must be one of {', '.join(CLIENTS_TOGETHER)}, "
                 f"got {self.clients_together!r}"
             )
+        if self.name is not None and self.name.endswith(".incomplete"):
+            raise UsageError(
+                f"name {self.name!r} ends in .incomplete, the mark of an unfinished run folder"
+            )
         if self.seed < 0:
             raise UsageError(f"seed must be >= 0, got {self.seed}")
         if self.engine not in ENGINES:
@@ -548,8 +552,10 @@ def parse_value(key: str, value: Any, where: str | None = None) -> Any:
         raise UsageError(f"{label} expects true or false, got {value!r}")
     if kind in (int, float) and isinstance(value, bool):
         raise UsageError(f"{label} expects a number, got {value!r}")
-    if kind is int and isinstance(value, float) and not value.is_integer():
+    if kind is int and isinstance(value, float):  # 1e3 in a file is a float: say so
         raise UsageError(f"{label} must be an integer, got {value!r}")
+    if kind is str and not isinstance(value, str):  # a list would become a folder "['a']"
+        raise UsageError(f"{label} expects text, got {value!r}")
     return parse_number(label, kind, value)
 
 

@@ -8,6 +8,7 @@ configuration here, so that every process holds the same data, partition and mod
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -123,6 +124,12 @@ def build_partition(cfg: ExperimentConfig, dataset: Dataset) -> list[np.ndarray]
 
 
 def load_experiment_data(cfg: ExperimentConfig) -> Dataset:
+    if cfg.data_dir is not None and not Path(cfg.data_dir).is_dir():
+        # Loaders look in other places when a folder lacks the files: a folder the user
+        # named must exist, or the data would silently come from elsewhere. (Checked here,
+        # where data is loaded, not in the configuration: a report of a run folder from
+        # another machine reads the configuration without the data.)
+        raise UsageError(f"data-dir {cfg.data_dir}: no such folder")
     return load_dataset(
         cfg.dataset,
         cfg.data_dir,

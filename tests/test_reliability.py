@@ -310,3 +310,19 @@ def test_values_of_the_wrong_kind_are_refused_from_any_source(
     with pytest.raises(UsageError, match=needle.split()[0]):
         fedskew.run(**tomllib.loads(text), quiet=True)
     assert not list(tmp_path.rglob("config.json"))
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["run", "--rounds", "abc", "-r", "1"], "rounds"),
+        (["run", "--lr", "x", "--lr", "0.1", "-r", "1"], "lr"),
+        (["run", "--workers", "many", "--workers", "0", "-r", "1"], "workers"),
+        (["partition", "--seed", "x", "--seed", "0"], "seed"),
+    ],
+)
+def test_a_bad_value_overridden_by_a_later_one_is_still_refused(tmp_path, capsys, argv, needle):
+    assert main([*argv, "-o", str(tmp_path)] if argv[0] == "run" else argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fedskew: error:") and needle in err, err
+    assert not list(tmp_path.iterdir())

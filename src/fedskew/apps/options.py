@@ -64,6 +64,21 @@ def metavar(f: dataclasses.Field) -> str | None:
     return "{" + ",".join(choices) + "}" if choices else None
 
 
+OVERRIDDEN = "_overridden_values"  # the namespace attribute RepeatedStore keeps them in
+
+
+class RepeatedStore(argparse._StoreAction):
+    """Stores the last value given, as argparse does, and keeps the earlier ones of the same
+    option (``--rounds abc -r 1``), so that they are checked too (``raw_cli_values``)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        earlier = getattr(namespace, self.dest, None)
+        if earlier is not None:
+            kept = getattr(namespace, OVERRIDDEN, [])
+            setattr(namespace, OVERRIDDEN, [*kept, (self.dest, earlier)])
+        setattr(namespace, self.dest, values)
+
+
 def _add(p: Any, f: dataclasses.Field) -> None:
     # Every option defaults to None, so that a config file can set what the command line
     # leaves out; argparse keeps the text as given (parse_value reads it).
@@ -73,8 +88,7 @@ def _add(p: Any, f: dataclasses.Field) -> None:
         kwargs.update(action="store_const", const=action == "true")
     else:
         kwargs["metavar"] = metavar(f)
-        if action in ("append", "pairs"):
-            kwargs["action"] = "append"
+        kwargs["action"] = "append" if action in ("append", "pairs") else RepeatedStore
     p.add_argument(*flags(f), **kwargs)
 
 
@@ -107,7 +121,12 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
 def raw_cli_values(args: argparse.Namespace) -> dict[str, Any]:
     """The config values as given on the command line, unparsed (None: not given); a
-    table's shortcut flags (``--beta``) count as values of the table."""
+    table's shortcut flags (``--beta``) count as values of the table. A value a later one of
+    the same option overrode must still be one the option takes: a one-line UsageError
+    otherwise (``--rounds abc -r 1`` would run with an error nobody saw)."""
+    for key, earlier in getattr(args, OVERRIDDEN, []):
+        if key in FIELDS:
+            parse_cli_value(key, earlier)
     values: dict[str, Any] = {}
     for f in cli_fields():
         if hasattr(args, f.name):

@@ -326,3 +326,35 @@ def test_a_bad_value_overridden_by_a_later_one_is_still_refused(tmp_path, capsys
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("fedskew: error:") and needle in err, err
     assert not list(tmp_path.iterdir())
+
+
+def test_a_global_model_whose_dtype_drifts_stops_before_its_checkpoint(
+    tmp_path, capsys, reference, monkeypatch
+):
+    """A user algorithm whose clients reply in float64 would turn the global model float64
+    and every later checkpoint unresumable: the round stops instead, its last good
+    checkpoint kept, and the resume ends like an uninterrupted run."""
+    from fedskew.algorithms.fedavg import FedAvgServer
+
+    played = FedAvgServer.round
+
+    def float64_in_round_2(self, rnd, clients, channel):
+        metrics = played(self, rnd, clients, channel)
+        if rnd == 1:
+            self.global_arrays = {k: v.double() for k, v in self.global_arrays.items()}
+        return metrics
+
+    monkeypatch.setattr(FedAvgServer, "round", float64_in_round_2)
+    cfg = ExperimentConfig(out_dir=str(tmp_path), name="r", **SMALL)
+    assert main(["run", "-c", _config_file(tmp_path, cfg), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "round 2" in err and "float64" in err, err
+    monkeypatch.setattr(FedAvgServer, "round", played)
+    code, _ = resume_cli(tmp_path / "r.incomplete", capsys)
+    assert code == 0 and lines(tmp_path / "r") == reference
+
+
+def _config_file(tmp_path: Path, cfg: ExperimentConfig) -> str:
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({k: v for k, v in cfg.to_dict().items() if v is not None}))
+    return str(path)

@@ -455,7 +455,34 @@ def play_round(state: RunState, rnd: int) -> dict[str, Any]:
             f"round {rnd + 1}: the global model has NaN or Inf in '{where}' after aggregation; "
             "the last good checkpoint is kept (lower --lr, or add --grad-clip)"
         )
+    drift = changed_entry(state.setup.initial_arrays, server.global_arrays)
+    if drift is not None:
+        # A client replying in float64 would make every later checkpoint another model's:
+        # stop before it is saved, while the finished rounds still resume.
+        raise FedskewError(
+            f"round {rnd + 1}: after aggregation the global model's {drift}; the last good "
+            "checkpoint is kept (the algorithm's clients must reply with the model's dtypes "
+            "and shapes)"
+        )
     return record
+
+
+def changed_entry(
+    initial: Mapping[str, torch.Tensor], now: Mapping[str, torch.Tensor]
+) -> str | None:
+    """How the global model's entries differ from the initial model's in name, dtype or
+    shape (the first difference found), or None."""
+    for name, tensor in initial.items():
+        got = now.get(name)
+        if got is None:
+            return f"'{name}' is missing"
+        if got.dtype != tensor.dtype or got.shape != tensor.shape:
+            return (
+                f"'{name}' is {tuple(got.shape)} {got.dtype}, was {tuple(tensor.shape)} "
+                f"{tensor.dtype}"
+            )
+    extra = sorted(set(now) - set(initial))
+    return f"'{extra[0]}' is new" if extra else None
 
 
 class FiniteReplies:

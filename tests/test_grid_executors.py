@@ -505,3 +505,21 @@ def test_slurm_cluster_runs_requeues_and_writes_the_tables(slurm_cluster, local_
     first, then = from_rounds(out / "fedavg-s0")
     assert first == 1 and then >= 3
     assert metrics(out / "fedavg-s0") == metrics(local_grid / "fedavg-s0")
+
+
+def test_hostile_names_never_leave_the_grid_or_reach_a_script(tmp_path, capsys):
+    """An [axes] value of '..' would put run folders beside the grid; a newline in the grid
+    folder's name would become a shell line of the generated Slurm script. Both are refused
+    in one line, before anything is written."""
+    file = grid_file(tmp_path)
+    hostile = file.with_name("axes.toml")
+    hostile.write_text(file.read_text() + '\n[axes]\npartition = ["..", "iid"]\n')
+    assert main(["compare", "-c", str(hostile), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "setting" in err and "'..'" in err, err
+    newline = tmp_path / "grid\ntouch PWNED"
+    argv = ["compare", "-c", str(file), "--executor", "slurm", "--dry-run", "-o", str(newline)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "control character" in err, err
+    assert not list(newline.glob("slurm/*.sbatch"))

@@ -231,6 +231,8 @@ def grid_from(
         for combo in combos:
             axis_values = typed_values(dict(combo), f"{where} [axes]")
             name = "-".join(p for p in (sname, setting_name(list(combo))) if p)
+            if name:  # "" is the one unnamed setting; "..", "/" or a newline: no folder
+                _check_name(name, "setting (from [axes])")
             if name in settings:
                 raise UsageError(f"{where}: two settings are both named '{name}'")
             settings[name] = merge(svalues, axis_values)

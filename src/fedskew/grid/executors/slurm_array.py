@@ -158,6 +158,14 @@ def write_scripts(
 
 
 def _script(options: list[str]) -> str:
+    for option in options:
+        # A newline in a grid folder's name (or an option) would end the #SBATCH comment
+        # and put the rest on a shell line of its own: a command in the generated script.
+        if not option.isprintable():
+            raise UsageError(
+                f"cannot write a Slurm script: {option!r} holds a newline or another control "
+                "character (rename the grid folder, or fix the option)"
+            )
     return "#!/bin/bash\n" + "".join(f"#SBATCH {o}\n" for o in options)
 
 

@@ -189,6 +189,8 @@ def ray_cluster(tmp_path_factory):
         log.close()
 
 
+# About a minute with its cluster's start: `pytest -m slow` (the default run's budget).
+@pytest.mark.slow
 def test_ray_grid_retries_killed_tasks_and_matches_local(ray_cluster, local_grid, tmp_path):
     """Two runs as Ray tasks over two nodes. The worker of one run is killed, and the run
     process of another: both tasks are retried and resume their runs from the rounds on

@@ -62,8 +62,8 @@ def record(tune: Tune, studies: dict[str, optuna.Study]) -> dict[str, Any]:
         "trials_per_method": tune.trials,
         "tuning_seeds": tune.seeds,
         "evaluation_seeds": tune.eval_seeds,
-        "objective": f"mean accuracy (%) of the last {tune.last} evaluated rounds, averaged "
-        "over the tuning seeds",
+        "objective": f"mean accuracy (%) of {objective_window(tune)}, averaged over the "
+        "tuning seeds",
         "last": tune.last,
         "sampler": tune.sampler,
         "sampler_seed": tune.sampler_seed,
@@ -76,12 +76,30 @@ def record(tune: Tune, studies: dict[str, optuna.Study]) -> dict[str, Any]:
     }
 
 
+def objective_window(tune: Tune) -> str:
+    """What the objective averages, as a run's rounds allow: "the last k evaluated rounds"
+    with k = min(last, evaluated rounds), so a short study does not claim 10 rounds."""
+    counts = set()
+    for runs in tune.runs.values():
+        for planned in runs.values():
+            cfg = planned.cfg
+            evaluated = sum(
+                1 for r in range(cfg.rounds) if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds
+            )
+            counts.add(min(tune.last, evaluated))
+    if len(counts) == 1:
+        (k,) = counts
+        every = " (every evaluated round of the runs)" if k < tune.last else ""
+        return f"the last {k} evaluated rounds{every}"
+    return f"the last {tune.last} evaluated rounds (fewer where a method's runs evaluate fewer)"
+
+
 def budget_lines(tune: Tune) -> list[str]:
     """The budget and search space, as tune prints them before it starts."""
     lines = [
         f"study {tune.study} in {tune.out_dir} (storage {redacted(tune.storage)}): "
         f"{tune.trials} trials per method, tuning seeds {tune.seeds}, evaluation seeds "
-        f"{tune.eval_seeds}; objective: mean accuracy of the last {tune.last} evaluated rounds; "
+        f"{tune.eval_seeds}; objective: mean accuracy of {objective_window(tune)}; "
         f"{tune.sampler} sampler (seed {tune.sampler_seed}), pruner {tune.pruner}"
     ]
     for method, dims in tune.spaces.items():

@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,7 +64,7 @@ from fedskew.training.local import (
     train_client,
     trained_needs,
 )
-from fedskew.training.protocol import Expected, Message
+from fedskew.training.protocol import Expected, Message, ScalarSpec
 
 EPS = 1e-8  # added to denominators of P and of Delta
 WEIGHTINGS = ("inverse", "softmax", "uniform")
@@ -82,6 +83,10 @@ class FedACDParams:
     weighting: str = "inverse"
     flat_kl: str = "qp"
     score_rows: str = "mean"
+    # The server cannot check a client's score D: with inverse weighting a client that
+    # claims D = 0 would own the average. A cap below 1 bounds any client's weight [PROPOSAL];
+    # 1 (the default) leaves the paper's weights as they are.
+    max_weight: float = 1.0
 
     def validate(self) -> None:
         if not (self.lam >= 0 and math.isfinite(self.lam)):
@@ -95,6 +100,8 @@ class FedACDParams:
         check_one_of("fedacd", "weighting", self.weighting, WEIGHTINGS)
         check_one_of("fedacd", "flat_kl", self.flat_kl, FLAT_KLS)
         check_one_of("fedacd", "score_rows", self.score_rows, SCORE_ROWS)
+        if not 0 < self.max_weight <= 1:
+            raise UsageError(f"fedacd: max_weight must be in (0, 1], got {self.max_weight}")
 
 
 # --- the soft confusion matrix ------------------------------------------------------------
@@ -315,6 +322,29 @@ def aggregation_weights(divergences: Sequence[float], weighting: str) -> list[fl
     return (v / v.sum()).tolist()
 
 
+def capped_weights(weights: Sequence[float], cap: float) -> list[float]:
+    """Normalised ``weights`` with none above ``cap`` (1/n when n clients cannot reach 1
+    under it): the excess of capped clients goes to the others in proportion to their
+    weights, until no weight is above the cap."""
+    if cap >= 1:
+        return list(weights)
+    cap = max(cap, 1.0 / len(weights))
+    out = [float(w) for w in weights]
+    capped: set[int] = set()
+    while True:
+        over = {i for i, w in enumerate(out) if i not in capped and w > cap}
+        if not over:
+            return out
+        capped |= over
+        free = [i for i in range(len(out)) if i not in capped]
+        rest = 1.0 - cap * len(capped)
+        free_total = sum(out[i] for i in free)
+        for i in capped:
+            out[i] = cap
+        for i in free:
+            out[i] = out[i] / free_total * rest if free_total > 0 else rest / len(free)
+
+
 # --- server and client --------------------------------------------------------------------
 
 
@@ -329,7 +359,8 @@ class FedACDServer(FedAvgServer):
         if self.params.weighting == "uniform":
             return [1.0 / len(clients)] * len(clients)
         divergences = [replies[c].scalars["divergence"] for c in clients]
-        return aggregation_weights(divergences, self.params.weighting)
+        weights = aggregation_weights(divergences, self.params.weighting)
+        return capped_weights(weights, self.params.max_weight)
 
     def metrics(
         self, replies: Mapping[int, Message], clients: list[int], weights: list[float]
@@ -377,3 +408,7 @@ class FedACD(Algorithm):
     Params = FedACDParams
     Server = FedACDServer
     Client = FedACDClient
+
+    @classmethod
+    def reply_scalars(cls, params: Any) -> dict[str, ScalarSpec]:
+        return {"divergence": ScalarSpec(low=0.0)}  # a KL divergence

@@ -236,7 +236,7 @@ def anchor_reply_arrays(model: torch.nn.Module, num_classes: int) -> dict[str, A
     """What ``local_anchor_arrays`` uploads: (C, d) class means and (C,) int64 counts."""
     return {
         ANCHORS: ArraySpec((num_classes, model.feature_dim)),
-        COUNTS: ArraySpec((num_classes,), torch.int64),
+        COUNTS: ArraySpec((num_classes,), torch.int64, sample_counts=True),
     }
 
 

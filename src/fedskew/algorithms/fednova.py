@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ from fedskew.training.local import (
     trained_needs,
     trained_reply,
 )
-from fedskew.training.protocol import Channel, Message, arrived
+from fedskew.training.protocol import Channel, Message, ScalarSpec, arrived
 
 # BatchNorm keeps these as buffers; the forward pass moves them, not the optimiser.
 _RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
@@ -131,3 +132,9 @@ class FedNova(Algorithm):
     Server = FedNovaServer
     Client = FedNovaClient
     replies_carry_local_models = False  # they carry (w - y) / a, not the local model y
+
+    @classmethod
+    def reply_scalars(cls, params: Any) -> dict[str, ScalarSpec]:
+        # 0 only for a client that took no step; the server cannot bound it from above
+        # without the client's step count (SECURITY.md).
+        return {"a": ScalarSpec(low=0.0)}

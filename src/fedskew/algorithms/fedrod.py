@@ -27,6 +27,7 @@ momentum, weight decay); the hypernetwork variant of p is not implemented.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,7 @@ from fedskew.training.local import (
     trained_needs,
     trained_reply,
 )
-from fedskew.training.protocol import Channel, Message, arrived
+from fedskew.training.protocol import Channel, Message, ScalarSpec, arrived
 
 PHEAD_INITS = ("zeros", "generic")
 PHEAD_WEIGHT = "personal_head.weight"
@@ -208,3 +209,7 @@ class FedROD(Algorithm):
     Params = FedRODParams
     Server = FedRODServer
     Client = FedRODClient
+
+    @classmethod
+    def reply_scalars(cls, params: Any) -> dict[str, ScalarSpec]:
+        return {"personal_accuracy": ScalarSpec(low=0.0, high=1.0)}

@@ -11,11 +11,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from fedskew.training.protocol import ArraySpec, ClientState, Message
+from fedskew.training.protocol import ArraySpec, ClientState, Message, ScalarSpec
 
 ARRAYS = "fedskew.arrays"
 SCALARS = "fedskew.scalars"
@@ -34,7 +33,9 @@ class RejectedReply(ValueError):
 
 
 def _to_array(tensor: torch.Tensor) -> Array:
-    return Array.from_numpy_ndarray(np.ascontiguousarray(tensor.detach().cpu().numpy()))
+    # torch's .contiguous(), not np.ascontiguousarray: the latter makes a 0-d array (a
+    # BatchNorm's num_batches_tracked) 1-d, and every reply of such a model was rejected.
+    return Array.from_numpy_ndarray(tensor.detach().cpu().contiguous().numpy())
 
 
 def arrays_record(arrays: Mapping[str, torch.Tensor]) -> ArrayRecord:
@@ -97,22 +98,29 @@ def check_reply(
     reply: Message,
     reference: Mapping[str, torch.Tensor],
     declared: Mapping[str, ArraySpec] | None = None,
+    scalars: Mapping[str, ScalarSpec] | None = None,
+    size: int | None = None,
 ) -> None:
-    """Raise RejectedReply unless every number is finite and every array fits: a declared
+    """Raise RejectedReply unless every number is finite and in its declared range
+    (``scalars``, from ``Algorithm.reply_scalars``) and every array fits: a declared
     one (``declared``, from ``Algorithm.reply_arrays``) its spec, else one named like a
     reference array (the global model's, or one the client was sent) that array's shape and
     dtype. Where the algorithm declares (not ``None``), no other array is accepted; ``None``
-    leaves other arrays unchecked."""
+    leaves other arrays unchecked. ``size``: the client's training samples where the server
+    knows them (its sample counts may not add up to more)."""
     for name, value in reply.scalars.items():
         if not math.isfinite(value):
             raise RejectedReply(f"scalar '{name}' is {value}")
+        why = None if scalars is None or name not in scalars else scalars[name].why_not(value)
+        if why is not None:
+            raise RejectedReply(f"scalar '{name}' {why}")
     sizes: dict[str, int] = {}  # the named sizes of the declared shapes, as this reply has them
     for name, tensor in reply.arrays.items():
         ref = reference.get(name)
         # A declaration comes first: a client may answer under the name of an array it was
         # sent with another shape (FedProto: global prototypes down, its own classes' up).
         if declared is not None and name in declared:
-            check_declared(name, tensor, declared[name], sizes)
+            check_declared(name, tensor, declared[name], sizes, size)
         elif ref is not None:
             if tensor.shape != ref.shape or tensor.dtype != ref.dtype:
                 raise RejectedReply(
@@ -138,9 +146,12 @@ def check_sample_count(reply: Message, size: int | None) -> None:
         raise RejectedReply(f"num_samples {value:g} is not the client's {size} training samples")
 
 
-def check_declared(name: str, tensor: torch.Tensor, spec: ArraySpec, sizes: dict[str, int]) -> None:
+def check_declared(
+    name: str, tensor: torch.Tensor, spec: ArraySpec, sizes: dict[str, int],
+    samples: int | None = None,
+) -> None:  # fmt: skip
     """One declared array against its spec; ``sizes`` binds the spec's named sizes across
-    the arrays of one reply."""
+    the arrays of one reply; ``samples``: the client's training samples, where known."""
     shown = "(" + ", ".join(str(d) for d in spec.shape) + ")"
     if tensor.dtype != spec.dtype or tensor.dim() != len(spec.shape):
         raise RejectedReply(
@@ -158,6 +169,14 @@ def check_declared(name: str, tensor: torch.Tensor, spec: ArraySpec, sizes: dict
             raise RejectedReply(f"array '{name}' holds a class index outside 0..{spec.classes - 1}")
         if torch.unique(tensor).numel() != tensor.numel():
             raise RejectedReply(f"array '{name}' repeats a class index")
+    if spec.sample_counts and tensor.numel():
+        if int(tensor.min()) < 0:
+            raise RejectedReply(f"array '{name}' holds a negative sample count")
+        total = sum(tensor.tolist())  # Python ints: an int64 sum could wrap round
+        if samples is not None and total > samples:
+            raise RejectedReply(
+                f"array '{name}' counts {total} samples, the client has {samples}"
+            )
     if spec.true_count is not None:
         true = int(tensor.sum())
         if sizes.setdefault(spec.true_count, true) != true:

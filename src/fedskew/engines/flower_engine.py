@@ -5,7 +5,9 @@ per addressed client, sent to the node that holds the client's partition. Replie
 not come back (a node died, the reply timeout passed, the ClientApp raised), that fail the
 checks of :func:`check_reply` or that lack what the server reads (``expect``) are left out
 of the reply dict, so the algorithm's server aggregates over the clients that did reply;
-the run loop records which were missing.
+the run loop records which were missing. A node's reply is untrusted input: whatever its
+content, it is aggregated only once it passed every check, or rejected and recorded; it
+never raises into the server.
 Bytes are counted on the algorithm's payload exactly as the in-process engine counts them.
 """
 
@@ -26,7 +28,14 @@ from fedskew.engines.flower_codec import (
     decode,
     encode,
 )
-from fedskew.training.protocol import ArraySpec, ClientState, Expected, Message, unmet
+from fedskew.training.protocol import (
+    ArraySpec,
+    ClientState,
+    Expected,
+    Message,
+    ScalarSpec,
+    unmet,
+)
 
 log = logging.getLogger("fedskew")
 MESSAGE_TYPE = "train"  # one ClientApp handler routes every fedskew kind
@@ -49,6 +58,7 @@ class FlowerEngine:
         timeout: float | None = None,
         declared: Mapping[str, ArraySpec] | None = None,
         client_sizes: list[int] | None = None,
+        scalars: Mapping[str, ScalarSpec] | None = None,
     ) -> None:
         self.grid = grid
         # Each client's training samples, as the server's own copy of the partition says:
@@ -58,6 +68,7 @@ class FlowerEngine:
         self.node_of = dict(node_of)
         self.reference = dict(reference)
         self.declared = None if declared is None else dict(declared)
+        self.scalars = dict(scalars or {})
         self.timeout = timeout
         self.traffic = TrafficCounter()
         self.round = 0
@@ -115,19 +126,12 @@ class FlowerEngine:
                     "round %d: client %d failed: %s", self.round + 1, cid, reply.error.reason
                 )
                 continue
+            size = None if self.client_sizes is None else self.client_sizes[cid]
             try:
-                decoded, _ = decode(reply.content)
-                check_reply(decoded, {**self.reference, **messages[cid].arrays}, self.declared)
-                check_sample_count(
-                    decoded, None if self.client_sizes is None else self.client_sizes[cid]
-                )
-                why = None if expect is None else unmet(decoded, expect)
-                if why is not None:  # the server's aggregation would fail on it
-                    raise RejectedReply(f"it {why}")
-            except (KeyError, TypeError, ValueError) as exc:
+                decoded = self._checked(reply, messages[cid], expect, size)
+            except RejectedReply as exc:
                 log.warning("round %d: reply of client %d rejected: %s", self.round + 1, cid, exc)
-                if isinstance(exc, RejectedReply):
-                    self.rejected.add(cid)
+                self.rejected.add(cid)
                 continue
             self.traffic.bytes_up += decoded.nbytes()
             replies[cid] = decoded
@@ -135,3 +139,19 @@ class FlowerEngine:
             if cid not in replies:
                 self.missing.add(cid)
         return replies
+
+    def _checked(
+        self, reply: FlowerMessage, sent: Message, expect: Expected | None, size: int | None
+    ) -> Message:
+        """The reply as a Message the server can aggregate, or RejectedReply."""
+        try:
+            decoded, _ = decode(reply.content)
+        except Exception as exc:  # noqa: BLE001 - any content a node sends must not stop the server
+            why = f"{type(exc).__name__}: {exc}"
+            raise RejectedReply(f"it is not a fedskew reply ({why})") from None
+        check_reply(decoded, {**self.reference, **sent.arrays}, self.declared, self.scalars, size)
+        check_sample_count(decoded, size)
+        why = None if expect is None else unmet(decoded, expect)
+        if why is not None:  # the server's aggregation would fail on it
+            raise RejectedReply(f"it {why}")
+        return decoded

@@ -18,7 +18,7 @@ from fedskew.config import params_from_values
 from fedskew.core.errors import UsageError
 from fedskew.core.rng import torch_rng
 from fedskew.data.federated import ClientData
-from fedskew.training.protocol import ArraySpec, Channel, ClientState, Message
+from fedskew.training.protocol import ArraySpec, Channel, ClientState, Message, ScalarSpec
 
 
 def check_one_of(owner: str, name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -209,6 +209,14 @@ class Algorithm:
         replies cannot be trusted (Flower) rejects a reply holding any other array or one
         that does not fit its spec, so an algorithm whose clients add arrays must declare
         them here; ``None`` leaves such arrays unchecked."""
+        return {}
+
+    @classmethod
+    def reply_scalars(cls, params: Any) -> Mapping[str, ScalarSpec]:
+        """The range of each number the server reads from replies beyond ``num_samples``
+        (which is checked against the client's size), by name: FedNova's step count must be
+        above 0, FedACD's divergence at least 0. An engine whose replies cannot be trusted
+        (Flower) rejects a reply with a number outside its range like a lost one."""
         return {}
 
     @classmethod

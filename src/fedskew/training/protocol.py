@@ -10,6 +10,7 @@ engine (or a Flower node) and never read by the server.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -31,12 +32,35 @@ class ArraySpec:
     but must agree wherever the same string appears within one reply (e.g. ``"n"``, the
     number of classes a client holds). ``classes``: an integer array of distinct class
     indices, each below this number. ``true_count``: a bool array whose number of True
-    entries is this named size (a mask over classes, of which another array holds rows)."""
+    entries is this named size (a mask over classes, of which another array holds rows).
+    ``sample_counts``: an integer array of counts of the client's training samples (per
+    class), each at least 0 and together at most the client's size where the server knows
+    it, so that a client cannot weigh its anchors as if it held more data than it has."""
 
     shape: tuple[int | str, ...]
     dtype: torch.dtype = torch.float32
     classes: int | None = None
     true_count: str | None = None
+    sample_counts: bool = False
+
+
+@dataclass(frozen=True)
+class ScalarSpec:
+    """The range of a number a client sends that the server reads beyond ``num_samples``
+    (``Algorithm.reply_scalars``): at least ``low`` (above it when ``low_open``) and at most
+    ``high``. Every number must be finite in any case."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+
+    def why_not(self, value: float) -> str | None:
+        """Why ``value`` is outside this range, or None."""
+        below = value <= self.low if self.low_open else value < self.low
+        if below or value > self.high:
+            left = "(" if self.low_open else "["
+            return f"{value!r} is outside {left}{self.low:g}, {self.high:g}]"
+        return None
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -27,7 +28,7 @@ from fedskew.apps.flower.run_config import (
 )
 from fedskew.assembly.prepare import Prepared
 from fedskew.config import ExperimentConfig
-from fedskew.core.errors import FedskewError, UsageError
+from fedskew.core.errors import FedskewError
 from fedskew.engines.flower_codec import SETUP, decode, encode
 from fedskew.engines.flower_engine import MESSAGE_TYPE, FlowerEngine
 from fedskew.runs.loop import run
@@ -157,16 +158,34 @@ def _starting(cfg: ExperimentConfig, node_of: dict[int, int]) -> str:
 def _setup_reply(
     reply: FlowerMessage, node: int, cfg: ExperimentConfig, node_of: dict[int, int]
 ) -> int | None:
-    """The partition id a node answered the setup with (None: it failed the setup)."""
+    """The partition id a node answered the setup with; None, with a warning, when it failed
+    the setup or its answer is not one: a node must not stop the server, so a malformed
+    answer, a partition outside the run or one another node holds leaves this node out."""
     if reply.has_error():
         log.warning("node %d failed the setup: %s", node, reply.error.reason)
         return None
-    msg, _ = decode(reply.content)
-    cid = int(msg.scalars["partition_id"])
-    if cid in node_of:
-        raise UsageError(f"nodes {node_of[cid]} and {node} both hold partition {cid}")
+    try:
+        msg, _ = decode(reply.content)
+    except Exception as exc:  # noqa: BLE001 - whatever a node answers must not stop the server
+        log.warning("node %d left out: its setup answer is not fedskew's (%s)", node, exc)
+        return None
+    value = msg.scalars.get("partition_id")
+    if value is None or not math.isfinite(value) or not float(value).is_integer():
+        log.warning("node %d left out: its setup answer has no partition id (%r)", node, value)
+        return None
+    cid = int(value)
     if not 0 <= cid < cfg.num_clients:
-        raise UsageError(f"node {node} holds partition {cid}, outside 0..{cfg.num_clients - 1}")
+        log.warning(
+            "node %d left out: it holds partition %d, outside 0..%d (check its partition-id)",
+            node, cid, cfg.num_clients - 1,
+        )  # fmt: skip
+        return None
+    if cid in node_of:
+        log.warning(
+            "node %d left out: it also claims partition %d, held by node %d (two SuperNodes "
+            "with one partition-id)", node, cid, node_of[cid],
+        )  # fmt: skip
+        return None
     return cid
 
 
@@ -174,7 +193,7 @@ def _node_denormals(reply: FlowerMessage, node: int, cfg: ExperimentConfig) -> s
     """What a ready node says its threads do with denormals; a warning when it is not what
     the run asks for (a node of an older fedskew says nothing: "unknown")."""
     msg, _ = decode(reply.content)
-    state = str(msg.strings.get("denormals", "unknown"))
+    state = str(msg.strings.get("denormals", "unknown"))[:40]
     if state != cfg.denormals:
         log.warning("node %d computes with denormals %s, not %s", node, state, cfg.denormals)
     return state
@@ -205,6 +224,7 @@ def serve(
         engine = FlowerEngine(
             grid, node_of, model.state_dict(), timeout=timeout, declared=declared,
             client_sizes=[len(p) for p in prep.partition],
+            scalars=prep.algorithm.reply_scalars(prep.params),
         )  # fmt: skip
         engine.client_denormals = dict(node_denormals)
         return engine

@@ -20,6 +20,7 @@ from fedskew.algorithms.fedacd import (
     Mixup,
     adaptability_divergence,
     aggregation_weights,
+    capped_weights,
     flat_kl,
     flat_target,
     log_margins,
@@ -507,3 +508,18 @@ def test_bytes_per_round_are_the_model_each_way_plus_the_scalars(tmp_path):
         assert uni["bytes_up"] == per_round * (model_bytes + 8)  # FedACD_base sends no score
         assert acd["bytes_up"] - uni["bytes_up"] == per_round * 8
         assert avg["bytes_up"] == per_round * (model_bytes + 2 * 8)
+
+
+def test_capped_weights_bound_a_client_that_claims_no_divergence():
+    """A client claiming D = 0 owns the inverse-weighted average; max_weight bounds it and
+    hands the excess to the others in proportion, summing to 1."""
+    raw = aggregation_weights([0.0, 2.0, 4.0], "inverse")
+    assert raw[0] > 0.999
+    capped = capped_weights(raw, 0.5)
+    assert capped[0] == pytest.approx(0.5)
+    assert capped[1] / capped[2] == pytest.approx(raw[1] / raw[2])
+    assert sum(capped) == pytest.approx(1.0)
+    assert capped_weights([0.2, 0.3, 0.5], 1.0) == [0.2, 0.3, 0.5]  # no cap: the paper's
+    assert capped_weights([0.9, 0.1], 0.2) == pytest.approx([0.5, 0.5])  # 2 x 0.2 < 1
+    with pytest.raises(UsageError, match="max_weight"):
+        FedACDParams(max_weight=0.0).validate()

@@ -198,10 +198,14 @@ def test_run_config_paths_stay_inside_the_output_root(tmp_path):
         with pytest.raises(UsageError):
             cfg(**{key: value}).validate()
     # A config file (itself inside the root) cannot lead outside either.
-    for line in ('out_dir = "/srv/elsewhere"', 'data_dir = "/data"', 'partition_file = "/x.npz"'):
+    for line in ('out_dir = "/srv/elsewhere"', 'data_dir = "/data"', 'partition_file = "/x.npz"',
+                 f'track_dir = "{tmp_path / "outside"}"', 'workers = 2'):  # fmt: skip
         (root / "exp.toml").write_text(line + "\n")
         with pytest.raises(UsageError):
             cfg(**{"config-file": "exp.toml"})
+    (root / "exp.toml").write_text('track_dir = "/tmp/x"\n')
+    with pytest.raises(UsageError, match="config-file sets 'track_dir'"):
+        cfg(**{"config-file": "exp.toml"})
     (root / "exp.toml").write_text('out_dir = "from-file"\n')
     assert cfg(**{"config-file": "exp.toml"}).out_dir == str(root / "from-file")
     # resume names an unfinished run folder inside the root, never the root itself

@@ -128,6 +128,13 @@ def config_from_run_config(run_config: dict[str, Any], root: Path) -> Experiment
             "datasets from $FEDSKEW_DATA or its cache, each SuperNode from its node config "
             "data-dir"
         )
+    # What the run config may not set, a file it names may not either: track_dir there
+    # would put tracker files outside the output root.
+    for key, why in NOT_IN_RUN_CONFIG.items():
+        if file_values.get(key) not in (None, "") and key != "data_dir":
+            raise UsageError(
+                f"config-file sets '{key}', which a Flower deployment does not take: {why}"
+            )
     for key in ("data_dir", "out_dir", "partition_file"):
         file_values.pop(key, None)
         values.pop(key, None)

@@ -267,6 +267,51 @@ def test_a_run_no_ray_node_can_take_is_one_line(ray_cluster, tmp_path):
         in asked.stderr, asked.stderr  # fmt: skip
 
 
+TUNE_STUDY = """
+[tune]
+trials = 3
+seeds = [100]
+last = 2
+
+[compare]
+seeds = [0]
+threads = 1
+
+[experiment]
+dataset = "digits"
+num_clients = 4
+clients_per_round = 2
+rounds = 2
+
+[methods.fedavg.search]
+lr = { log = [0.01, 0.1] }
+"""
+
+
+def test_tune_on_ray_tasks_share_the_budget_without_running_a_trial_twice(ray_cluster, tmp_path):
+    """Two Ray tasks (on the cluster's two nodes) work on one SQLite study as two tune
+    processes would: together they finish the budget, each trial once, in one folder each."""
+    pytest.importorskip("optuna")
+    import optuna
+
+    file = tmp_path / "study.toml"
+    file.write_text(TUNE_STUDY)
+    out = tmp_path / "tuned"
+    cmd = fedskew("tune", "-c", str(file), "-o", str(out), "--executor", "ray", "--tasks", "2",
+                  "--ray-address", ray_cluster)  # fmt: skip
+    done = subprocess.run(cmd, env=env_with_tree(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    study = optuna.load_study(study_name="study.fedavg", storage=f"sqlite:///{out / 'study.db'}")
+    states = [t.state for t in study.get_trials(deepcopy=False)]
+    assert states == [optuna.trial.TrialState.COMPLETE] * 3
+    folders = sorted(p.name for p in (out / "trials").iterdir())
+    assert folders == [f"fedavg-t{n}-s100" for n in range(3)]
+    for folder in folders:
+        assert len((out / "trials" / folder / "processes.jsonl").read_text().splitlines()) == 1
+    assert "2 Ray task(s) tune the study" in done.stdout
+    assert json.loads((out / "tuned.json").read_text())["methods"]["fedavg"]["lr"] > 0
+
+
 def test_ray_without_ray_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as if not installed
     file = grid_file(tmp_path)

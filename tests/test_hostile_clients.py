@@ -268,8 +268,17 @@ def test_a_run_with_one_hostile_client_ends_with_the_others_aggregate(tmp_path):
     rounds = len(hostile)
 
     def cfg(sub: str):
-        return build_config({}, dict(algorithm="fednova", num_clients=3, clients_per_round=3,
-                                     rounds=rounds, out_dir=str(tmp_path / sub), quiet=True))
+        return build_config(
+            {},
+            dict(
+                algorithm="fednova",
+                num_clients=3,
+                clients_per_round=3,
+                rounds=rounds,
+                out_dir=str(tmp_path / sub),
+                quiet=True,
+            ),
+        )
 
     bad, summary = serve(LocalGrid(3, corrupt={(r, 1): f for r, f in enumerate(hostile)}),
                          cfg("hostile"))  # fmt: skip

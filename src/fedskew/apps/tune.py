@@ -33,6 +33,30 @@ def add_tune_options(p: argparse.ArgumentParser) -> None:
         "--results-only", action="store_true",
         help="run no trial: write tune.json, tuned.json and the report from the study",
     )  # fmt: skip
+    x = p.add_argument_group("executor (where the trials run; docs/tuning.md)")
+    x.add_argument(
+        "--executor", choices=("local", "ray"),
+        help="local (default): trials one after another in this process; ray: --tasks Ray "
+        "tasks work on the study together",
+    )  # fmt: skip
+    x.add_argument(
+        "--tasks", type=int, metavar="N",
+        help="ray: tune tasks at once, each running one trial at a time (default: [compare] "
+        "jobs, else 1)",
+    )  # fmt: skip
+    x.add_argument(
+        "--cpus-per-run", type=int, metavar="N",
+        help="ray: CPUs a task takes, also its torch threads (default: [compare] threads, else 1)",
+    )  # fmt: skip
+    x.add_argument("--gpus-per-run", type=float, metavar="F", help="ray: GPUs a task takes")
+    x.add_argument(
+        "--ray-address", metavar="ADDR",
+        help="ray: the cluster, HOST:PORT or auto (default: start one on this machine)",
+    )  # fmt: skip
+    x.add_argument(
+        "--retries", type=int, metavar="N",
+        help="ray: attempts after a task's worker died, each resuming its trial (default 3)",
+    )  # fmt: skip
 
 
 def require_optuna() -> None:
@@ -67,12 +91,33 @@ def cmd_tune(args: argparse.Namespace) -> int:
     overrides = {"trials": args.trials, "study": args.study, "storage": args.storage,
                  "out_dir": args.out_dir}  # fmt: skip
     tune = tune_from(raw, args.config, base, args.methods, overrides)
+    executor = args.executor or "local"
+    if executor == "local" and any(
+        getattr(args, k) is not None
+        for k in ("tasks", "cpus_per_run", "gpus_per_run", "ray_address", "retries")
+    ):
+        raise UsageError("--tasks, --cpus-per-run, --gpus-per-run, --ray-address and --retries "
+                         "are for --executor ray")  # fmt: skip
     print("\n".join(budget_lines(tune)))
     threads = torch.get_num_threads()
     if tune.grid.threads is not None:  # [compare] threads: as compare's runs would have
         torch.set_num_threads(tune.grid.threads)
     try:
         if args.results_only:
+            studies = studies_of(tune)
+        elif executor == "ray":
+            from fedskew.grid.executors.options import settings_of
+            from fedskew.grid.executors.ray_tune import tune_on_ray
+
+            keys = ("cpus_per_run", "gpus_per_run", "ray_address", "retries")
+            settings = settings_of({k: getattr(args, k) for k in keys}, tune.grid.threads)
+            tasks = args.tasks if args.tasks is not None else (tune.grid.jobs or 1)
+            if isinstance(tasks, bool) or not isinstance(tasks, int) or tasks < 1:
+                raise UsageError(f"--tasks must be an integer >= 1, got {tasks!r}")
+            # The tasks start elsewhere: the tune folder goes absolute, as this process
+            # resolved it.
+            absolute = {**overrides, "out_dir": str(tune.out_dir.resolve())}
+            tune_on_ray(args.config, base, args.methods, absolute, tasks, settings)
             studies = studies_of(tune)
         else:
             try:

@@ -174,9 +174,7 @@ def check_declared(
             raise RejectedReply(f"array '{name}' holds a negative sample count")
         total = sum(tensor.tolist())  # Python ints: an int64 sum could wrap round
         if samples is not None and total > samples:
-            raise RejectedReply(
-                f"array '{name}' counts {total} samples, the client has {samples}"
-            )
+            raise RejectedReply(f"array '{name}' counts {total} samples, the client has {samples}")
     if spec.true_count is not None:
         true = int(tensor.sum())
         if sizes.setdefault(spec.true_count, true) != true:

@@ -8,7 +8,6 @@ engine (Ray). Real SuperLink/SuperNode deployments are in test_flower_deployment
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_metrics import metrics
 
 pytest.importorskip("flwr")
 
@@ -66,10 +66,6 @@ def digits_cfg(tmp_path: Path, algorithm: str, **extra) -> ExperimentConfig:
     )  # fmt: skip
     values.update(extra)
     return build_config({}, values)
-
-
-def metrics(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 COMPARED = ("accuracy", "loss", "train_loss", "bytes_down", "bytes_up", "exchanges", "clients")

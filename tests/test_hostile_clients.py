@@ -10,7 +10,6 @@ other clients' aggregate, the hostile replies recorded as rejected.
 
 from __future__ import annotations
 
-import json
 import math
 import uuid
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_metrics import metrics
 
 pytest.importorskip("flwr")
 
@@ -235,10 +235,6 @@ def test_a_node_claiming_a_partition_already_held_is_left_out(tmp_path, caplog):
 
 
 # --------------------------------------------------------------------------- a whole run
-
-
-def metrics(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_a_run_with_one_hostile_client_ends_with_the_others_aggregate(tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from run_metrics import rows
 
 from fedskew.apps.cli import main
 from fedskew.assembly.prepare import new_model, prepare
@@ -24,18 +25,7 @@ from fedskew.runs.loop import run
 from fedskew.training.local_evaluation import LOCAL_RESULT
 from fedskew.training.protocol import Message
 
-TIMING = ("seconds", "eval_seconds")
 CLIENT_KEYS = ("client_accuracy", "client_personal_accuracy")
-
-
-def rows(folder: Path) -> list[dict]:
-    out = []
-    for line in (folder / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        for key in TIMING:
-            record.pop(key, None)
-        out.append(record)
-    return out
 
 
 # --------------------------------------------------------------------------- the split

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from run_metrics import metrics
 
 from fedskew.apps import compare
 from fedskew.apps.cli import main
@@ -29,10 +30,6 @@ TIMING = ("seconds", "eval_seconds")  # the only numbers that differ between two
 
 def needs(name: str) -> None:
     pytest.importorskip(MODULES[name])
-
-
-def metrics(folder: Path) -> list[dict]:
-    return [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 def logged_in_folder(folder: Path) -> dict[str, list[tuple[int, float]]]:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from run_metrics import rows
 
 optuna = pytest.importorskip("optuna")
 
@@ -20,7 +21,6 @@ from fedskew.grid.plan import grid_from, plan, read_file  # noqa: E402
 from fedskew.runs.loop import run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMING = ("seconds", "eval_seconds")
 
 TUNE = """
 [tune]
@@ -74,16 +74,6 @@ def study(out: Path, method: str, name: str = "study") -> optuna.Study:
 def finished(s: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     return s.get_trials(deepcopy=False, states=done)
-
-
-def rows(folder: Path) -> list[dict]:
-    out = []
-    for line in (folder / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        for key in TIMING:
-            row.pop(key, None)
-        out.append(row)
-    return out
 
 
 def env() -> dict[str, str]:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_metrics import rows
 
 import fedskew.config as config
 from fedskew.apps.cli import main
@@ -37,17 +38,6 @@ from fedskew.runs.loop import default_engine_factory, run
 from fedskew.training.protocol import ClientState, Message
 
 SMALL = ["-n", "6", "--clients-per-round", "4", "-e", "1", "-q"]
-TIMING = ("seconds", "eval_seconds")
-
-
-def rows(folder: Path) -> list[dict]:
-    out = []
-    for line in (folder / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        for key in TIMING:
-            record.pop(key, None)
-        out.append(record)
-    return out
 
 
 def live_workers() -> list[str]:

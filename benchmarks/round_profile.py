@@ -83,7 +83,7 @@ from fedskew.assembly.prepare import new_model, prepare  # noqa: E402
 from fedskew.config import ExperimentConfig  # noqa: E402
 from fedskew.core.denormals import apply_denormals, denormals_state  # noqa: E402
 from fedskew.core.errors import DataError  # noqa: E402
-from fedskew.core.machine import git_commit, software_facts  # noqa: E402
+from fedskew.core.machine import cpu_features, git_commit, software_facts  # noqa: E402
 from fedskew.core.precision import autocast  # noqa: E402
 from fedskew.data.federated import ClientData  # noqa: E402
 from fedskew.data.sources import load_dataset  # noqa: E402
@@ -1134,6 +1134,17 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def category_shares(
+    info: dict[str, Any], region: str, timed_s: float
+) -> dict[str, tuple[float, float]]:
+    """Each operator category's (share of the region's profiled time, estimated seconds per
+    round): the share times the region's seconds measured without the profiler."""
+    total = info["region_seconds"] - info["nested_region_seconds"]
+    return {
+        cat: (v / total, v / total * timed_s) for cat, v in categorised(info["ops"], region).items()
+    }
+
+
 def operator_table(
     region: str, precisions: list[str], by: dict[str, Any], sums: dict[str, Any]
 ) -> list[str]:
@@ -1151,8 +1162,8 @@ def operator_table(
             continue
         total = info["region_seconds"] - info["nested_region_seconds"]
         timed_s = sums[p]["seconds"][region]
-        for cat, v in categorised(info["ops"], region).items():
-            rows[cat][p] = (v / total, v / total * timed_s)
+        for cat, shares in category_shares(info, region, timed_s).items():
+            rows[cat][p] = shares
         gaps = info["gaps_seconds"] or 0.0
         rows["between operators"][p] = (gaps / total, gaps / total * timed_s)
         tops[p] = list(info["ops"].items())[:4]
@@ -1270,10 +1281,9 @@ def model_costs(precisions: list[str], by: dict[str, Any], sums: dict[str, Any])
             info = by[p]["profile"].get(region)
             if not info:
                 continue
-            total = info["region_seconds"] - info["nested_region_seconds"]
             timed_s = sums[p]["seconds"][region]
-            for cat, v in categorised(info["ops"], region).items():
-                share[(region, cat)][p] = v / total * timed_s / sums[p]["wall"]
+            for cat, (_, seconds) in category_shares(info, region, timed_s).items():
+                share[(region, cat)][p] = seconds / sums[p]["wall"]
     ranked = sorted(
         (k for k, v in share.items() if len(v) == len(precisions)),
         key=lambda k: -max(share[k].values()),
@@ -1320,25 +1330,24 @@ def per_precision(
 
 
 def cpu_facts() -> dict[str, Any]:
-    """What decides bf16 speed on this CPU: torch's kernel level and the bf16 flags."""
-    flags: set[str] = set()
+    """What decides bf16 speed on this CPU: torch's kernel level and the bf16 flags (as a
+    run folder records them, fedskew.core.machine.cpu_features), and its family/model."""
+    features = cpu_features()
     family = model = ""
     with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as fh:
         for line in fh:
             key, _, value = line.partition(":")
             key = key.strip()
-            if key == "flags" and not flags:
-                flags = set(value.split())
-            elif key == "cpu family" and not family:
+            if key == "cpu family" and not family:
                 family = value.strip()
             elif key == "model" and not model:
                 model = value.strip()
-    native = sorted(f for f in flags if f in ("avx512_bf16", "amx_bf16", "avx512f"))
+    shown = ("avx512_bf16", "amx_bf16", "avx512f")
     return {
-        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch_cpu_capability": features["torch_cpu_capability"],
         "cpu_family_model": f"{family}/{model}",
-        "bf16_flags": native,
-        "native_bf16": any(f in flags for f in ("avx512_bf16", "amx_bf16")),
+        "bf16_flags": sorted(f for f in shown if features["flags"].get(f)),
+        "native_bf16": features["native_bf16"],
     }
 
 

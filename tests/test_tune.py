@@ -100,7 +100,13 @@ def test_two_methods_get_their_budget_and_the_tuned_file_reproduces_the_best(tmp
         "lr": {"log": [0.01, 0.1]},
         "params.mu": {"choice": [0.01, 0.1]},
     }
-    assert (out / "tune_report.md").read_text().count("best so far") == 2
+    assert (out / "tune_report.md").read_text().count("| best so far (%) |") == 2
+    pictures = sorted(p.name for p in (out / "tune_report_files").iterdir())
+    assert pictures == [
+        f"tune_{m}_{k}.png" for m in ("fedavg", "prox") for k in ("history", "slices")
+    ]
+    assert all((out / "tune_report_files" / n).read_bytes()[:4] == b"\x89PNG" for n in pictures)
+    assert 'src="data:image/png;base64,' in (out / "tune_report.html").read_text()
 
     # The tuned compare file, run on the tuning seed, gives the best trial's rounds exactly.
     best = record["results"]["prox"]

@@ -13,7 +13,8 @@ import optuna
 from fedskew.core.durable import write_bytes_durably
 from fedskew.grid.plan import merge, typed_values
 from fedskew.grid.tune import TrialState, Tune, redacted, retried, trial_folders
-from fedskew.report.document import Block, Heading, Para, Table, write_report
+from fedskew.grid.tune_plots import history_png, slices_png
+from fedskew.report.document import Block, Heading, Image, Para, Table, write_report
 
 TUNED_FILE = "tuned.json"
 RECORD_FILE = "tune.json"
@@ -144,6 +145,15 @@ def report_blocks(tune: Tune, studies: dict[str, optuna.Study]) -> list[Block]:
             params = [_cell(t.params.get(k)) for k in keys]
             rows.append([str(t.number), t.state.name.lower(), value, best_cell, *params])
         blocks.append(Table(["trial", "state", "value (%)", "best so far (%)", *keys], rows))
+        trials = [t for t in study.get_trials(deepcopy=False) if t.number not in again]
+        history = history_png(trials, method)
+        if history is not None:
+            blocks.append(Image(f"tune_{method}_history.png", history,
+                                f"{method}: objective over trials, best so far"))  # fmt: skip
+        slices = slices_png(trials, tune.spaces[method], method)
+        if slices is not None:
+            blocks.append(Image(f"tune_{method}_slices.png", slices,
+                                f"{method}: objective against each tuned value"))  # fmt: skip
         found = importance(study, len(keys))
         if found:
             blocks.append(Para("Parameter importance (Optuna, fANOVA):"))

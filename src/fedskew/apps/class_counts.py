@@ -13,6 +13,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from fedskew.assembly.prepare import build_partition
 from fedskew.config import ExperimentConfig
 from fedskew.core.errors import FedskewError
@@ -43,23 +45,40 @@ class PartitionCounts:
 
     def _count(self, record: RunRecord) -> ClassCounts | str:
         try:
-            cfg = saved_config(record.folder)
-            dataset = self.load_dataset(dataclasses.replace(cfg, download=False))
-            path = record.folder / "partition.npz"
-            if path.is_file():
-                partition, where = load_partition(path)[0], "partition.npz"
-            else:
-                partition = build_partition(cfg, dataset)
-                where = "partition rebuilt from config.json"
-            counts = partition_stats(partition, dataset.y_train.numpy(), dataset.num_classes)
-        except (FedskewError, OSError, ValueError) as exc:
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            return f"class counts not available: {first}"
+            counts, where = partition_counts(record, self.load_dataset)
+        except COUNT_ERRORS as exc:
+            return f"class counts not available: {first_line(exc)}"
         return ClassCounts(
             samples=counts.sum(axis=0).tolist(),
             clients=(counts > 0).sum(axis=0).tolist(),
             where=f"{where} with the dataset's labels",
         )
+
+
+# What counting a partition may fail with: a folder, dataset or partition file that is not
+# there or not what it should be.
+COUNT_ERRORS = (FedskewError, OSError, ValueError)
+
+
+def partition_counts(record: RunRecord, load_dataset: LoadDataset) -> tuple[np.ndarray, str]:
+    """(clients x classes training samples of the run's partition, where the partition came
+    from): the folder's partition.npz, else the partition rebuilt from the run's
+    configuration (a pure function of it), counted against the labels of the dataset as
+    ``load_dataset`` reads it from local files; one of COUNT_ERRORS when neither works."""
+    cfg = saved_config(record.folder)
+    dataset = load_dataset(dataclasses.replace(cfg, download=False))
+    path = record.folder / "partition.npz"
+    if path.is_file():
+        partition, where = load_partition(path)[0], "partition.npz"
+    else:
+        partition = build_partition(cfg, dataset)
+        where = "partition rebuilt from config.json"
+    return partition_stats(partition, dataset.y_train.numpy(), dataset.num_classes), where
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def recorded_counts(resolved: dict[str, Any]) -> ClassCounts | None:

@@ -23,11 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from fedskew.apps.class_counts import PartitionCounts, class_names_of
+from fedskew.apps.class_counts import (
+    COUNT_ERRORS,
+    PartitionCounts,
+    class_names_of,
+    first_line,
+    partition_counts,
+)
 from fedskew.apps.compare import collect, options_from_manifest
-from fedskew.assembly.prepare import build_partition, load_experiment_data
-from fedskew.core.errors import FedskewError
-from fedskew.data.partition import load_partition, partition_stats
+from fedskew.assembly.prepare import load_experiment_data
 from fedskew.report.client_spread import client_spread_blocks
 from fedskew.report.document import Block, Heading, Image, Para, write_report
 from fedskew.report.latex import write_latex
@@ -74,23 +78,16 @@ class _Datasets:
 def partition_block(rec: RunRecord, datasets: _Datasets) -> list[Block]:
     """The heatmap of one run's partition, or a line saying why it is not drawn."""
     try:
+        counts, where = partition_counts(rec, datasets.load)
         cfg = saved_config(rec.folder)
-        dataset = datasets.load(cfg)
-        path = rec.folder / "partition.npz"
-        if path.is_file():
-            partition, where = load_partition(path)[0], "the run's partition.npz"
-        else:
-            partition = build_partition(cfg, dataset)
-            where = "rebuilt from the run's configuration (the folder has no partition.npz)"
-        counts = partition_stats(partition, dataset.y_train.numpy(), dataset.num_classes)
-    except (FedskewError, OSError, ValueError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return [Para(f"Partition heatmap not drawn: {first}")]
+        class_names = datasets.load(cfg).class_names
+    except COUNT_ERRORS as exc:
+        return [Para(f"Partition heatmap not drawn: {first_line(exc)}")]
     sizes = counts.sum(axis=1)
     held = (counts > 0).sum(axis=1)
     params = " ".join(f"{k}={v}" for k, v in cfg.partition_params.items())
     title = f"{cfg.dataset}: {cfg.partition}{' ' + params if params else ''}, seed {cfg.seed}"
-    png = partition_png(counts, title, dataset.class_names)
+    png = partition_png(counts, title, class_names)
     name = f"partition-{rec.setting or 'all'}-s{rec.seed}.png".replace("/", "_")
     caption = (
         f"Partition of seed {rec.seed} ({where}), {len(counts)} clients: samples per client "

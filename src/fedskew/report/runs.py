@@ -17,6 +17,7 @@ from typing import Any
 from fedskew.core.durable import read_jsonl
 from fedskew.core.errors import FedskewError
 from fedskew.data.partition import load_partition, partition_digest
+from fedskew.metrics.client_spread import is_local_evaluation_key
 
 NOT_RECORDED = "not recorded"
 INCOMPLETE = ".incomplete"
@@ -31,8 +32,6 @@ STANDARD_KEYS = frozenset(
         "eval_seconds", "skipped",
     }
 )  # fmt: skip
-# Local evaluation's keys (--local-test-fraction) have a table of their own (client_spread).
-LOCAL_EVALUATION_PREFIXES = ("client_accuracy", "client_personal_accuracy", "local_eval_")
 IMAGE_PATTERN = re.compile(r"t-?sne", re.IGNORECASE)
 
 
@@ -90,7 +89,7 @@ class RunRecord:
             for key, value in row.items():
                 if key in STANDARD_KEYS or isinstance(value, bool):
                     continue
-                if key.startswith(LOCAL_EVALUATION_PREFIXES):
+                if is_local_evaluation_key(key):  # a table of their own (client_spread)
                     continue
                 if isinstance(value, (int, float)):
                     names[key] = None

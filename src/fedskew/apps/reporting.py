@@ -17,6 +17,7 @@ only. Where the dataset is not available here the heatmap is left out, with the 
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from fedskew.apps.class_counts import (
 from fedskew.apps.compare import collect, options_from_manifest
 from fedskew.assembly.prepare import load_experiment_data
 from fedskew.report.client_spread import client_spread_blocks
-from fedskew.report.document import Block, Heading, Image, Para, write_report
+from fedskew.report.document import Block, Heading, Image, Mono, Para, write_report
 from fedskew.report.latex import write_latex
 from fedskew.report.per_class import per_class_section
 from fedskew.report.plots import curves_png, partition_png
@@ -107,7 +108,7 @@ def tsne_blocks(records: list[RunRecord]) -> list[Block]:
         shown.add((rec.setting, rec.method))
         for path in rec.images:
             rel = path.relative_to(rec.folder)
-            name = f"{rec.setting}_{rec.method}-s{rec.seed}_{rel.as_posix()}".replace("/", "_")
+            name = f"{rec.setting}_{rec.method}-s{rec.seed}_{rel.as_posix()}"
             caption = f"{rec.method}, seed {rec.seed}" + (
                 f", setting {rec.setting}" if rec.setting else ""
             )
@@ -123,11 +124,15 @@ def report_blocks(root: Path, records: list[RunRecord], options: Options) -> lis
     blocks: list[Block] = [
         Heading(1, f"fedskew report: {root.resolve().name}"),
         Para(
-            f"{len(methods)} method(s) ({', '.join(methods)}) x {len(settings)} setting(s) x "
-            f"seeds {', '.join(map(str, seeds))}: {len(records)} run folder(s) under `{root}`, "
-            f"{finished} finished. Rebuilt from the run folders' files alone by fedskew "
-            f"{__version__} on {time.strftime('%Y-%m-%d %H:%M %Z')}; rebuild with "
-            f"`fedskew report {root}`."
+            [
+                f"{len(methods)} method(s) ({', '.join(methods)}) x {len(settings)} setting(s) "
+                f"x seeds {', '.join(map(str, seeds))}: {len(records)} run folder(s) under ",
+                Mono(str(root)),
+                f", {finished} finished. Rebuilt from the run folders' files alone by fedskew "
+                f"{__version__} on {time.strftime('%Y-%m-%d %H:%M %Z')}; rebuild with ",
+                Mono(shlex.join(["fedskew", "report", str(root)])),
+                ".",
+            ]
         ),
         Heading(2, "Results"),
         Para(explanation(options)),

@@ -10,7 +10,7 @@ from typing import Any
 
 from fedskew.core.durable import remove_stale_temps, write_bytes_durably
 from fedskew.grid.plan import Grid, PlannedRun
-from fedskew.report.document import Block, Heading, Para, write_report
+from fedskew.report.document import Block, Heading, Mono, Para, write_report
 from fedskew.report.latex import write_latex
 from fedskew.report.runs import MANIFEST, MANIFEST_FORMAT, RunRecord, find_runs
 from fedskew.report.tables import (
@@ -80,9 +80,12 @@ def table_blocks(records: list[RunRecord], options: Options, command: str) -> li
     blocks: list[Block] = [
         Heading(1, "Comparison"),
         Para(
-            f"Computed from the run folders by `{command}`: every number below comes from "
-            "their config.json, metrics.jsonl, summary.json, processes.jsonl, partition.npz "
-            "and checkpoint.npz."
+            [
+                "Computed from the run folders by ",
+                Mono(command),
+                ": every number below comes from their config.json, metrics.jsonl, "
+                "summary.json, processes.jsonl, partition.npz and checkpoint.npz.",
+            ]
         ),
         Para(explanation(options)),
     ]

@@ -10,6 +10,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from fedskew.core.errors import FedskewError
+from fedskew.report.figures import literal_text
 
 # Above these sizes per-cell labels and per-client ticks become unreadable clutter.
 _MAX_ANNOTATED_CELLS = 200
@@ -17,6 +18,7 @@ _MAX_BARS = 200
 _MAX_CLASS_TICKS = 40
 
 
+@literal_text
 def plot_partition(
     counts: np.ndarray, path: Path, title: str = "", class_names: list[str] | None = None
 ) -> None:

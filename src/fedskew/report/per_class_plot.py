@@ -9,11 +9,14 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from fedskew.report.figures import literal_text
+
 # Beyond these the figure stops writing values in the cells and naming every class.
 _MAX_ANNOTATED_CELLS = 400
 _MAX_CLASS_TICKS = 40
 
 
+@literal_text
 def per_class_png(values: np.ndarray, methods: list[str], classes: list[str], title: str) -> bytes:
     """A PNG of ``values`` ((methods, classes) accuracies in %, NaN where no run scored the
     class), rows labelled by ``methods`` and columns by ``classes``."""

@@ -10,6 +10,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from fedskew.report.figures import literal_text
 from fedskew.report.runs import RunRecord
 
 
@@ -25,6 +26,7 @@ def _mean_band(series: list[list[tuple[int, float]]]) -> tuple[np.ndarray, ...] 
     return rounds, values.mean(0), values.min(0), values.max(0)
 
 
+@literal_text
 def curves_png(records: list[RunRecord], title: str = "") -> bytes | None:
     """A PNG with two panels (test accuracy in %, test loss) over rounds; None when no run
     has an evaluated round. Unfinished runs count with the rounds they have."""

@@ -13,10 +13,12 @@ from matplotlib.figure import Figure
 
 from fedskew.core.durable import write_bytes_durably
 from fedskew.core.errors import FedskewError
+from fedskew.report.figures import literal_text
 
 _MAX_LEGEND = 20  # more classes than this get a colour bar instead of a legend
 
 
+@literal_text
 def plot_tsne(
     coords: np.ndarray,
     labels: np.ndarray,

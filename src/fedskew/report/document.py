@@ -307,7 +307,12 @@ def write_report(blocks: list[Block], folder: Path, stem: str, title: str) -> tu
     files_dir = f"{stem}_files"
     text, files = to_markdown(blocks, files_dir)
     if files:
-        (folder / files_dir).mkdir(exist_ok=True)
+        pictures = folder / files_dir
+        if pictures.is_symlink():
+            # Written through, a link left in a shared folder would put the pictures
+            # wherever it points; report.md and report.html replace a link the same way.
+            pictures.unlink()
+        pictures.mkdir(exist_ok=True)
         for name, png in files.items():
             write_bytes_durably(folder / files_dir / name, png)
     md = folder / f"{stem}.md"

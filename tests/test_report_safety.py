@@ -735,6 +735,12 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
         '{"from_round": "x"}\n'
     ),
     "partition.npz not a partition": lambda f: (f / "partition.npz").write_bytes(b"PK\x03\x04"),
+    "metrics.jsonl a value nested 900 deep": lambda f: (f / "metrics.jsonl").write_text(
+        '{"round": 1, "accuracy": ' + "[" * 900 + "]" * 900 + "}\n"
+    ),
+    "metrics.jsonl nested past the parser": lambda f: (f / "metrics.jsonl").write_text(
+        '{"round": 1}\n{"round": 2, "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n{}\n"
+    ),
 }
 
 

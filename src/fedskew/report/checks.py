@@ -11,6 +11,7 @@ Keys the report only prints (the configuration, the machine) may hold anything.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +45,8 @@ TEXT_OR_NONE: Rule = (lambda v: v is None or isinstance(v, str), "a string or nu
 
 
 def _shown(value: Any) -> str:
-    text = repr(value)
+    """A short repr: a few levels and items of it, however deep or long the value."""
+    text = reprlib.repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 

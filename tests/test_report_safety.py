@@ -911,18 +911,20 @@ def test_picture_file_names_are_safe_and_distinct():
 
 
 def test_pictures_take_labels_as_plain_text():
-    """Matplotlib would typeset a label between two $ and stop at an unknown command."""
+    """Matplotlib would typeset a label between two $ (and stop at an unknown command),
+    leave out of a legend a line whose label starts with _ (a legend of none fails), and
+    refuse a lone surrogate (a folder name that is not UTF-8)."""
     import numpy as np
-
-    from fedskew.report.per_class_plot import per_class_png
-    from fedskew.report.plots import curves_png
-
-    odd = ["$\\nosuchcommand$", "a$b$c", "<script>"]
-    png = per_class_png(np.array([[50.0, 60.0, np.nan]]), odd[:1], odd, "$\\frac{$")
-    assert png.startswith(b"\x89PNG")
     from fake_runs import record
 
-    assert curves_png([record(odd[0], 0, [40, 50])], title=odd[1]).startswith(b"\x89PNG")
+    from fedskew.report.per_class_plot import per_class_png
+    from fedskew.report.plots import curves_png, partition_png
+
+    odd = ["$\\nosuchcommand$", "_under", "\ud800", "a$b$c", "<script>"]
+    png = per_class_png(np.full((3, 3), 50.0), odd[:3], odd[:3], "$\\frac{$")
+    assert png.startswith(b"\x89PNG")
+    assert curves_png([record(odd[1], 0, [40, 50])], title=odd[2]).startswith(b"\x89PNG")
+    assert partition_png(np.array([[1, 2, 3], [3, 2, 1]]), odd[0], odd[:3]).startswith(b"\x89PNG")
 
 
 def test_a_dataset_named_by_reference_is_not_imported(tmp_path, capsys, monkeypatch):

@@ -17,7 +17,16 @@ from matplotlib.figure import Figure
 
 from fedskew.apps.cli import main
 from fedskew.config import ExperimentConfig
-from fedskew.report.document import Heading, Image, Para, Table, to_html, to_markdown
+from fedskew.report.document import (
+    Bold,
+    Heading,
+    Image,
+    Mono,
+    Para,
+    Table,
+    to_html,
+    to_markdown,
+)
 from fedskew.report.runs import find_runs, method_label
 from fedskew.runs.loop import run
 
@@ -106,13 +115,13 @@ def test_runs_are_found_and_labelled(grid):
 def test_document_renders_both_ways():
     blocks = [
         Heading(1, "T"),
-        Para("a `code` <b> and **bold**"),
+        Para(["a ", Mono("code"), " <b> and ", Bold("bold")]),
         Table(["x", "y|z"], [["1", "2"]]),
         Image("p.png", b"\x89PNG...", "a caption"),
     ]
     md, files = to_markdown(blocks, "files")
     assert "![a caption](files/p.png)" in md and files == {"p.png": b"\x89PNG..."}
-    assert "y\\|z" in md
+    assert "y\\|z" in md and "a `code` \\<b\\> and **bold**" in md
     page = to_html(blocks, "T")
     assert "<code>code</code>" in page and "&lt;b&gt;" in page and "<strong>bold</strong>" in page
     assert "data:image/png;base64," in page

@@ -365,15 +365,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     from fedskew.report.latex import latex_path
 
     latex = args.latex or args.latex_paired
-    md, page = make_report(
+    written = make_report(
         Path(args.folder),
         Path(args.out) if args.out else None,
         latex=latex,
         latex_paired=args.latex_paired,
     )
-    print(f"report: {md} and {page} (self-contained)")
+    for line in written.left_out:  # also in the report, under "Left out"
+        print(f"fedskew: warning: {one_line(line)}", file=sys.stderr)
+    print(one_line(f"report: {written.md} and {written.page} (self-contained)"))
     if latex:
-        print(f"LaTeX table (booktabs): {latex_path(md.parent, 'report')}")
+        print(one_line(f"LaTeX table (booktabs): {latex_path(written.md.parent, 'report')}"))
     return 0
 
 

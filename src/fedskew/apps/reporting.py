@@ -12,24 +12,38 @@ The partition heatmap needs the class labels of the training set: the run's part
 (or, where the folder lacks it, the partition rebuilt from the run's configuration, which
 is a pure function of it) is counted against the dataset's labels, read from local files
 only. Where the dataset is not available here the heatmap is left out, with the reason.
+
+The folder may come from someone else and the report goes to others: only regular files
+inside the folder are read (``fedskew.report.files``), a run with a damaged file is left out
+and named at the top ("Left out") and on stderr, every name is escaped for the format it is
+written in (``fedskew.report.document``, ``fedskew.report.latex``), and no code the folder
+names is imported (``fedskew.apps.class_counts.partition_counts``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedskew.apps.class_counts import PartitionCounts, class_names_of
-from fedskew.apps.compare import collect, options_from_manifest
-from fedskew.assembly.prepare import build_partition, load_experiment_data
+from fedskew.apps.class_counts import (
+    COUNT_ERRORS,
+    PartitionCounts,
+    class_names_of,
+    first_line,
+    partition_counts,
+)
+from fedskew.assembly.prepare import load_experiment_data
 from fedskew.core.errors import FedskewError
-from fedskew.data.partition import load_partition, partition_stats
+from fedskew.grid.tables import gather, manifest_options
 from fedskew.report.client_spread import client_spread_blocks
-from fedskew.report.document import Block, Heading, Image, Para, write_report
+from fedskew.report.document import Block, Bullets, Heading, Image, Mono, Para, write_report
+from fedskew.report.files import Damaged
 from fedskew.report.latex import write_latex
 from fedskew.report.per_class import per_class_section
 from fedskew.report.plots import curves_png, partition_png
@@ -42,7 +56,7 @@ from fedskew.report.tables import (
     per_run_table,
     provenance_table,
 )
-from fedskew.runs.folder import saved_config
+from fedskew.runs.folder import config_from_saved
 from fedskew.version import __version__
 
 
@@ -74,23 +88,16 @@ class _Datasets:
 def partition_block(rec: RunRecord, datasets: _Datasets) -> list[Block]:
     """The heatmap of one run's partition, or a line saying why it is not drawn."""
     try:
-        cfg = saved_config(rec.folder)
-        dataset = datasets.load(cfg)
-        path = rec.folder / "partition.npz"
-        if path.is_file():
-            partition, where = load_partition(path)[0], "the run's partition.npz"
-        else:
-            partition = build_partition(cfg, dataset)
-            where = "rebuilt from the run's configuration (the folder has no partition.npz)"
-        counts = partition_stats(partition, dataset.y_train.numpy(), dataset.num_classes)
-    except (FedskewError, OSError, ValueError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return [Para(f"Partition heatmap not drawn: {first}")]
+        counts, where = partition_counts(rec, datasets.load)
+        cfg = config_from_saved(rec.config, rec.folder)
+        class_names = datasets.load(cfg).class_names
+    except COUNT_ERRORS as exc:
+        return [Para(f"Partition heatmap not drawn: {first_line(exc)}")]
     sizes = counts.sum(axis=1)
     held = (counts > 0).sum(axis=1)
     params = " ".join(f"{k}={v}" for k, v in cfg.partition_params.items())
     title = f"{cfg.dataset}: {cfg.partition}{' ' + params if params else ''}, seed {cfg.seed}"
-    png = partition_png(counts, title, dataset.class_names)
+    png = partition_png(counts, title, class_names)
     name = f"partition-{rec.setting or 'all'}-s{rec.seed}.png".replace("/", "_")
     caption = (
         f"Partition of seed {rec.seed} ({where}), {len(counts)} clients: samples per client "
@@ -100,8 +107,10 @@ def partition_block(rec: RunRecord, datasets: _Datasets) -> list[Block]:
     return [Image(name, png, caption)]
 
 
-def tsne_blocks(records: list[RunRecord]) -> list[Block]:
-    """The t-SNE pictures of the first seed of each method that has them."""
+def tsne_blocks(records: list[RunRecord], left_out: list[str]) -> list[Block]:
+    """The t-SNE pictures of the first seed of each method that has them; a picture that
+    may not be read (a link out of the folder, not a regular file, not a PNG) is named in
+    its place and in ``left_out``."""
     blocks: list[Block] = []
     shown: set[tuple[str, str]] = set()
     for rec in records:
@@ -110,31 +119,59 @@ def tsne_blocks(records: list[RunRecord]) -> list[Block]:
         shown.add((rec.setting, rec.method))
         for path in rec.images:
             rel = path.relative_to(rec.folder)
-            name = f"{rec.setting}_{rec.method}-s{rec.seed}_{rel.as_posix()}".replace("/", "_")
+            try:
+                png = rec.reader.picture(path)
+            except Damaged as exc:
+                left_out.append(str(exc))
+                blocks.append(Para(f"Not embedded: {exc}."))
+                continue
+            name = f"{rec.setting}_{rec.method}-s{rec.seed}_{rel.as_posix()}"
             caption = f"{rec.method}, seed {rec.seed}" + (
                 f", setting {rec.setting}" if rec.setting else ""
             )
-            blocks.append(Image(name.lstrip("_"), path.read_bytes(), f"{caption}: {rel}"))
+            blocks.append(Image(name.lstrip("_"), png, f"{caption}: {rel}"))
     return blocks
 
 
-def report_blocks(root: Path, records: list[RunRecord], options: Options) -> list[Block]:
+def left_out_blocks(left_out: list[str]) -> list[Block]:
+    if not left_out:
+        return []
+    return [
+        Heading(2, "Left out"),
+        Para(
+            "Not read, or read and not used: the report is made of the other runs and files "
+            "(only regular files inside the folder are read, a run with a damaged file is "
+            "left out whole)."
+        ),
+        Bullets(list(left_out)),
+    ]
+
+
+def report_blocks(
+    root: Path, records: list[RunRecord], options: Options, left_out: list[str] | None = None
+) -> list[Block]:
+    """The report's blocks; ``left_out`` (what was not read or used, one line each) gets
+    its section at the top, and the pictures not embedded are added to it."""
+    left_out = [] if left_out is None else left_out
     finished = sum(r.finished for r in records)
     settings = _by_setting(records)
     methods = list(dict.fromkeys(r.method for r in records))
     seeds = sorted({r.seed for r in records})
-    blocks: list[Block] = [
+    intro: list[Block] = [
         Heading(1, f"fedskew report: {root.resolve().name}"),
         Para(
-            f"{len(methods)} method(s) ({', '.join(methods)}) x {len(settings)} setting(s) x "
-            f"seeds {', '.join(map(str, seeds))}: {len(records)} run folder(s) under `{root}`, "
-            f"{finished} finished. Rebuilt from the run folders' files alone by fedskew "
-            f"{__version__} on {time.strftime('%Y-%m-%d %H:%M %Z')}; rebuild with "
-            f"`fedskew report {root}`."
+            [
+                f"{len(methods)} method(s) ({', '.join(methods)}) x {len(settings)} setting(s) "
+                f"x seeds {', '.join(map(str, seeds))}: {len(records)} run folder(s) under ",
+                Mono(str(root)),
+                f", {finished} finished. Rebuilt from the run folders' files alone by fedskew "
+                f"{__version__} on {time.strftime('%Y-%m-%d %H:%M %Z')}; rebuild with ",
+                Mono(shlex.join(["fedskew", "report", str(root)])),
+                ".",
+            ]
         ),
-        Heading(2, "Results"),
-        Para(explanation(options)),
     ]
+    blocks: list[Block] = [Heading(2, "Results"), Para(explanation(options))]
     blocks += comparison_blocks(records, options, heading_level=3)
     blocks.append(Heading(2, "Curves"))
     for setting, recs in settings.items():
@@ -155,7 +192,7 @@ def report_blocks(root: Path, records: list[RunRecord], options: Options) -> lis
     counts = PartitionCounts(datasets.load)
     blocks += per_class_section(settings, counts, class_names_of, options.last, _title)
     blocks += client_spread_blocks(settings, _title)
-    tsne = tsne_blocks(records)
+    tsne = tsne_blocks(records, left_out)
     if tsne:
         blocks.append(Heading(2, "t-SNE of test features"))
         blocks += tsne
@@ -176,24 +213,37 @@ def report_blocks(root: Path, records: list[RunRecord], options: Options) -> lis
         )
     )
     blocks.append(provenance_table(records))
-    return blocks
+    return intro + left_out_blocks(left_out) + blocks
+
+
+@dataclass
+class Written:
+    """What ``fedskew report`` wrote, and what it left out (one line each)."""
+
+    md: Path
+    page: Path
+    left_out: list[str]
 
 
 def make_report(
     root: Path, out: Path | None = None, latex: bool = False, latex_paired: bool = False
-) -> tuple[Path, Path]:
+) -> Written:
     """Write ``report.md`` (pictures in ``report_files/``) and ``report.html`` into ``out``
-    (default: the folder itself); returns their paths. With ``latex`` also ``report.tex``
-    beside them (``fedskew.report.latex.latex_path``), the paired differences to the
-    reference in it with ``latex_paired``."""
+    (default: the folder itself). With ``latex`` also ``report.tex`` beside them
+    (``fedskew.report.latex.latex_path``), the paired differences to the reference in it
+    with ``latex_paired``. Runs with a damaged file are left out (named in the report and
+    in ``Written.left_out``); a one-line error when no run is left."""
     root = Path(root)
     folder = Path(out) if out else root
-    records = collect(root)
-    options = options_from_manifest(root, Options())
-    if len({r.method for r in records}) < 2:
+    scan = gather(root)
+    if not scan.records:
+        more = f" (and {len(scan.left_out) - 1} more)" if len(scan.left_out) > 1 else ""
+        raise FedskewError(f"no usable run in {root}: {scan.left_out[0]}{more}")
+    options = manifest_options(scan.manifest, Options())
+    if len({r.method for r in scan.records}) < 2:
         options = dataclasses.replace(options, reference=None)
-    blocks = report_blocks(root, records, options)
-    paths = write_report(blocks, folder, "report", f"fedskew report: {root}")
+    blocks = report_blocks(root, scan.records, options, scan.left_out)
+    md, page = write_report(blocks, folder, "report", f"fedskew report: {root}")
     if latex:
-        write_latex(records, options, folder, "report", paired=latex_paired)
-    return paths
+        write_latex(scan.records, options, folder, "report", paired=latex_paired)
+    return Written(md, page, scan.left_out)

@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from fedskew.core.durable import remove_stale_temps, write_bytes_durably
+from fedskew.core.errors import FedskewError
 from fedskew.grid.plan import Grid, PlannedRun
-from fedskew.report.document import Block, Heading, Para, write_report
+from fedskew.report.document import Block, Heading, Mono, Para, write_report
+from fedskew.report.files import FolderFiles
 from fedskew.report.latex import write_latex
-from fedskew.report.runs import MANIFEST, MANIFEST_FORMAT, RunRecord, find_runs
+from fedskew.report.runs import MANIFEST, MANIFEST_FORMAT, RunRecord, Scan, read_manifest, scan_runs
 from fedskew.report.tables import (
     Options,
     comparison_blocks,
@@ -46,12 +48,15 @@ def manifest(grid: Grid, runs: list[PlannedRun], command: str) -> dict[str, Any]
     }
 
 
-def client_state_memory(folder: Path) -> tuple[int, int] | None:
+def client_state_memory(folder: Path, files: FolderFiles | None = None) -> tuple[int, int] | None:
     """(largest client's state in bytes, clients with state) in the folder's checkpoint,
-    or None when it has no checkpoint."""
+    or None when it has no checkpoint; read only where ``files`` (default: the folder's own)
+    may read it, a one-line error otherwise."""
     path = folder / "checkpoint.npz"
-    if not path.is_file():
+    files = files if files is not None else FolderFiles(folder)
+    if not files.exists(path):
         return None
+    files.check(path, "checkpoint")
     return largest_state(read_checkpoint(path).clients)
 
 
@@ -63,26 +68,43 @@ def recorded_client_state(rec: RunRecord) -> tuple[int, int] | None:
     size, count = summary.get("client_state_bytes_max"), summary.get("clients_with_state")
     if isinstance(size, int) and isinstance(count, int):
         return size, count
-    return client_state_memory(rec.folder)
+    return client_state_memory(rec.folder, rec.reader)
+
+
+def gather(root: Path) -> Scan:
+    """The run folders under ``root`` read back (``fedskew.report.runs.scan_runs``), each
+    with its largest client state; a run whose checkpoint cannot be read is left out."""
+    scan = scan_runs(root)
+    for rec in list(scan.records):
+        try:
+            memory = recorded_client_state(rec)
+        except FedskewError as exc:
+            scan.leave_out(rec, str(exc))
+            continue
+        if memory is not None:
+            rec.client_state_bytes, rec.client_state_clients = memory
+    return scan
 
 
 def collect(root: Path) -> list[RunRecord]:
-    """The grid's run folders read back, with each run's largest client state."""
-    records = find_runs(root)
-    for rec in records:
-        memory = recorded_client_state(rec)
-        if memory is not None:
-            rec.client_state_bytes, rec.client_state_clients = memory
-    return records
+    """The grid's run folders read back, with each run's largest client state; the tables
+    of a grid need every run, so what :func:`gather` leaves out is a one-line error."""
+    scan = gather(root)
+    if scan.left_out:
+        raise FedskewError(scan.left_out[0])
+    return scan.records
 
 
 def table_blocks(records: list[RunRecord], options: Options, command: str) -> list[Block]:
     blocks: list[Block] = [
         Heading(1, "Comparison"),
         Para(
-            f"Computed from the run folders by `{command}`: every number below comes from "
-            "their config.json, metrics.jsonl, summary.json, processes.jsonl, partition.npz "
-            "and checkpoint.npz."
+            [
+                "Computed from the run folders by ",
+                Mono(command),
+                ": every number below comes from their config.json, metrics.jsonl, "
+                "summary.json, processes.jsonl, partition.npz and checkpoint.npz.",
+            ]
         ),
         Para(explanation(options)),
     ]
@@ -113,11 +135,19 @@ def write_tables(
 
 
 def options_from_manifest(root: Path, fallback: Options) -> Options:
-    path = root / MANIFEST
-    if not path.is_file():
+    """The summary options the grid was planned with (its compare.json, checked), else
+    ``fallback``."""
+    return manifest_options(read_manifest(root), fallback)
+
+
+def manifest_options(manifest: dict[str, Any] | None, fallback: Options) -> Options:
+    if manifest is None:
         return fallback
-    m = json.loads(path.read_text(encoding="utf-8"))
-    return Options(reference=m.get("reference"), last=m.get("last", 10), target=m.get("target"))
+    return Options(
+        reference=manifest.get("reference"),
+        last=manifest.get("last", 10),
+        target=manifest.get("target"),
+    )
 
 
 def command_line(argv: list[str]) -> str:

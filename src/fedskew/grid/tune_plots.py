@@ -12,6 +12,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from fedskew.grid.search_space import Dimension
+from fedskew.report.figures import label, literal_text
 
 TrialState = optuna.trial.TrialState
 
@@ -42,6 +43,7 @@ def _points(
     return complete, pruned
 
 
+@literal_text
 def history_png(trials: list[optuna.trial.FrozenTrial], method: str) -> bytes | None:
     """Each trial's objective by trial number, the best so far as a step line; pruned trials
     hollow, at the accuracy of the round where they stopped. None without any point."""
@@ -65,12 +67,13 @@ def history_png(trials: list[optuna.trial.FrozenTrial], method: str) -> bytes | 
                    edgecolors="C2", label="pruned (at its last round)", zorder=3)  # fmt: skip
     ax.set_xlabel("trial")
     ax.set_ylabel("objective: accuracy (%)")
-    ax.set_title(f"{method}: objective over trials")
+    ax.set_title(f"{label(method)}: objective over trials")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize="small")
     return _png(fig)
 
 
+@literal_text
 def slices_png(
     trials: list[optuna.trial.FrozenTrial], dims: list[Dimension], method: str
 ) -> bytes | None:
@@ -86,9 +89,9 @@ def slices_png(
         xs = [(t.params[dim.key], t.value) for t in complete if dim.key in t.params]
         hollow = [(t.params[dim.key], v) for t, v in pruned if dim.key in t.params]
         if dim.kind == "choice":  # categories: their index, labelled with the value
-            labels = [str(v) for v in dim.values]
-            xs = [(labels.index(str(x)), y) for x, y in xs]
-            hollow = [(labels.index(str(x)), y) for x, y in hollow]
+            labels = [label(v) for v in dim.values]
+            xs = [(labels.index(label(x)), y) for x, y in xs]
+            hollow = [(labels.index(label(x)), y) for x, y in hollow]
             ax.set_xticks(range(len(labels)), labels)
         elif dim.kind == "log":
             ax.set_xscale("log")
@@ -97,7 +100,7 @@ def slices_png(
         if hollow:
             ax.scatter([x for x, _ in hollow], [y for _, y in hollow], facecolors="none",
                        edgecolors="C2", zorder=3)  # fmt: skip
-        ax.set_xlabel(dim.key)
+        ax.set_xlabel(label(dim.key))
         ax.set_ylabel("accuracy (%)")
-    fig.suptitle(f"{method}: objective against each tuned value (hollow: pruned)")
+    fig.suptitle(f"{label(method)}: objective against each tuned value (hollow: pruned)")
     return _png(fig)

@@ -14,7 +14,17 @@ from fedskew.core.durable import write_bytes_durably
 from fedskew.grid.plan import merge, typed_values
 from fedskew.grid.tune import TrialState, Tune, redacted, retried, trial_folders
 from fedskew.grid.tune_plots import history_png, slices_png
-from fedskew.report.document import Block, Heading, Image, Para, Table, write_report
+from fedskew.report.document import (
+    Block,
+    Bold,
+    Heading,
+    Image,
+    Mono,
+    Para,
+    Span,
+    Table,
+    write_report,
+)
 
 TUNED_FILE = "tuned.json"
 RECORD_FILE = "tune.json"
@@ -128,9 +138,10 @@ def report_blocks(tune: Tune, studies: dict[str, optuna.Study]) -> list[Block]:
         if best is None:
             blocks.append(Para("No trial completed."))
             continue
-        shown = ", ".join(f"`{k}` = {v:.4g}" if isinstance(v, float) else f"`{k}` = {v}"
-                          for k, v in best.params.items())  # fmt: skip
-        blocks.append(Para(f"Best: **{best.value:.2f} %** (trial {best.number}): {shown}."))
+        shown: list[Span] = ["Best: ", Bold(f"{best.value:.2f} %"), f" (trial {best.number}): "]
+        for i, (k, v) in enumerate(best.params.items()):
+            shown += [", " if i else "", Mono(k), f" = {_cell(v)}"]
+        blocks.append(Para([*shown, "."]))
         again = retried(study.get_trials(deepcopy=False))
         keys = [d.key for d in tune.spaces[method]]
         rows, so_far = [], None

@@ -15,6 +15,20 @@ import math
 
 SPREAD_KEYS = ("mean", "std", "worst10", "gap")
 
+# The metrics keys of local evaluation (--local-test-fraction), named once for the run loop
+# (a round's evaluation results), the local evaluation that writes them and the report (a
+# table of their own): the per-client lists, the global model's and, for a method with a
+# personal part, the personal models' (each with ``<list>_<stat>`` for SPREAD_KEYS), and
+# the prefix of its bookkeeping (clients missing, bytes carried).
+GLOBAL_LIST, PERSONAL_LIST = "client_accuracy", "client_personal_accuracy"
+CLIENT_SERIES = (GLOBAL_LIST, PERSONAL_LIST)
+BOOKKEEPING_PREFIX = "local_eval_"
+LOCAL_EVALUATION_PREFIXES = (*CLIENT_SERIES, BOOKKEEPING_PREFIX)
+
+
+def is_local_evaluation_key(key: str) -> bool:
+    return key.startswith(LOCAL_EVALUATION_PREFIXES)
+
 
 def client_spread(values: list[float | None]) -> dict[str, float]:
     """``mean``, ``std``, ``worst10`` and ``gap`` of the clients' values, None left out;

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedskew.metrics.client_spread import SPREAD_KEYS, client_spread
+from fedskew.metrics.client_spread import CLIENT_SERIES, SPREAD_KEYS, client_spread
 from fedskew.report.document import Block, Heading, Para, Table
 from fedskew.report.runs import RunRecord
 from fedskew.report.tables import mean_std
 
-GLOBAL, PERSONAL = "client_accuracy", "client_personal_accuracy"
+GLOBAL, PERSONAL = CLIENT_SERIES
 # (statistic, column title): accuracies in %, spreads in points.
 COLUMNS = (
     ("mean", "client mean (%)"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fedskew.core.durable import write_bytes_durably
+from fedskew.report.document import one_line
 from fedskew.report.inactive import Marks
 from fedskew.report.runs import RunRecord
 from fedskew.report.tables import MethodRow, Options, best_of, group, overview_window
@@ -30,12 +31,24 @@ _SPECIAL = {
     "^": r"\textasciicircum{}",
     "±": r"$\pm$",
     "†": r"$\dagger$",
+    # Not special, but printed as other glyphs in the default (OT1) font encoding.
+    "<": r"\textless{}",
+    ">": r"\textgreater{}",
+    "|": r"\textbar{}",
+    # A row that starts with [ after the previous row's \\ would be read as its
+    # optional argument (the space after a row).
+    "[": "{[}",
+    "]": "{]}",
 }
 
 
 def escape(text: str) -> str:
-    """``text`` as LaTeX prints it literally (method and setting names, captions)."""
-    return "".join(_SPECIAL.get(ch, ch) for ch in str(text))
+    """``text`` as LaTeX prints it literally (method and setting names, captions, notes),
+    on one line: every character TeX reads as a command, a group, math, a comment or a
+    table cell is written as itself, and a newline (a blank line ends the table) or other
+    control character as a space."""
+    visible = one_line(text).replace("\ufffd", "?")  # pdfLaTeX has no glyph for U+FFFD
+    return "".join(_SPECIAL.get(ch, ch) for ch in visible)
 
 
 def latex_path(folder: Path, stem: str) -> Path:

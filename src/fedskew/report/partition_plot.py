@@ -10,6 +10,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from fedskew.core.errors import FedskewError
+from fedskew.report.figures import label, literal_text
 
 # Above these sizes per-cell labels and per-client ticks become unreadable clutter.
 _MAX_ANNOTATED_CELLS = 200
@@ -17,6 +18,7 @@ _MAX_BARS = 200
 _MAX_CLASS_TICKS = 40
 
 
+@literal_text
 def plot_partition(
     counts: np.ndarray, path: Path, title: str = "", class_names: list[str] | None = None
 ) -> None:
@@ -52,7 +54,7 @@ def plot_partition(
     if num_classes <= _MAX_CLASS_TICKS:
         ax_map.set_xticks(np.arange(num_classes))
         if class_names is not None:
-            ax_map.set_xticklabels(class_names, rotation=45, ha="right")
+            ax_map.set_xticklabels([label(c) for c in class_names], rotation=45, ha="right")
     if num_clients <= 30:
         ax_map.set_yticks(np.arange(num_clients))
     if counts.size <= _MAX_ANNOTATED_CELLS:
@@ -83,7 +85,7 @@ def plot_partition(
     ax_bar.tick_params(axis="y", labelleft=False)
 
     if title:
-        fig.suptitle(title)
+        fig.suptitle(label(title))
     try:
         fig.savefig(path, dpi=120, format="png")
     except OSError as exc:

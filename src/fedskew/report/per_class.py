@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedskew.metrics.per_class import mean_of_last
-from fedskew.report.document import Block, Bullets, Heading, Image, Para, Table
+from fedskew.report.document import Block, Bold, Bullets, Heading, Image, Para, Table
 from fedskew.report.per_class_plot import per_class_png
 from fedskew.report.runs import NOT_RECORDED, RunRecord
 from fedskew.report.tables import mean_std
@@ -235,7 +235,7 @@ def per_class_blocks(
     if missing:
         blocks.append(Para(f"Per-class accuracy {NOT_RECORDED} in: {', '.join(missing)}."))
     split = _split(methods, counts_of, class_names)
-    blocks.append(Para("**Minority and majority classes.** " + SPLIT_TEXT))
+    blocks.append(Para([Bold("Minority and majority classes."), " " + SPLIT_TEXT]))
     blocks.append(Bullets(split.lines))
     if split.table is not None:
         blocks.append(split.table)

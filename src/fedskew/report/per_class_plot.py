@@ -9,15 +9,19 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from fedskew.report.figures import label, literal_text
+
 # Beyond these the figure stops writing values in the cells and naming every class.
 _MAX_ANNOTATED_CELLS = 400
 _MAX_CLASS_TICKS = 40
 
 
+@literal_text
 def per_class_png(values: np.ndarray, methods: list[str], classes: list[str], title: str) -> bytes:
     """A PNG of ``values`` ((methods, classes) accuracies in %, NaN where no run scored the
     class), rows labelled by ``methods`` and columns by ``classes``."""
     values = np.asarray(values, dtype=float)
+    methods, classes = [label(m) for m in methods], [label(c) for c in classes]
     rows, cols = values.shape
     many = cols > _MAX_CLASS_TICKS
     width = min(16.0, max(6.0, 0.75 * cols + 2.5)) if not many else 16.0
@@ -48,7 +52,7 @@ def per_class_png(values: np.ndarray, methods: list[str], classes: list[str], ti
                 color = "#555555"
             ax.text(j, i, text, ha="center", va="center", fontsize=8, color=color)
     if title:
-        ax.set_title(title)
+        ax.set_title(label(title))
     buf = io.BytesIO()
     fig.savefig(buf, dpi=110, format="png")
     return buf.getvalue()

@@ -10,6 +10,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from fedskew.report.figures import label, literal_text
 from fedskew.report.runs import RunRecord
 
 
@@ -25,6 +26,7 @@ def _mean_band(series: list[list[tuple[int, float]]]) -> tuple[np.ndarray, ...] 
     return rounds, values.mean(0), values.min(0), values.max(0)
 
 
+@literal_text
 def curves_png(records: list[RunRecord], title: str = "") -> bytes | None:
     """A PNG with two panels (test accuracy in %, test loss) over rounds; None when no run
     has an evaluated round. Unfinished runs count with the rounds they have."""
@@ -36,6 +38,7 @@ def curves_png(records: list[RunRecord], title: str = "") -> bytes | None:
     ax_acc, ax_loss = fig.subplots(1, 2)
     drawn = False
     loss_range: list[float] = []  # lowest and highest loss drawn
+    handles, labels = [], []  # of the accuracy panel, for the legend
     for i, (method, recs) in enumerate(by_method.items()):
         color = f"C{i % 10}"
         for ax, key, scale in ((ax_acc, "accuracy", 100.0), (ax_loss, "loss", 1.0)):
@@ -49,8 +52,11 @@ def curves_png(records: list[RunRecord], title: str = "") -> bytes | None:
                     [min(loss_range[0], lo), max(loss_range[1], hi)] if loss_range else [lo, hi]
                 )
             n = len(recs)
-            label = f"{method} ({n} seed{'s' if n != 1 else ''})"
-            ax.plot(rounds, scale * mean, color=color, label=label, linewidth=1.4)
+            name = label(f"{method} ({n} seed{'s' if n != 1 else ''})")
+            (line,) = ax.plot(rounds, scale * mean, color=color, linewidth=1.4)
+            if ax is ax_acc:
+                handles.append(line)
+                labels.append(name)
             if n > 1:
                 ax.fill_between(rounds, scale * low, scale * high, color=color, alpha=0.15)
             drawn = True
@@ -64,10 +70,12 @@ def curves_png(records: list[RunRecord], title: str = "") -> bytes | None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if loss_range and loss_range[0] > 0 and loss_range[1] / loss_range[0] > 20:
         ax_loss.set_yscale("log")  # a diverging method would flatten the others
-    handles, labels = ax_acc.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=min(4, len(labels)), fontsize=8)
+    if labels:
+        fig.legend(
+            handles, labels, loc="outside lower center", ncol=min(4, len(labels)), fontsize=8
+        )
     if title:
-        fig.suptitle(title)
+        fig.suptitle(label(title))
     buf = io.BytesIO()
     fig.savefig(buf, dpi=110, format="png")
     return buf.getvalue()

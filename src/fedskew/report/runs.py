@@ -4,19 +4,32 @@ Everything here comes from the files a run writes (config.json with its "resolve
 metrics.jsonl, summary.json, processes.jsonl, partition.npz) and, for a grid made by
 ``fedskew compare``, the grid's ``compare.json``. Nothing is typed in: a fact a run folder
 does not record is shown as :data:`NOT_RECORDED`.
+
+Every file is read here, through :class:`fedskew.report.files.FolderFiles` (regular files
+inside the folder given, nothing else), and checked here (``fedskew.report.checks``): a run
+with a file that is not what it should be is left out of :func:`scan_runs` with a line that
+names it, so that what the tables and plots get holds numbers where numbers belong.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedskew.core.durable import read_jsonl
 from fedskew.core.errors import FedskewError
 from fedskew.data.partition import load_partition, partition_digest
+from fedskew.metrics.client_spread import is_local_evaluation_key
+from fedskew.report.checks import (
+    check_config,
+    check_manifest,
+    check_metrics,
+    check_processes,
+    check_summary,
+)
+from fedskew.report.files import Damaged, FolderFiles
 
 NOT_RECORDED = "not recorded"
 INCOMPLETE = ".incomplete"
@@ -31,8 +44,6 @@ STANDARD_KEYS = frozenset(
         "eval_seconds", "skipped",
     }
 )  # fmt: skip
-# Local evaluation's keys (--local-test-fraction) have a table of their own (client_spread).
-LOCAL_EVALUATION_PREFIXES = ("client_accuracy", "client_personal_accuracy", "local_eval_")
 IMAGE_PATTERN = re.compile(r"t-?sne", re.IGNORECASE)
 
 
@@ -55,6 +66,11 @@ class RunRecord:
     # filled in by whoever may read checkpoints (fedskew.apps.compare), None when neither has it.
     client_state_bytes: int | None = None
     client_state_clients: int | None = None
+    files: FolderFiles | None = None  # what may be read for it; None: its own folder's files
+
+    @property
+    def reader(self) -> FolderFiles:
+        return self.files if self.files is not None else FolderFiles(self.folder)
 
     @property
     def finished(self) -> bool:
@@ -90,7 +106,7 @@ class RunRecord:
             for key, value in row.items():
                 if key in STANDARD_KEYS or isinstance(value, bool):
                     continue
-                if key.startswith(LOCAL_EVALUATION_PREFIXES):
+                if is_local_evaluation_key(key):  # a table of their own (client_spread)
                     continue
                 if isinstance(value, (int, float)):
                     names[key] = None
@@ -113,37 +129,52 @@ def estimated_seconds(records: list[RunRecord], setting: str, method: str) -> fl
     return None
 
 
-def read_run(folder: Path, setting: str = "", method: str | None = None) -> RunRecord:
-    """The run in ``folder`` (finished or ``.incomplete``)."""
+def read_run(
+    folder: Path, setting: str = "", method: str | None = None, files: FolderFiles | None = None
+) -> RunRecord:
+    """The run in ``folder`` (finished or ``.incomplete``), read through ``files`` (default:
+    the folder's own files only); :class:`Damaged` names a file that is not what it
+    should be."""
     folder = Path(folder)
+    files = files if files is not None else FolderFiles(folder)
     path = folder / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FedskewError(f"cannot read {path}: {exc}") from None
-    if not isinstance(config, dict):
-        raise FedskewError(f"{path} is not a run configuration")
-    resolved = config.pop("resolved", {}) or {}
-    summary_path = folder / "summary.json"
+    config = check_config(files.json(path, "run configuration"), files.name(path))
+    resolved = config.pop("resolved", None) or {}
     summary = None
-    if summary_path.exists():
-        summary = json.loads(summary_path.read_text(encoding="utf-8"))
-    seed = int(config.get("seed", 0))
+    path = folder / "summary.json"
+    if files.exists(path):
+        summary = check_summary(files.json(path, "run summary"), files.name(path))
+    metrics, processes = [], []
+    path = folder / "metrics.jsonl"
+    if files.exists(path):
+        metrics = check_metrics(files.json_lines(path, "metrics file"), files.name(path))
+    path = folder / "processes.jsonl"
+    if files.exists(path):
+        processes = check_processes(files.json_lines(path, "processes file"), files.name(path))
     return RunRecord(
         folder=folder,
         setting=setting,
         method=method if method is not None else method_label(folder.name, config),
-        seed=seed,
+        seed=int(config.get("seed", 0)),
         config=config,
         resolved=resolved,
-        metrics=read_jsonl(folder / "metrics.jsonl"),
+        metrics=metrics,
         summary=summary,
-        processes=read_jsonl(folder / "processes.jsonl"),
-        partition_digest=recorded_partition_digest(folder, resolved),
-        images=sorted(
-            p for p in folder.rglob("*.png") if IMAGE_PATTERN.search(p.name) and p.is_file()
-        ),
+        processes=processes,
+        partition_digest=recorded_partition_digest(folder, resolved, files),
+        images=pictures(folder),
+        files=files,
     )
+
+
+def pictures(folder: Path) -> list[Path]:
+    """The t-SNE pictures in the run folder and its subfolders (a linked subfolder is not
+    entered; a picture is checked when it is read: :meth:`FolderFiles.picture`)."""
+    found = []
+    for where, subfolders, names in os.walk(folder):
+        subfolders.sort()
+        found += [Path(where) / n for n in names if n.endswith(".png") and IMAGE_PATTERN.search(n)]
+    return sorted(found)
 
 
 def method_label(folder_name: str, config: dict[str, Any]) -> str:
@@ -162,61 +193,137 @@ def method_label(folder_name: str, config: dict[str, Any]) -> str:
     return label
 
 
-def recorded_partition_digest(folder: Path, resolved: dict[str, Any]) -> str | None:
+def recorded_partition_digest(
+    folder: Path, resolved: dict[str, Any], files: FolderFiles | None = None
+) -> str | None:
     """The digest of the clients' sample indices: from the folder's partition.npz (what the
     run used), else from what config.json recorded when the run started; None when neither
     has it (folders written before config.json recorded it, without partition.npz)."""
     path = folder / "partition.npz"
-    if path.exists():
-        return partition_digest(load_partition(path)[0])  # a bad file: a one-line error
+    files = files if files is not None else FolderFiles(folder)
+    if files.exists(path):
+        files.check(path, "partition file")
+        try:
+            return partition_digest(load_partition(path)[0])
+        except FedskewError as exc:
+            raise Damaged(str(exc)) from None
     digest = resolved.get("partition_digest")
     return digest if isinstance(digest, str) else None
 
 
 def is_run_folder(path: Path) -> bool:
-    return path.is_dir() and (path / "config.json").is_file()
+    """A folder with a config.json (whatever that is: reading it says whether it is one)."""
+    return path.is_dir() and os.path.lexists(path / "config.json")
 
 
-def read_manifest(root: Path) -> dict[str, Any] | None:
+def read_manifest(root: Path, files: FolderFiles | None = None) -> dict[str, Any] | None:
+    """The grid's compare.json, checked; None where the folder has none."""
     path = Path(root) / MANIFEST
-    if not path.is_file():
+    files = files if files is not None else FolderFiles(root)
+    if not files.exists(path):
         return None
-    manifest = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise FedskewError(f"{path} is not a fedskew compare manifest")
-    return manifest
+    return check_manifest(files.json(path, "compare record"), files.name(path), MANIFEST_FORMAT)
 
 
-def find_runs(root: Path) -> list[RunRecord]:
+@dataclass
+class Scan:
+    """The runs found under a folder, and what was not read or not used, one line each."""
+
+    files: FolderFiles
+    records: list[RunRecord] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)
+    manifest: dict[str, Any] | None = None  # the grid's compare.json, where it has a good one
+
+    def add(self, folder: Path, setting: str = "", method: str | None = None) -> None:
+        """The run in ``folder``, or a line saying why it is left out."""
+        name = self.files.name(folder)
+        if name == ".":
+            name = self.files.given.name
+        if self.files.outside(folder):
+            self.left_out.append(f"run {name} leads outside {self.files.given}; not read")
+            return
+        try:
+            self.records.append(read_run(folder, setting, method, self.files))
+        except FedskewError as exc:
+            self.left_out.append(f"run {name} left out: {exc}")
+
+    def leave_out(self, record: RunRecord, reason: str) -> None:
+        """Drop a run read earlier (a file read later was damaged)."""
+        self.records.remove(record)
+        self.left_out.append(f"run {self.files.name(record.folder)} left out: {reason}")
+
+    def folders(self, folder: Path, setting: str | None = None) -> None:
+        """Run folders directly in ``folder`` and, at the top (``setting`` None), one level
+        down (one setting per subfolder)."""
+        try:
+            children = sorted(folder.iterdir())
+        except OSError as exc:
+            self.left_out.append(f"{self.files.name(folder)} not read: {exc.strerror or exc}")
+            return
+        for child in children:
+            if not child.is_dir():
+                continue
+            if is_run_folder(child):
+                self.add(child, setting or "")
+            elif setting is not None:
+                continue
+            elif self.files.outside(child):
+                self.left_out.append(
+                    f"{self.files.name(child)} leads outside {self.files.given}; not read"
+                )
+            else:
+                self.folders(child, child.name)
+
+    def planned(self, run: dict[str, Any]) -> None:
+        """A run compare.json names, where its folder exists inside the grid folder."""
+        folder = self.files.given / run["folder"]
+        if self.files.outside(folder):
+            self.left_out.append(
+                f"{MANIFEST} names the run folder {run['folder']!r}, outside "
+                f"{self.files.given}; not read"
+            )
+            return
+        if not is_run_folder(folder):
+            folder = folder.with_name(folder.name + INCOMPLETE)
+        if is_run_folder(folder):
+            self.add(folder, run["setting"], run["method"])
+
+
+def scan_runs(root: Path) -> Scan:
     """The runs under ``root``: a run folder itself, a grid written by ``fedskew compare``
     (its compare.json names settings, methods and folders), or any folder whose run folders
-    sit directly in it or one level down (one setting per subfolder)."""
+    sit directly in it or one level down (one setting per subfolder). Only files inside
+    ``root`` are read (:class:`FolderFiles`); a run with a damaged file, a link out or a
+    damaged compare.json are left out with a line each in ``Scan.left_out`` (without a good
+    compare.json the folders are looked for as in a folder without one)."""
     root = Path(root)
     if not root.is_dir():
         raise FedskewError(f"{root} is not a folder")
+    scan = Scan(FolderFiles(root))
     if is_run_folder(root):
-        return [read_run(root)]
-    manifest = read_manifest(root)
-    if manifest is not None:
-        records = []
-        for run in manifest["runs"]:
-            folder = root / run["folder"]
-            if not is_run_folder(folder):
-                folder = folder.with_name(folder.name + INCOMPLETE)
-            if is_run_folder(folder):
-                records.append(read_run(folder, run["setting"], run["method"]))
-        return records
-    records = []
-    for child in sorted(root.iterdir()):
-        if is_run_folder(child):
-            records.append(read_run(child))
-        elif child.is_dir():
-            for grandchild in sorted(child.iterdir()):
-                if is_run_folder(grandchild):
-                    records.append(read_run(grandchild, setting=child.name))
-    if not records:
+        scan.add(root)
+        return scan
+    try:
+        scan.manifest = read_manifest(root, scan.files)
+    except Damaged as exc:
+        scan.left_out.append(f"{exc}; its run folders were looked for by name")
+    if scan.manifest is not None:
+        for run in scan.manifest.get("runs", []):
+            scan.planned(run)
+    else:
+        scan.folders(root)
+    if not scan.records and not scan.left_out:
         raise FedskewError(f"no run folders (with config.json) in {root} or its subfolders")
-    return records
+    return scan
+
+
+def find_runs(root: Path) -> list[RunRecord]:
+    """The runs under ``root`` as :func:`scan_runs` finds them, for tables that must have
+    every run: the first line of what was left out as a one-line error."""
+    scan = scan_runs(root)
+    if scan.left_out:
+        raise FedskewError(scan.left_out[0])
+    return scan.records
 
 
 # ------------------------------------------------------------------------- provenance

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fedskew.config import EXECUTION_ONLY, ExperimentConfig
-from fedskew.report.document import Block, Bullets, Heading, Para, Table
+from fedskew.report.document import Block, Bold, Bullets, Heading, Para, Table, Text
 from fedskew.report.inactive import Marks, Note, recorded_notes
 from fedskew.report.intervals import PairedSummary, paired_summary
 from fedskew.report.runs import NOT_RECORDED, RunRecord, machines, provenance
@@ -191,8 +191,8 @@ def best_of(rows: list[MethodRow]) -> set[str]:
     return {m for m, v in means.items() if v == top}
 
 
-def _bold(text: str) -> str:
-    return f"**{text}**"
+def _bold(text: str) -> Bold:
+    return Bold(text)
 
 
 def comparison_table(rows: list[MethodRow], options: Options, marks: Marks | None = None) -> Table:
@@ -302,15 +302,15 @@ def overview_table(
             if not (row and row.seeds):
                 cells.append("")
                 continue
-            cell = mean_std(row.column("last"))
-            cell = _bold(cell) if method in best[setting] else cell
+            text = mean_std(row.column("last"))
+            cell: Text = _bold(text) if method in best[setting] else text
             symbols = marks.mark(row.row_notes(), f"{method} ({setting})" if setting else method)
-            cells.append(cell + (f" {symbols}" if symbols else ""))
+            cells.append([cell, f" {symbols}"] if symbols else cell)
         body.append(cells)
     return Table(["method", *settings], body)
 
 
-def conclusions(rows: list[MethodRow], options: Options) -> list[str]:
+def conclusions(rows: list[MethodRow], options: Options) -> list[Text]:
     """Sentences computed from the rows: the highest mean of the last N rounds, which
     methods beat the reference on every seed they share with it, and whose paired
     interval lies on one side of zero; each names the seeds it rests on."""
@@ -318,9 +318,12 @@ def conclusions(rows: list[MethodRow], options: Options) -> list[str]:
     if not done:
         return ["No finished run yet."]
     best = max(done, key=lambda r: r.column("last").mean())
-    out = [
-        f"Highest mean of the {table_window(rows, options).phrase()}: **{best.method}** "
-        f"({best.column('last').mean():.2f} % over {len(best.seeds)} seed(s))."
+    out: list[Text] = [
+        [
+            f"Highest mean of the {table_window(rows, options).phrase()}: ",
+            Bold(best.method),
+            f" ({best.column('last').mean():.2f} % over {len(best.seeds)} seed(s)).",
+        ]
     ]
     if options.reference and any(r.method == options.reference for r in done):
 

@@ -13,10 +13,12 @@ from matplotlib.figure import Figure
 
 from fedskew.core.durable import write_bytes_durably
 from fedskew.core.errors import FedskewError
+from fedskew.report.figures import label, literal_text
 
 _MAX_LEGEND = 20  # more classes than this get a colour bar instead of a legend
 
 
+@literal_text
 def plot_tsne(
     coords: np.ndarray,
     labels: np.ndarray,
@@ -51,7 +53,7 @@ def plot_tsne(
             coords[mask, 1],
             s=6,
             color=cmap(colours[c]),
-            label=name,
+            label=label(name),
             alpha=0.8,
             linewidths=0,
         )
@@ -66,7 +68,7 @@ def plot_tsne(
     ax.set_xticks([])
     ax.set_yticks([])
     if title:
-        ax.set_title(title, fontsize="medium")
+        ax.set_title(label(title), fontsize="medium")
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=120)
     try:

@@ -72,7 +72,18 @@ def saved_config(
     (RESUME_MAY_CHANGE): anything else is a one-line error naming it. Every way back from a
     run folder (the CLI, the API, compare, the report, Flower) goes through here."""
     path = folder / "config.json"
-    saved = read_config_json(path)
+    return config_from_saved(read_config_json(path), folder, changes, who)
+
+
+def config_from_saved(
+    saved: Mapping[str, Any],
+    folder: Path,
+    changes: Mapping[str, Any] | None = None,
+    who: str = "a resumed run",
+) -> ExperimentConfig:
+    """:func:`saved_config` of a config.json already read (``saved``, as written)."""
+    path = folder / "config.json"
+    saved = dict(saved)
     saved.pop("resolved", None)
     saved = normalise_keys(saved, str(path))
     # Options added since the folder was written: the value it ran with.
@@ -83,7 +94,8 @@ def saved_config(
         raise UsageError(
             f"{who} takes its configuration from the run folder; drop: {', '.join(others)}"
         )
-    if saved.get("partition_file") and not Path(saved["partition_file"]).exists():
+    named = saved.get("partition_file")
+    if isinstance(named, str) and named and not Path(named).exists():
         saved["partition_file"] = str(folder / "partition.npz")
     return build_config({**saved, **changes}, {})
 

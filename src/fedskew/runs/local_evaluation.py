@@ -17,7 +17,12 @@ import logging
 from typing import Any
 
 from fedskew.core.errors import FedskewError
-from fedskew.metrics.client_spread import client_spread
+from fedskew.metrics.client_spread import (
+    BOOKKEEPING_PREFIX,
+    GLOBAL_LIST,
+    PERSONAL_LIST,
+    client_spread,
+)
 from fedskew.training.interface import ClientLogic
 from fedskew.training.local_evaluation import LOCAL_EVALUATION, LOCAL_RESULT_NEEDS
 from fedskew.training.protocol import Message
@@ -68,15 +73,15 @@ def evaluate_on_clients(
         if "personal_correct" in reply.scalars:
             mine[cid] = reply.scalars["personal_correct"] / sizes[cid]
     record: dict[str, Any] = {}
-    series = [("client_accuracy", accuracy)]
+    series = [(GLOBAL_LIST, accuracy)]
     if personal:
-        series.append(("client_personal_accuracy", mine))
+        series.append((PERSONAL_LIST, mine))
     for name, values in series:
         record[name] = [None if v is None else round(v, 6) for v in values]
         record.update({f"{name}_{k}": v for k, v in client_spread(values).items()})
     answered = [c for c in messages if accuracy[c] is not None]
     if len(answered) < len(messages):
-        record["local_eval_missing"] = sorted(set(messages) - set(answered))
-    record["local_eval_bytes_down"] = sum(m.nbytes() for m in messages.values())
-    record["local_eval_bytes_up"] = sum(r.nbytes() for r in replies.values())
+        record[f"{BOOKKEEPING_PREFIX}missing"] = sorted(set(messages) - set(answered))
+    record[f"{BOOKKEEPING_PREFIX}bytes_down"] = sum(m.nbytes() for m in messages.values())
+    record[f"{BOOKKEEPING_PREFIX}bytes_up"] = sum(r.nbytes() for r in replies.values())
     return record

@@ -48,6 +48,7 @@ from fedskew.engines.workers import (
     main_allows_spawn,
     worker_bytes,
 )
+from fedskew.metrics.client_spread import CLIENT_SERIES, is_local_evaluation_key
 from fedskew.metrics.evaluation import client_distribution_accuracy, evaluate
 from fedskew.metrics.per_class import per_class_summary
 from fedskew.runs.checkpoint import (
@@ -621,12 +622,11 @@ def client_state_size(engine: Engine) -> dict[str, int]:
 
 
 EVAL_KEYS = ("accuracy", "loss", "client_dist_accuracy", "per_class_accuracy")
-CLIENT_SERIES = ("client_accuracy", "client_personal_accuracy")  # local evaluation's lists
 
 
 def is_eval_key(key: str) -> bool:
     """Whether a metrics record's ``key`` is a result of the evaluation of its round."""
-    return key in EVAL_KEYS or key.startswith(CLIENT_SERIES) or key.startswith("local_eval_")
+    return key in EVAL_KEYS or is_local_evaluation_key(key)
 
 
 def partitions_equal(a: list[np.ndarray], b: list[np.ndarray]) -> bool:

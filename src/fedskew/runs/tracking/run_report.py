@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedskew.report.document import Block, Heading, Image, Para, write_report
+from fedskew.report.document import Block, Heading, Image, Mono, Para, write_report
 from fedskew.report.plots import curves_png
 from fedskew.report.runs import read_run
 from fedskew.report.tables import Options, configuration_blocks, per_run_table, provenance_table
@@ -17,8 +17,14 @@ def write_run_report(folder: Path, out: Path) -> tuple[Path, Path]:
     blocks: list[Block] = [
         Heading(1, f"fedskew run {folder.name}"),
         Para(
-            f"From the run folder `{folder}` (its config.json, metrics.jsonl, summary.json and "
-            f"processes.jsonl); the full report: `fedskew report {folder}`."
+            [
+                "From the run folder ",
+                Mono(str(folder)),
+                " (its config.json, metrics.jsonl, summary.json and processes.jsonl); the "
+                "full report: ",
+                Mono(f"fedskew report {folder}"),
+                ".",
+            ]
         ),
     ]
     png = curves_png([record])

@@ -54,7 +54,13 @@ from fedskew.algorithms.fedavg import FedAvgServer
 from fedskew.core.errors import UsageError
 from fedskew.core.precision import in_fp32
 from fedskew.data.federated import ClientData
-from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, check_one_of
+from fedskew.training.interface import (
+    Algorithm,
+    ClientContext,
+    ClientLogic,
+    check_one_of,
+    keeps_nothing,
+)
 from fedskew.training.local import (
     LossOutput,
     batch_bounds,
@@ -377,3 +383,4 @@ class FedACD(Algorithm):
     Params = FedACDParams
     Server = FedACDServer
     Client = FedACDClient
+    client_state = classmethod(keeps_nothing)

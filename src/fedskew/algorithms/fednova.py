@@ -33,7 +33,13 @@ from dataclasses import dataclass
 import torch
 
 from fedskew.training.aggregation import weighted_average
-from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, ServerLogic
+from fedskew.training.interface import (
+    Algorithm,
+    ClientContext,
+    ClientLogic,
+    ServerLogic,
+    keeps_nothing,
+)
 from fedskew.training.local import (
     get_arrays,
     set_arrays,
@@ -130,4 +136,5 @@ class FedNova(Algorithm):
     Params = FedNovaParams
     Server = FedNovaServer
     Client = FedNovaClient
+    client_state = classmethod(keeps_nothing)
     replies_carry_local_models = False  # they carry (w - y) / a, not the local model y

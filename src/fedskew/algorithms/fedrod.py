@@ -48,7 +48,8 @@ from fedskew.training.local import (
     trained_needs,
     trained_reply,
 )
-from fedskew.training.protocol import Channel, Message, arrived
+from fedskew.training.protocol import ArraySpec, Channel, Message, arrived
+from fedskew.training.state_spec import StatePart, after_training
 
 PHEAD_INITS = ("zeros", "generic")
 PHEAD_WEIGHT = "personal_head.weight"
@@ -208,3 +209,14 @@ class FedROD(Algorithm):
     Params = FedRODParams
     Server = FedRODServer
     Client = FedRODClient
+
+    @classmethod
+    def client_state(
+        cls, params: FedRODParams, model: torch.nn.Module, num_classes: int
+    ) -> tuple[StatePart, ...]:
+        """The personal head: every client that has trained holds it."""
+        head = {
+            PHEAD_WEIGHT: ArraySpec((num_classes, model.feature_dim)),
+            PHEAD_BIAS: ArraySpec((num_classes,)),
+        }
+        return (StatePart(head, holds=after_training),)

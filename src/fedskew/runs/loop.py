@@ -66,7 +66,7 @@ from fedskew.runs.saved_state import (
     check_saved_state,
     metrics_digest,
 )
-from fedskew.runs.tracking import TrackingSession, check_available
+from fedskew.runs.tracking import TrackingSession, check_available, check_saved_trackers
 from fedskew.training.interface import ClientLogic, ServerLogic, ServerSetup
 from fedskew.training.local import set_arrays
 from fedskew.training.protocol import Expected, Message, NoReplies, largest_state
@@ -329,6 +329,7 @@ def open_folder(state: RunState, resume: Path | None) -> None:
                     f"{resume}: the saved partition differs from the one rebuilt from its config"
                 )
             restore(state, folder)
+            check_saved_trackers(cfg, folder)  # before this process leaves a line in it
         except BaseException:
             folder.release()
             raise

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import random
 import shutil
 import tempfile
@@ -236,18 +235,6 @@ def damage(folder: Path, rng: random.Random) -> str:
         path.write_bytes(data[: rng.randrange(len(data))])
         said.append(f"{path.name} truncated")
     return "; ".join(said)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def fedskew_log_without_flower_handlers():
-    """A Flower ServerApp run in this process (tests/test_resume.py) leaves Flower's console
-    handler, bound to a capture stream closed since, on the fedskew logger: the resumes
-    here would print its logging errors on stderr."""
-    logger = logging.getLogger("fedskew")
-    saved = logger.handlers[:]
-    logger.handlers.clear()
-    yield
-    logger.handlers[:] = saved
 
 
 @pytest.fixture(scope="module")

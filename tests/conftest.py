@@ -1,4 +1,5 @@
 import importlib.util
+import logging
 import os
 import sys
 from pathlib import Path
@@ -16,6 +17,19 @@ import fedskew  # noqa: E402, F401  (sets CUBLAS_WORKSPACE_CONFIG before any tes
 torch.set_num_threads(1)
 
 REPRODUCTION = Path(__file__).resolve().parents[1] / "reproduction"
+
+
+@pytest.fixture(autouse=True)
+def fedskew_logger_as_it_was():
+    """The fedskew logger's handlers and level put back after each test. A Flower ServerApp
+    run in-process (tests/test_resume.py) gives it Flower's console handler, bound to the
+    test's capture stream: later tests then got "--- Logging error ---" tracebacks on the
+    stderr they check for one line."""
+    logger = logging.getLogger("fedskew")
+    handlers, level = logger.handlers[:], logger.level
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
 
 
 @pytest.fixture(scope="module")

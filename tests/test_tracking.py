@@ -362,3 +362,47 @@ def test_per_class_entries_and_client_statistics_are_scalars():
         "client_accuracy_worst10": 0.5, "client_accuracy_gap": 0.25,
         "client_personal_accuracy_mean": 0.7,
     }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, key, value",
+    [
+        ("tensorboard", "log_dir", "{elsewhere}/tb"),
+        ("mlflow", "tracking_uri", "sqlite:///{elsewhere}/mlflow.db"),
+    ],
+)
+def test_a_tracking_record_naming_a_place_outside_the_run_is_refused(
+    tmp_path, capsys, name, key, value
+):
+    # tracking.json is a file of the run folder: before, a resume wrote where it said.
+    needs(name)
+    cfg = ExperimentConfig(out_dir=str(tmp_path / "runs"), name="r", track=[name], **TINY)
+    with pytest.raises(Killed):
+        run(cfg, on_round=lambda record: record["round"] == 2 and _raise(Killed))
+    unfinished = tmp_path / "runs" / "r.incomplete"
+    state = json.loads((unfinished / "tracking.json").read_text())
+    elsewhere = tmp_path / "elsewhere"
+    state["trackers"][name][key] = value.format(elsewhere=elsewhere)
+    (unfinished / "tracking.json").write_text(json.dumps(state))
+    processes = (unfinished / "processes.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["run", "--resume", str(unfinished), "-q", "--track", name]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tracking.json: its " + name in err, err
+    assert not elsewhere.exists()
+    assert (unfinished / "processes.jsonl").read_text() == processes  # refused before it ran
+
+
+def test_a_tracking_record_naming_a_run_that_is_no_id_is_refused(tmp_path):
+    needs("wandb")
+    from fedskew.runs.tracking.base import RunInfo
+    from fedskew.runs.tracking.wandb_tracker import WandbTracker
+
+    run_info = RunInfo(tmp_path, "r", "fedskew", "", "fedavg", 0, {})
+    assert WandbTracker.saved_problem({"id": "0a1b2c3d4e5f"}, run_info, tmp_path) is None
+    for bad in ("../../x", "a/b", "", 7, None):
+        assert "is not a run id" in WandbTracker.saved_problem({"id": bad}, run_info, tmp_path)
+
+
+def _raise(exc: type[Exception]) -> None:
+    raise exc

@@ -50,6 +50,7 @@ from fedskew.training.interface import (
     ServerLogic,
     ServerSetup,
     check_one_of,
+    keeps_nothing,
 )
 from fedskew.training.local import (
     PlainTraining,
@@ -335,6 +336,7 @@ class CReFF(Algorithm):
     Params = CReFFParams
     Server = CReFFServer
     Client = CReFFClient
+    client_state = classmethod(keeps_nothing)
 
     @classmethod
     def reply_arrays(

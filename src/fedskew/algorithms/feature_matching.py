@@ -49,9 +49,11 @@ from fedskew.algorithms.fedfm import (
     REUSED,
     FeatureMatchingParams,
     anchor_exchange,
+    anchor_fields,
     anchor_metrics,
     anchor_reply_arrays,
     cg_loss,
+    kept_part,
     l2_loss,
     loss_term_installed,
     matching_inactive,
@@ -68,6 +70,7 @@ from fedskew.training.interface import (
     ServerSetup,
 )
 from fedskew.training.protocol import ArraySpec, Channel, Expected, Message
+from fedskew.training.state_spec import Spec, StatePart
 
 # The plug-in, and FedFM's pieces that callers import from here (re-exported).
 __all__ = [
@@ -266,6 +269,25 @@ def with_feature_matching(cls: type[Algorithm]) -> type[Algorithm]:
         ) -> dict[str, ArraySpec] | None:
             inner = cls.inner.reply_arrays(params, model, num_classes)
             return None if inner is None else {**inner, **anchor_reply_arrays(model, num_classes)}
+
+        @classmethod
+        def checkpoint_specs(
+            cls, params: Any, model: torch.nn.Module, num_classes: int
+        ) -> dict[str, Spec]:
+            inner = cls.inner.checkpoint_specs(params, model, num_classes)
+            return {**inner, **anchor_fields(model, num_classes)}
+
+        @classmethod
+        def client_state(
+            cls, params: Any, model: torch.nn.Module, num_classes: int
+        ) -> tuple[StatePart, ...] | None:
+            """The inner algorithm's, step 1's kept model and the round's anchors (left
+            until the client's next anchor exchange)."""
+            inner = cls.inner.client_state(params, model, num_classes)
+            if inner is None:
+                return None
+            anchors = {_STATE_ANCHORS: ArraySpec((num_classes, model.feature_dim))}
+            return (*inner, kept_part(model), StatePart(anchors, (_STATE_ROUND,)))
 
         @classmethod
         def inactive_mechanisms(cls, params: Any, shape: RunShape) -> list[InactiveMechanism]:

@@ -55,7 +55,13 @@ from fedskew.algorithms.fedavg import FedAvgServer
 from fedskew.core.errors import UsageError
 from fedskew.core.precision import in_fp32
 from fedskew.data.federated import ClientData
-from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, check_one_of
+from fedskew.training.interface import (
+    Algorithm,
+    ClientContext,
+    ClientLogic,
+    check_one_of,
+    keeps_nothing,
+)
 from fedskew.training.local import (
     LossOutput,
     batch_bounds,
@@ -412,3 +418,5 @@ class FedACD(Algorithm):
     @classmethod
     def reply_scalars(cls, params: Any) -> dict[str, ScalarSpec]:
         return {"divergence": ScalarSpec(low=0.0)}  # a KL divergence
+
+    client_state = classmethod(keeps_nothing)

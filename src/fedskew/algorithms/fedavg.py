@@ -15,7 +15,13 @@ from typing import ClassVar
 
 from fedskew.core.errors import UsageError
 from fedskew.training.aggregation import apply_server_lr, weighted_average
-from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, ServerLogic
+from fedskew.training.interface import (
+    Algorithm,
+    ClientContext,
+    ClientLogic,
+    ServerLogic,
+    keeps_nothing,
+)
 from fedskew.training.local import (
     PlainTraining,
     run_plain,
@@ -90,3 +96,4 @@ class FedAvg(Algorithm):
     Params = FedAvgParams
     Server = FedAvgServer
     Client = FedAvgClient
+    client_state = classmethod(keeps_nothing)

@@ -126,6 +126,7 @@ from fedskew.training.protocol import (
     arrived,
     needs,
 )
+from fedskew.training.state_spec import OrNone, PerClient, Spec, StatePart, model_part
 
 EPS = 1e-12
 EXCHANGES = ("head", "body", "model", "none")
@@ -605,6 +606,14 @@ class FedCMEClient(ClientLogic):
         return trained_reply(ctx, loss_sum / steps if steps else 0.0, arrays)
 
 
+def has_vector(server: FedCMEServer, client: int, trained: bool | None) -> bool | None:
+    """Whether a client has an evaluation vector at a checkpoint: where the matching uses
+    them, once it has trained (a vector stays once made); else never."""
+    if uses_vectors(server.params, server.setup.train.epochs):
+        return trained
+    return False
+
+
 class FedCME(Algorithm):
     name = "fedcme"
     description = (
@@ -626,6 +635,35 @@ class FedCME(Algorithm):
             PRESENT: ArraySpec((num_classes,), torch.bool, true_count="n"),
             EVAL_VECTOR: ArraySpec((num_classes,)),
         }
+
+    @classmethod
+    def checkpoint_specs(
+        cls, params: FedCMEParams, model: torch.nn.Module, num_classes: int
+    ) -> dict[str, Spec]:
+        """The clients' last evaluation vectors (of every client that has trained, where
+        the matching uses them); the global class features once observed."""
+        return {
+            "vectors": PerClient(ArraySpec((num_classes,)), holds=has_vector),
+            "features": OrNone(ArraySpec((num_classes, model.feature_dim))),
+        }
+
+    @classmethod
+    def client_state(
+        cls, params: FedCMEParams, model: torch.nn.Module, num_classes: int
+    ) -> tuple[StatePart, ...]:
+        """What lives within a round (the model kept from the cold start, the half-trained
+        model and its loss, the global features): gone by its end, except where a reply
+        was dropped (``--on-divergence drop``)."""
+        half = model_part(HALF, model)
+        features = {
+            STATE_FEATURES: ArraySpec((num_classes, model.feature_dim)),
+            STATE_KNOWN: ArraySpec((num_classes,), torch.bool),
+        }
+        return (
+            model_part(CACHED, model),
+            StatePart(half.arrays, (LOSS_SUM, STEPS)),
+            StatePart(features),
+        )
 
     @classmethod
     def inactive_mechanisms(cls, params: FedCMEParams, shape: RunShape) -> list[InactiveMechanism]:

@@ -45,6 +45,7 @@ from fedskew.training.interface import (
 )
 from fedskew.training.local import LossOutput, get_arrays, set_arrays, train_client, trained_needs
 from fedskew.training.protocol import Channel, Message, arrived
+from fedskew.training.state_spec import StatePart, after_training, model_part
 
 STATE_PREFIX = "feddyn.grad/"  # the client's g_k in its state
 
@@ -138,3 +139,12 @@ class FedDyn(Algorithm):
     Params = FedDynParams
     Server = FedDynServer
     Client = FedDynClient
+
+    @classmethod
+    def client_state(
+        cls, params: FedDynParams, model: torch.nn.Module, num_classes: int
+    ) -> tuple[StatePart, ...]:
+        """g_k of every trained parameter: every client that has trained holds it."""
+        parameters = dict(model.named_parameters())
+        keys = [k for k in trained_keys(model.state_dict()) if k in parameters]
+        return (model_part(STATE_PREFIX, model, keys, holds=after_training),)

@@ -108,6 +108,7 @@ from fedskew.training.protocol import (
     arrived,
     needs,
 )
+from fedskew.training.state_spec import OrNone, Spec, StatePart, model_part
 
 ANCHOR_KIND = "fm_anchors"  # step 1, server -> client: the global model
 LOCAL_ANCHOR_KIND = "fm_local_anchors"  # step 1, client -> server
@@ -238,6 +239,18 @@ def anchor_reply_arrays(model: torch.nn.Module, num_classes: int) -> dict[str, A
         ANCHORS: ArraySpec((num_classes, model.feature_dim)),
         COUNTS: ArraySpec((num_classes,), torch.int64, sample_counts=True),
     }
+
+
+def anchor_fields(model: torch.nn.Module, num_classes: int) -> dict[str, Spec]:
+    """The server's ``fm_anchors`` at a checkpoint: None before the first anchors, then
+    (C, d) like the clients' local anchors."""
+    return {"fm_anchors": OrNone(ArraySpec((num_classes, model.feature_dim)))}
+
+
+def kept_part(model: torch.nn.Module) -> StatePart:
+    """Step 1's model kept in a client's state until step 2: gone by the end of a round,
+    except for a client whose step-1 reply was dropped (``--on-divergence drop``)."""
+    return model_part(_KEPT, model)
 
 
 def local_anchor_arrays(
@@ -502,6 +515,18 @@ class FedFM(Algorithm):
         cls, params: Any, model: torch.nn.Module, num_classes: int
     ) -> dict[str, ArraySpec]:
         return anchor_reply_arrays(model, num_classes)
+
+    @classmethod
+    def checkpoint_specs(
+        cls, params: Any, model: torch.nn.Module, num_classes: int
+    ) -> dict[str, Spec]:
+        return anchor_fields(model, num_classes)
+
+    @classmethod
+    def client_state(
+        cls, params: Any, model: torch.nn.Module, num_classes: int
+    ) -> tuple[StatePart, ...]:
+        return (kept_part(model),)
 
     @classmethod
     def inactive_mechanisms(cls, params: Any, shape: RunShape) -> list[InactiveMechanism]:

@@ -41,6 +41,7 @@ from fedskew.algorithms.fedfm import (
     COUNTS,
     FeatureMatchingParams,
     aggregate_anchors,
+    anchor_fields,
     anchor_metrics,
     anchor_needs,
     anchor_reply_arrays,
@@ -64,6 +65,14 @@ from fedskew.training.interface import (
 )
 from fedskew.training.local import get_arrays, set_arrays, train_client
 from fedskew.training.protocol import ArraySpec, Channel, Message, arrived, needs
+from fedskew.training.state_spec import (
+    Number,
+    PerClient,
+    Spec,
+    StatePart,
+    after_training,
+    model_part,
+)
 
 _KEPT = "fmlite.model/"  # client state prefix: the local model between model rounds
 
@@ -164,6 +173,12 @@ class FedFMLiteClient(ClientLogic):
         return Message("lite_trained", arrays=arrays, scalars=scalars)
 
 
+def holds_current_model(server: FedFMLiteServer, client: int, trained: bool | None) -> bool | None:
+    """A client that has the current model version keeps its local model; another may keep
+    one too (its reply dropped after it trained), which the next model it is sent replaces."""
+    return True if server.version_sent.get(client) == server.model_version else None
+
+
 class FedFMLite(Algorithm):
     name = "fedfm-lite"
     description = "FedFM-Lite: anchors exchanged every round, models every a rounds"
@@ -177,6 +192,22 @@ class FedFMLite(Algorithm):
         cls, params: FedFMLiteParams, model: torch.nn.Module, num_classes: int
     ) -> dict[str, ArraySpec]:
         return anchor_reply_arrays(model, num_classes)
+
+    @classmethod
+    def checkpoint_specs(
+        cls, params: FedFMLiteParams, model: torch.nn.Module, num_classes: int
+    ) -> dict[str, Spec]:
+        """The anchors, and the model version each client was last sent."""
+        sent = PerClient(Number(int), holds=after_training)  # dropped where a reply is lost
+        return {**anchor_fields(model, num_classes), "version_sent": sent}
+
+    @classmethod
+    def client_state(
+        cls, params: FedFMLiteParams, model: torch.nn.Module, num_classes: int
+    ) -> tuple[StatePart, ...]:
+        """The local model between model rounds: a client that was sent the current model
+        version trains from its kept model, as the server sends it none."""
+        return (model_part(_KEPT, model, holds=holds_current_model),)
 
     @classmethod
     def inactive_mechanisms(

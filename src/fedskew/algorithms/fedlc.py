@@ -28,7 +28,7 @@ from torch import nn
 
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
 from fedskew.core.errors import UsageError
-from fedskew.training.interface import Algorithm, ClientContext, ClientLogic
+from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, keeps_nothing
 from fedskew.training.local import LossOutput, set_arrays, train_client, trained_reply
 from fedskew.training.protocol import Message
 
@@ -72,3 +72,4 @@ class FedLC(Algorithm):
     Params = FedLCParams
     Server = FedAvgServer
     Client = FedLCClient
+    client_state = classmethod(keeps_nothing)

@@ -33,7 +33,13 @@ from fedskew.core.errors import UsageError
 from fedskew.data.federated import ClientData
 from fedskew.models.resnet import BasicBlock
 from fedskew.training.aggregation import weighted_average
-from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, ServerLogic
+from fedskew.training.interface import (
+    Algorithm,
+    ClientContext,
+    ClientLogic,
+    ServerLogic,
+    keeps_nothing,
+)
 from fedskew.training.local import (
     PlainTraining,
     TrainResult,
@@ -184,6 +190,7 @@ class FedNH(Algorithm):
     Params = FedNHParams
     Server = FedNHServer
     Client = FedNHClient
+    client_state = classmethod(keeps_nothing)
 
     @classmethod
     def reply_arrays(

@@ -34,7 +34,13 @@ from typing import Any
 import torch
 
 from fedskew.training.aggregation import weighted_average
-from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, ServerLogic
+from fedskew.training.interface import (
+    Algorithm,
+    ClientContext,
+    ClientLogic,
+    ServerLogic,
+    keeps_nothing,
+)
 from fedskew.training.local import (
     get_arrays,
     set_arrays,
@@ -131,6 +137,7 @@ class FedNova(Algorithm):
     Params = FedNovaParams
     Server = FedNovaServer
     Client = FedNovaClient
+    client_state = classmethod(keeps_nothing)
     replies_carry_local_models = False  # they carry (w - y) / a, not the local model y
 
     @classmethod

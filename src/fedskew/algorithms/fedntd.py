@@ -23,7 +23,7 @@ from torch import nn
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
 from fedskew.core.errors import UsageError
 from fedskew.core.precision import in_fp32
-from fedskew.training.interface import Algorithm, ClientContext, ClientLogic
+from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, keeps_nothing
 from fedskew.training.local import (
     LossOutput,
     frozen_copy,
@@ -100,3 +100,4 @@ class FedNTD(Algorithm):
     Params = FedNTDParams
     Server = FedAvgServer
     Client = FedNTDClient
+    client_state = classmethod(keeps_nothing)

@@ -44,6 +44,7 @@ from fedskew.training.interface import (
     ServerLogic,
     ServerSetup,
     check_one_of,
+    keeps_nothing,
     starts_too_late,
 )
 from fedskew.training.local import (
@@ -56,6 +57,7 @@ from fedskew.training.local import (
     trained_reply,
 )
 from fedskew.training.protocol import ArraySpec, Channel, Message, arrived
+from fedskew.training.state_spec import OrNone, Spec
 
 DISTANCES = ("mse", "sq")
 PROTOS, PROTO_CLASSES, PROTO_COUNTS = "proto.values", "proto.classes", "proto.counts"
@@ -177,6 +179,7 @@ class FedProto(Algorithm):
     Params = FedProtoParams
     Server = FedProtoServer
     Client = FedProtoClient
+    client_state = classmethod(keeps_nothing)
 
     @classmethod
     def reply_arrays(
@@ -188,6 +191,13 @@ class FedProto(Algorithm):
             PROTO_CLASSES: ArraySpec(("n",), torch.int64, classes=num_classes),
             PROTO_COUNTS: ArraySpec(("n",), torch.int64),
         }
+
+    @classmethod
+    def checkpoint_specs(
+        cls, params: FedProtoParams, model: torch.nn.Module, num_classes: int
+    ) -> dict[str, Spec]:
+        """The global prototypes, once the first round has made them."""
+        return {"prototypes": OrNone(ArraySpec((num_classes, model.feature_dim)))}
 
     @classmethod
     def inactive_mechanisms(

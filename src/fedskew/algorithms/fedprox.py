@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
 from fedskew.core.errors import UsageError
-from fedskew.training.interface import Algorithm, ClientContext, ClientLogic
+from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, keeps_nothing
 from fedskew.training.local import LossOutput, set_arrays, train_client, trained_reply
 from fedskew.training.protocol import Message
 
@@ -71,3 +71,4 @@ class FedProx(Algorithm):
     Params = FedProxParams
     Server = FedAvgServer
     Client = FedProxClient
+    client_state = classmethod(keeps_nothing)

@@ -49,7 +49,8 @@ from fedskew.training.local import (
     trained_needs,
     trained_reply,
 )
-from fedskew.training.protocol import Channel, Message, ScalarSpec, arrived
+from fedskew.training.protocol import ArraySpec, Channel, Message, ScalarSpec, arrived
+from fedskew.training.state_spec import StatePart, after_training
 
 PHEAD_INITS = ("zeros", "generic")
 PHEAD_WEIGHT = "personal_head.weight"
@@ -213,3 +214,14 @@ class FedROD(Algorithm):
     @classmethod
     def reply_scalars(cls, params: Any) -> dict[str, ScalarSpec]:
         return {"personal_accuracy": ScalarSpec(low=0.0, high=1.0)}
+
+    @classmethod
+    def client_state(
+        cls, params: FedRODParams, model: torch.nn.Module, num_classes: int
+    ) -> tuple[StatePart, ...]:
+        """The personal head: every client that has trained holds it."""
+        head = {
+            PHEAD_WEIGHT: ArraySpec((num_classes, model.feature_dim)),
+            PHEAD_BIAS: ArraySpec((num_classes,)),
+        }
+        return (StatePart(head, holds=after_training),)

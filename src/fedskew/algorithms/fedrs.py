@@ -21,7 +21,7 @@ from torch import nn
 
 from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
 from fedskew.core.errors import UsageError
-from fedskew.training.interface import Algorithm, ClientContext, ClientLogic
+from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, keeps_nothing
 from fedskew.training.local import LossOutput, set_arrays, train_client, trained_reply
 from fedskew.training.protocol import Message
 
@@ -62,3 +62,4 @@ class FedRS(Algorithm):
     Params = FedRSParams
     Server = FedAvgServer
     Client = FedRSClient
+    client_state = classmethod(keeps_nothing)

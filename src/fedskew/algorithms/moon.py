@@ -57,6 +57,7 @@ from fedskew.training.local import (
     trained_reply,
 )
 from fedskew.training.protocol import Message
+from fedskew.training.state_spec import StatePart, after_training, model_part
 
 PREV = "moon.prev."  # client-state prefix of the previous local model
 LOG2 = math.log(2.0)
@@ -158,6 +159,13 @@ class Moon(Algorithm):
             model.feature_dim, params.out_dim, old.out_features, old.bias is not None
         )
         return model
+
+    @classmethod
+    def client_state(
+        cls, params: MoonParams, model: nn.Module, num_classes: int
+    ) -> tuple[StatePart, ...]:
+        """The previous local model: every client that has trained holds it."""
+        return (model_part(PREV, model, holds=after_training),)
 
     @classmethod
     def inactive_mechanisms(cls, params: MoonParams, shape: RunShape) -> list[InactiveMechanism]:

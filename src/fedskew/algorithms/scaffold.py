@@ -75,6 +75,7 @@ from fedskew.training.interface import (
 )
 from fedskew.training.local import get_arrays, set_arrays, train_client, trained_needs
 from fedskew.training.protocol import ArraySpec, Channel, Message, arrived
+from fedskew.training.state_spec import StatePart, after_training, model_part
 
 C_PREFIX = "c/"  # the server's control variate in the "train" message
 DC_PREFIX = "dc/"  # the client's delta c_k in its reply
@@ -182,6 +183,15 @@ class Scaffold(Algorithm):
             DC_PREFIX + k: ArraySpec(tuple(state[k].shape), state[k].dtype)
             for k in trained_keys(state)
         }
+
+    @classmethod
+    def client_state(
+        cls, params: ScaffoldParams, model: torch.nn.Module, num_classes: int
+    ) -> tuple[StatePart, ...]:
+        """c_k, an array per trained entry: every client that has trained holds it (a
+        client without it would restart from zeros and the run would differ)."""
+        keys = trained_keys(model.state_dict())
+        return (model_part(STATE_PREFIX, model, keys, holds=after_training),)
 
     @classmethod
     def inactive_mechanisms(

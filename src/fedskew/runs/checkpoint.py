@@ -1,10 +1,11 @@
 """Checkpoints without pickle: named tensors in a NumPy ``.npz`` plus a JSON index.
 
 A checkpoint says which run it belongs to (algorithm, configuration hash) and holds the
-finished round with its metrics line, the server logic's state (its global model and
-the attributes it names in ``checkpoint_fields``) and every client's ``ClientState``.
-Values are tensors, NumPy arrays, numbers, strings, None, and dicts/lists of those;
-anything else is refused, so nothing arrives through pickle on load.
+finished round with its metrics line, a digest of the metrics lines up to it, the server
+logic's state (its global model and the attributes it names in ``checkpoint_fields``) and
+every client's ``ClientState``. Values are tensors, NumPy arrays, numbers, strings, None,
+and dicts/lists of those; anything else is refused, so nothing arrives through pickle on
+load. What a resume reads back is checked against the run in ``fedskew.runs.saved_state``.
 """
 
 from __future__ import annotations
@@ -81,8 +82,10 @@ def server_state(server: ServerLogic) -> dict[str, Any]:
 
 
 def load_server_state(server: ServerLogic, state: dict[str, Any]) -> None:
-    for name, value in state.items():
-        setattr(server, name, value)
+    """Put back the fields of :func:`server_state`: only those, so that a name saved in a
+    file never replaces anything else of the server (its methods)."""
+    for name in ("global_arrays", *server.checkpoint_fields):
+        setattr(server, name, state[name])
 
 
 @dataclass
@@ -98,6 +101,9 @@ class Checkpoint:
     config_hash: str = ""
     record: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # fedskew.runs.saved_state.metrics_digest of the metrics lines of rounds 1..round; None
+    # in checkpoints written before it was kept (and by callers that pass none).
+    metrics_digest: str | None = None
 
 
 def save_checkpoint(
@@ -110,6 +116,7 @@ def save_checkpoint(
     algorithm: str = "",
     config_hash: str = "",
     record: dict[str, Any] | None = None,
+    metrics_digest: str | None = None,
 ) -> None:
     """Write durably: a kill or power cut while writing leaves the previous checkpoint."""
     packer = _Packer()
@@ -119,6 +126,7 @@ def save_checkpoint(
         "algorithm": algorithm,
         "config_hash": config_hash,
         "record": packer.pack(record),
+        "metrics_digest": metrics_digest,
         "server": packer.pack(server_state(server)),
         "clients": packer.pack(
             {cid: {"arrays": s.arrays, "scalars": s.scalars} for cid, s in client_states.items()}
@@ -139,18 +147,23 @@ def read_checkpoint(path: Path) -> Checkpoint:
             if not isinstance(index, dict) or index.get("format") != FORMAT:
                 found = index.get("format") if isinstance(index, dict) else None
                 raise ValueError(f"format {found!r}, expected {FORMAT!r}")
+            if type(index["round"]) is not int:
+                raise ValueError(f"its round {index['round']!r} is not a whole number")
             ckpt = Checkpoint(
-                round=int(index["round"]),
+                round=index["round"],
                 server=_unpack(index["server"], data),
                 clients={
-                    int(cid): ClientState(arrays=dict(s["arrays"]), scalars=dict(s["scalars"]))
+                    _client_id(cid): _client_state(s)
                     for cid, s in _unpack(index["clients"], data).items()
                 },
                 algorithm=str(index["algorithm"]),
                 config_hash=str(index["config_hash"]),
                 record=_unpack(index["record"], data),
                 extra=_unpack(index["extra"], data),
+                metrics_digest=index.get("metrics_digest"),
             )
+            if not isinstance(ckpt.metrics_digest, str | None):
+                raise ValueError("its metrics digest is not a string")
     except FileNotFoundError:
         raise FedskewError(f"cannot read checkpoint {path}: no such file") from None
     except Exception as exc:  # zipfile, zlib, NumPy and JSON each fail their own way
@@ -165,6 +178,22 @@ def read_checkpoint(path: Path) -> Checkpoint:
     return ckpt
 
 
+def _client_id(cid: Any) -> int:
+    if type(cid) is not int:
+        raise ValueError(f"client id {cid!r} is not an integer")
+    return cid
+
+
+def _client_state(saved: Any) -> ClientState:
+    """A client's saved state: {"arrays": {...}, "scalars": {...}} (their values are the
+    business of fedskew.runs.saved_state)."""
+    if not isinstance(saved, dict) or set(saved) != {"arrays", "scalars"}:
+        raise ValueError("a client state is not its arrays and scalars")
+    if not isinstance(saved["arrays"], dict) or not isinstance(saved["scalars"], dict):
+        raise ValueError("a client state's arrays or scalars are not named")
+    return ClientState(arrays=dict(saved["arrays"]), scalars=dict(saved["scalars"]))
+
+
 def load_checkpoint(path: Path) -> tuple[int, dict[str, Any], dict[int, ClientState], dict]:
     """(finished round, server state, client states, extra) of :func:`read_checkpoint`."""
     ckpt = read_checkpoint(path)
@@ -172,12 +201,11 @@ def load_checkpoint(path: Path) -> tuple[int, dict[str, Any], dict[int, ClientSt
 
 
 def check_checkpoint(
-    ckpt: Checkpoint, path: Path, server: ServerLogic, algorithm: str, config_hash: str,
-    rounds: int,
-) -> None:  # fmt: skip
+    ckpt: Checkpoint, path: Path, algorithm: str, config_hash: str, rounds: int
+) -> None:
     """Refuse a checkpoint that does not belong to this run: another algorithm or
-    configuration, a round outside 1..rounds, arrays that do not fit the server's model,
-    or non-finite values (a diverged state must never be resumed)."""
+    configuration, a round outside 1..rounds, or non-finite values (a diverged state must
+    never be resumed). Whether its state fits the run is ``fedskew.runs.saved_state``'s."""
     if ckpt.algorithm != algorithm:
         raise FedskewError(
             f"{path} holds a {ckpt.algorithm or 'unnamed'} run, not {algorithm}; "
@@ -187,24 +215,6 @@ def check_checkpoint(
         raise FedskewError(f"{path} was written by a run with another configuration")
     if not 1 <= ckpt.round <= rounds:
         raise FedskewError(f"{path} holds round {ckpt.round}, outside this run's 1..{rounds}")
-    expected = server.global_arrays
-    saved = ckpt.server["global_arrays"]
-    if not isinstance(saved, dict) or set(saved) != set(expected):
-        raise FedskewError(f"{path}: its global model has other arrays than this run's model")
-    for name, want in expected.items():
-        got = saved[name]
-        if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
-            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-            raise FedskewError(
-                f"{path}: array '{name}' is {shape}, this run's model has {tuple(want.shape)} "
-                f"{want.dtype}"
-            )
-    for field_name, value in ckpt.server.items():
-        fresh = getattr(server, field_name, None)
-        if isinstance(fresh, torch.Tensor) and (
-            not isinstance(value, torch.Tensor) or value.shape != fresh.shape
-        ):
-            raise FedskewError(f"{path}: server field '{field_name}' does not fit this run")
     where = _non_finite(ckpt.server) or _non_finite(
         {cid: s.arrays for cid, s in ckpt.clients.items()}
     )

@@ -60,8 +60,14 @@ from fedskew.runs.checkpoint import (
 )
 from fedskew.runs.folder import RunFolder, check_writable
 from fedskew.runs.local_evaluation import evaluate_on_clients, has_personal_part
-from fedskew.runs.measurements import Measurements, final_values
-from fedskew.runs.tracking import TrackingSession, check_available
+from fedskew.runs.measurements import Measurements, due, final_values
+from fedskew.runs.saved_state import (
+    RecordSpec,
+    SavedStateSpec,
+    check_saved_state,
+    metrics_digest,
+)
+from fedskew.runs.tracking import TrackingSession, check_available, check_saved_trackers
 from fedskew.training.interface import ClientLogic, ServerLogic, ServerSetup
 from fedskew.training.local import set_arrays
 from fedskew.training.protocol import Expected, Message, NoReplies, largest_state
@@ -289,6 +295,7 @@ class RunState:
     last_eval: dict[str, Any] = field(default_factory=dict)
     measurements: Measurements | None = None  # the metrics asked for besides accuracy
     execution: Execution | None = None  # what the default engine factory chose, and why
+    metrics_digest: str = ""  # of the metrics lines of history (saved_state.metrics_digest)
 
     def __post_init__(self) -> None:
         self.client_counts = self.prep.fed.class_counts()
@@ -323,6 +330,7 @@ def open_folder(state: RunState, resume: Path | None) -> None:
                     f"{resume}: the saved partition differs from the one rebuilt from its config"
                 )
             restore(state, folder)
+            check_saved_trackers(cfg, folder)  # before this process leaves a line in it
         except BaseException:
             folder.release()
             raise
@@ -385,27 +393,61 @@ def restore(state: RunState, folder: RunFolder) -> None:
         path = folder.checkpoint_path
         ckpt = read_checkpoint(path)
         check_checkpoint(
-            ckpt, path, state.server, state.prep.algorithm.name, config_hash(state.cfg),
-            state.cfg.rounds,
-        )  # fmt: skip
+            ckpt, path, state.prep.algorithm.name, config_hash(state.cfg), state.cfg.rounds
+        )
         done = ckpt.round
-        if len(rows) == done - 1 and ckpt.record is not None and ckpt.record["round"] == done:
-            rows.append(ckpt.record)
+        record = ckpt.record  # any value: checked with the lines below
+        if len(rows) == done - 1 and isinstance(record, dict) and _is_round(record, done):
+            rows.append(record)
         if len(rows) < done:
             raise FedskewError(
                 f"{folder.metrics_path} has the metrics of rounds 1..{len(rows)} but "
                 f"{path} holds round {done}: cannot reconcile them, so this run cannot be resumed"
             )
+        check_saved_state(ckpt, path, rows[:done], folder.metrics_path, saved_state_spec(state))
         load_server_state(state.server, ckpt.server)
         state.engine.restore_client_states(ckpt.clients)
     state.start_round = done
     state.history = rows[:done]
+    state.metrics_digest = metrics_digest(state.history)
     folder.keep_metrics(state.history)
     state.last_eval = next(
         ({k: v for k, v in r.items() if is_eval_key(k)}
          for r in reversed(state.history) if "accuracy" in r),
         {},
     )  # fmt: skip
+
+
+def _is_round(record: dict[str, Any], number: int) -> bool:
+    value = record.get("round")
+    return type(value) is int and value == number
+
+
+def saved_state_spec(state: RunState) -> SavedStateSpec:
+    """What this run's checkpoints and metrics lines hold, for a resume to check its folder."""
+    prep, cfg = state.prep, state.cfg
+    algorithm, model = prep.algorithm, state.eval_model  # the run's architecture
+    num_classes, num_clients = prep.dataset.num_classes, len(prep.partition)
+    series: tuple[str, ...] = ()
+    if prep.local_test is not None:
+        personal = has_personal_part(algorithm.Client)
+        series = ("client_accuracy", *(("client_personal_accuracy",) if personal else ()))
+    records = RecordSpec(
+        num_clients=num_clients,
+        num_classes=num_classes,
+        sampled=lambda rnd: sample_clients(cfg.seed, rnd, num_clients, state.per_round),
+        evaluated=state.setup.is_eval_round,
+        features_due=lambda rnd: due(cfg.feature_metrics_every, rnd, cfg.rounds),
+        local_series=series,
+    )
+    return SavedStateSpec(
+        algorithm=algorithm.name,
+        server=state.server,
+        fields=algorithm.checkpoint_specs(prep.params, model, num_classes),
+        client_parts=algorithm.client_state(prep.params, model, num_classes),
+        records=records,
+        clients_here=isinstance(state.engine, ServerSideClientStates),
+    )
 
 
 def partition_meta(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -577,6 +619,7 @@ def keep_round(state: RunState, rnd: int, record: dict[str, Any]) -> None:
     """The round's checkpoint (when due), then its metrics line: metrics of a round are
     only kept once its state is safe."""
     cfg, folder = state.cfg, state.run_folder
+    digest = metrics_digest([record], state.metrics_digest)
     if cfg.checkpoint_every and ((rnd + 1) % cfg.checkpoint_every == 0 or rnd + 1 == cfg.rounds):
         save_checkpoint(
             folder.checkpoint_path,
@@ -586,9 +629,11 @@ def keep_round(state: RunState, rnd: int, record: dict[str, Any]) -> None:
             algorithm=state.prep.algorithm.name,
             config_hash=config_hash(cfg),
             record=record,
+            metrics_digest=digest,
         )
     folder.append_metrics(record)
     state.history.append(record)
+    state.metrics_digest = digest
 
 
 def finish(state: RunState, seconds_this_process: float) -> tuple[Path, dict[str, Any]]:

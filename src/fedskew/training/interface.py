@@ -19,6 +19,7 @@ from fedskew.core.errors import UsageError
 from fedskew.core.rng import torch_rng
 from fedskew.data.federated import ClientData
 from fedskew.training.protocol import ArraySpec, Channel, ClientState, Message, ScalarSpec
+from fedskew.training.state_spec import Spec, StatePart
 
 
 def check_one_of(owner: str, name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -112,7 +113,8 @@ class ServerLogic:
     """Server side of an algorithm. Keeps the global model as named tensors."""
 
     # The attributes besides ``global_arrays`` that a resumed run needs (SCAFFOLD's c,
-    # FedFM's anchors, ...): the checkpoint saves and restores exactly these.
+    # FedFM's anchors, ...): the checkpoint saves and restores exactly these, and a resume
+    # checks each against the fresh server's value or ``Algorithm.checkpoint_specs``.
     checkpoint_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, params: Any, setup: ServerSetup) -> None:
@@ -220,6 +222,28 @@ class Algorithm:
         return {}
 
     @classmethod
+    def checkpoint_specs(
+        cls, params: Any, model: torch.nn.Module, num_classes: int
+    ) -> Mapping[str, Spec]:
+        """What the server's ``checkpoint_fields`` hold after some rounds, by name, for the
+        fields whose value in a freshly built server does not show it: None before the first
+        anchors (``OrNone``), an empty dict that fills with a value per client
+        (``PerClient``). A resume checks every other field against the fresh server's value
+        (``fedskew.training.state_spec.spec_of``)."""
+        return {}
+
+    @classmethod
+    def client_state(
+        cls, params: Any, model: torch.nn.Module, num_classes: int
+    ) -> tuple[StatePart, ...] | None:
+        """The parts of the state (``ctx.state``) a client may hold at the end of a round,
+        with which clients must hold each; a resume refuses a checkpoint whose client
+        states hold anything else, a part in pieces or of another shape, or lack a part a
+        client must hold. ``()``: the clients keep nothing. ``None`` (the default, for
+        algorithms that say nothing): only checked to be tensors and finite numbers."""
+        return None
+
+    @classmethod
     def inactive_mechanisms(cls, params: Any, shape: RunShape) -> list[InactiveMechanism]:
         """The method's mechanisms that the options and the run's shape keep from ever acting
         (a launch round after the last round, a period longer than the run, an exchange
@@ -232,3 +256,11 @@ class Algorithm:
     def make_params(cls, values: Mapping[str, object]) -> Any:
         """Build the Params dataclass from user values, coercing strings and naming mistakes."""
         return params_from_values(cls.Params, values, f"algorithm '{cls.name}'", cls.name)
+
+
+def keeps_nothing(
+    cls: type[Algorithm], params: Any, model: torch.nn.Module, num_classes: int
+) -> tuple[StatePart, ...]:
+    """``Algorithm.client_state`` of a method whose clients keep nothing between messages:
+    ``client_state = classmethod(keeps_nothing)``."""
+    return ()

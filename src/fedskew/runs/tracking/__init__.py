@@ -2,6 +2,11 @@
 to TensorBoard, MLflow or Weights & Biases (``fedskew run --track NAME``), besides the run
 folder, which stays the record. Each backend is an optional extra (``fedskew[NAME]``)."""
 
-from fedskew.runs.tracking.session import TrackingSession, check_available, prepare
+from fedskew.runs.tracking.session import (
+    TrackingSession,
+    check_available,
+    check_saved_trackers,
+    prepare,
+)
 
-__all__ = ["TrackingSession", "check_available", "prepare"]
+__all__ = ["TrackingSession", "check_available", "check_saved_trackers", "prepare"]

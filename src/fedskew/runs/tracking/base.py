@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +111,14 @@ class Tracker(ABC):
 
     name: ClassVar[str]
 
+    @classmethod
+    def saved_problem(cls, saved: dict[str, Any], run: RunInfo, folder: Path) -> str | None:
+        """Why this tracker's entry of tracking.json (``saved``) must not be used to continue
+        its run, or None. tracking.json is a file of the run folder ``folder``, read back
+        like the checkpoint: a path it names must stay inside the trackers' folder
+        (``run.root``) or the run folder, an id must be one this tracker makes."""
+        return None
+
     def __init__(self, run: RunInfo, saved: dict[str, Any]) -> None:
         """Start the run in the backend, or reopen the one ``saved`` names (this tracker's
         entry of the run folder's tracking.json; empty for a new run)."""
@@ -129,3 +138,23 @@ class Tracker(ABC):
 
     @abstractmethod
     def close(self, status: str) -> None: ...
+
+
+def outside(value: Any, run: RunInfo, folder: Path) -> str | None:
+    """Why a path read back from tracking.json is not one a tracker may write to: not a
+    string, or outside both the trackers' folder and the run folder once links are
+    followed (as the paths of a run configuration); None when it is inside."""
+    if not isinstance(value, str) or not value or "\x00" in value:
+        return f"{value!r}, which is not a path"
+    path = Path(value).resolve()
+    for root in (run.root, folder):
+        if path.is_relative_to(Path(root).resolve()):
+            return None
+    return f"{value}, outside this run's folders ({run.root})"
+
+
+def not_an_id(value: Any) -> str | None:
+    """Why a run id read back from tracking.json is not one (letters, digits, - and _)."""
+    if isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", value):
+        return None
+    return f"{value!r}, which is not a run id"

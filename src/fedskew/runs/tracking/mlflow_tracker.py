@@ -17,16 +17,17 @@ from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from fedskew.runs.tracking.base import FAILED, KILLED, RunInfo, Tracker, flat
+from fedskew.runs.tracking.base import FAILED, KILLED, RunInfo, Tracker, flat, not_an_id, outside
 
 # MLflow's limits: params per logging call, and characters of a param value.
 PARAMS_PER_CALL = 100
 PARAM_CHARS = 6000
 STATUS = {FAILED: "FAILED", KILLED: "KILLED"}
+SQLITE = "sqlite:///"
 
 
 def tracking_uri(root: Path) -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlflow.db'}"
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"{SQLITE}{root / 'mlflow.db'}"
 
 
 def experiment_id(client: MlflowClient, name: str, root: Path) -> str:
@@ -53,6 +54,28 @@ class MlflowTracker(Tracker):
         """The database (its tables), made once before runs write to it side by side."""
         root.mkdir(parents=True, exist_ok=True)
         MlflowClient(tracking_uri=tracking_uri(root)).search_experiments(max_results=1)
+
+    @classmethod
+    def saved_problem(cls, saved: dict[str, Any], run: RunInfo, folder: Path) -> str | None:
+        """The store must be the one this process would use (MLFLOW_TRACKING_URI, or the
+        database in the trackers' folder) or a database inside the run's folders: a store
+        named in the run folder alone could be anywhere, a server elsewhere included."""
+        if "run_id" in saved and not_an_id(saved["run_id"]):
+            return f"names the run {not_an_id(saved['run_id'])}"
+        uri = saved.get("tracking_uri")
+        mine = tracking_uri(run.root)
+        if uri is None or uri == mine:
+            return None
+        if (
+            isinstance(uri, str)
+            and uri.startswith(SQLITE)
+            and not outside(uri[len(SQLITE) :], run, folder)
+        ):
+            return None
+        return (
+            f"names the store {uri!r}, not this run's ({mine}); to continue there, set "
+            "MLFLOW_TRACKING_URI to it"
+        )
 
     def __init__(self, run: RunInfo, saved: dict[str, Any]) -> None:
         super().__init__(run, saved)

@@ -19,7 +19,7 @@ from typing import Any
 
 from fedskew.config import ExperimentConfig
 from fedskew.core.durable import write_bytes_durably
-from fedskew.core.errors import UsageError
+from fedskew.core.errors import FedskewError, UsageError
 from fedskew.runs.folder import RunFolder
 from fedskew.runs.tracking.base import FAILED, FINISHED, RunInfo, Tracker, run_info, scalars
 
@@ -86,6 +86,25 @@ def read_state(folder: Path) -> dict[str, dict[str, Any]]:
         return {}
     trackers = state.get("trackers") if isinstance(state, dict) else None
     return {k: v for k, v in (trackers or {}).items() if isinstance(v, dict)}
+
+
+def check_saved_trackers(cfg: ExperimentConfig, folder: RunFolder) -> None:
+    """Refuse, in one line, to continue the tracker runs that tracking.json names where one
+    of this run's trackers would write elsewhere than the run's folders (a log folder
+    outside them, another MLflow store) or under a name that is not an id: the file is an
+    input of the resume, like the checkpoint."""
+    saved = read_state(folder.path) if cfg.track else {}
+    info: RunInfo | None = None
+    for name in cfg.track:
+        if not saved.get(name):
+            continue
+        info = info or run_info(cfg, folder)
+        why = tracker_class(name).saved_problem(saved[name], info, folder.path)
+        if why:
+            raise FedskewError(
+                f"{folder.path / STATE}: its {name} entry {why}; remove the entry to start "
+                f"a new {name} run"
+            )
 
 
 class TrackingSession:

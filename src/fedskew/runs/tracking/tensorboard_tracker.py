@@ -11,11 +11,18 @@ from typing import Any
 
 from torch.utils.tensorboard import SummaryWriter
 
-from fedskew.runs.tracking.base import RunInfo, Tracker
+from fedskew.runs.tracking.base import RunInfo, Tracker, outside
 
 
 class TensorBoardTracker(Tracker):
     name = "tensorboard"
+
+    @classmethod
+    def saved_problem(cls, saved: dict[str, Any], run: RunInfo, folder: Path) -> str | None:
+        if "log_dir" not in saved:
+            return None
+        why = outside(saved["log_dir"], run, folder)
+        return f"names the log folder {why}" if why else None
 
     def __init__(self, run: RunInfo, saved: dict[str, Any]) -> None:
         super().__init__(run, saved)

@@ -17,7 +17,7 @@ from typing import Any
 
 import wandb
 
-from fedskew.runs.tracking.base import FINISHED, RunInfo, Tracker
+from fedskew.runs.tracking.base import FINISHED, RunInfo, Tracker, not_an_id
 
 
 def mode() -> str | None:
@@ -36,6 +36,14 @@ def wait_for_a_new_second(folder: Path, run_id: str) -> None:
 
 class WandbTracker(Tracker):
     name = "wandb"
+
+    @classmethod
+    def saved_problem(cls, saved: dict[str, Any], run: RunInfo, folder: Path) -> str | None:
+        """The id names W&B's run folders under the trackers' folder: an id only. (The
+        saved project and folder are not used: they come from the run's configuration.)"""
+        if "id" in saved and not_an_id(saved["id"]):
+            return f"names the run {not_an_id(saved['id'])}"
+        return None
 
     def __init__(self, run: RunInfo, saved: dict[str, Any]) -> None:
         super().__init__(run, saved)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from host_sync_check import SYNC_CASES, cuda_syncs, sync_counts, waits_per_step
 from tiny_bn import NAME as TINY_BN
 
 from fedskew.algorithms import ALGORITHMS
@@ -351,48 +352,16 @@ def test_cuda_curve_matches_the_cpu_curve(algorithm: str, tmp_path: Path) -> Non
         assert abs(cpu["loss"] - cuda["loss"]) <= 0.02 * abs(cpu["loss"]) + 1e-4
 
 
-# Local steps that must not wait for the host on CUDA: augmentation (one client and stacked),
-# FedACD's mixup and margins, the loss terms of FedCME, FedNTD and FedDecorr.
-SYNC_CASES = {
-    "fedavg-augment": {"augment": True},
-    "fedavg-augment-together": {"augment": True, "clients_together": "vmap"},
-    "fedacd-mixup": {"algorithm": "fedacd", "params": {"mixup": True}},
-    "fedcme": {"algorithm": "fedcme"},
-    "fedntd": {"algorithm": "fedntd"},
-    "feddecorr": {"algorithm": "feddecorr"},
-}
-
-
-def _host_syncs(options: dict, epochs: int, tmp_path: Path) -> int:
-    """Host syncs PyTorch reports (``set_sync_debug_mode``) over a 2-round CUDA run."""
-    import warnings
-
-    cfg = ExperimentConfig(
-        **{"model": TINY_BN, "clients_together": "off", **options}, rounds=2, num_clients=4,
-        clients_per_round=2, local_epochs=epochs, workers=0, device="cuda",
-        out_dir=str(tmp_path), name=f"sync-{epochs}", quiet=True, checkpoint_every=0,
-    )  # fmt: skip
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run(cfg)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
-
-
 @pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)
 @pytest.mark.parametrize("case", sorted(SYNC_CASES))
 def test_cuda_local_steps_do_not_wait_for_the_host(case: str, tmp_path: Path) -> None:
-    """Two more local epochs add about 22 steps per client and round; they may add a few
-    syncs (per epoch at most), not several per step, as the per-batch host draws and boolean
-    masks did (about 5 per step with augmentation)."""
-    options = SYNC_CASES[case]
-    short = _host_syncs(options, 1, tmp_path / "short")
-    long = _host_syncs(options, 3, tmp_path / "long")
-    extra_epochs = 2 * 2 * 2  # rounds x clients x epochs
-    assert long - short <= extra_epochs, (short, long)
+    """Two more local epochs (2 against 4: one protocol for every case) add about 44 steps
+    per client; they may add a sync per epoch at most, not several per step, as the
+    per-batch host draws and boolean masks did (about 5 per step with augmentation). The
+    same check on the CPU, with a proxy counter, catches a planted per-step sync
+    (tests/test_host_syncs.py)."""
+    short, long = sync_counts(cuda_syncs, SYNC_CASES[case], "cuda", tmp_path)
+    assert not waits_per_step(short, long), (short, long)
 
 
 # ---------------------------------------------------------------------------- several GPUs

@@ -39,6 +39,7 @@ from fedskew.core.device import (
     cuda_count,
     resolve_device,
     settings_applied,
+    tf32_state,
 )
 from fedskew.core.errors import UsageError
 from fedskew.engines.client_runtime import ClientRuntime
@@ -116,8 +117,76 @@ def test_execution_settings_are_put_back() -> None:
     before = ExecutionSettings.current()
     with settings_applied(ExecutionSettings(tf32=not before.tf32, deterministic=True)):
         assert torch.are_deterministic_algorithms_enabled()
-        assert torch.backends.cuda.matmul.allow_tf32 is (not before.tf32)
+        assert tf32_state() == (("ieee", "ieee") if before.tf32 else ("tf32", "tf32"))
     assert ExecutionSettings.current() == before
+
+
+def _tf32_readings() -> dict[str, object]:
+    """What a user's code may read about TF32, through either API ("raises" where PyTorch
+    refuses the read)."""
+    backends = torch.backends
+    readers = {
+        "matmul.allow_tf32": lambda: backends.cuda.matmul.allow_tf32,
+        "matmul.fp32_precision": lambda: backends.cuda.matmul.fp32_precision,
+        "cudnn.allow_tf32": lambda: backends.cudnn.allow_tf32,
+        "cudnn.conv.fp32_precision": lambda: backends.cudnn.conv.fp32_precision,
+        "fp32_precision": lambda: backends.fp32_precision,
+        "float32_matmul_precision": torch.get_float32_matmul_precision,
+    }
+    out: dict[str, object] = {}
+    for name, read in readers.items():
+        try:
+            out[name] = read()
+        except RuntimeError:
+            out[name] = "raises"
+    return out
+
+
+@pytest.fixture
+def user_tf32():
+    """The TF32 switches as a fresh process has them, after the test."""
+    yield
+    torch.backends.fp32_precision = "none"
+    torch.set_float32_matmul_precision("highest")  # legacy and new in step
+    torch.backends.cuda.matmul.fp32_precision = "none"
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.conv.fp32_precision = "tf32"
+
+
+USER_TF32 = {
+    "new matmul api": lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"),
+    "new conv api": lambda: setattr(torch.backends.cudnn.conv, "fp32_precision", "ieee"),
+    "new generic api": lambda: setattr(torch.backends, "fp32_precision", "tf32"),
+    "legacy flags": lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True),
+    "matmul precision high": lambda: torch.set_float32_matmul_precision("high"),
+    "nothing set": lambda: None,
+}
+
+
+@pytest.mark.parametrize("user", sorted(USER_TF32))
+@pytest.mark.parametrize("tf32", [False, True])
+def test_tf32_settings_work_after_either_api_and_are_put_back(user, tf32, user_tf32) -> None:
+    """Before, a session that set TF32 through PyTorch's newer API (fp32_precision) got
+    "mix of the legacy and new APIs" from fedskew reading the legacy flag."""
+    USER_TF32[user]()
+    before = _tf32_readings()
+    with settings_applied(ExecutionSettings(tf32=tf32, deterministic=False)):
+        want = "tf32" if tf32 else "ieee"
+        assert tf32_state() == (want, want)
+        assert ExecutionSettings.current().tf32 is tf32
+    assert _tf32_readings() == before
+
+
+def test_a_run_after_the_new_tf32_api(user_tf32, tmp_path: Path) -> None:
+    """The review's reproduction: fp32_precision set, then fedskew.run (on any device)."""
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    cfg = ExperimentConfig(
+        rounds=1, num_clients=4, clients_per_round=2, local_epochs=1, out_dir=str(tmp_path),
+        name="tf32", quiet=True, workers=0, device="cpu",
+    )  # fmt: skip
+    _, summary = run(cfg)
+    assert summary["final_accuracy"] is not None
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
 
 
 def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

@@ -16,9 +16,10 @@ The script exits 1 when any row is red (a failed CUDA test, an equivalence row t
    algorithm learns on the CPU (see LEARNED): a device path that learns nothing fails, and a
    row whose CPU curve did not learn is red too ("uninformative"), since it cannot tell.
 4. Throughput: benchmarks/clients_together.py's table on Fashion-MNIST when a copy is found
-   (--data-dir, $FEDSKEW_DATA, data/, /usr/share/datasets/fashion-mnist, ../shared/data),
-   else MNIST, else a synthetic stand-in of Fashion-MNIST's shape, labelled as such (its
-   timings hold, its accuracy means nothing).
+   (in --data-dir, else in the checkout's data/ when it exists; then where fedskew's loader
+   looks: /usr/share/datasets/fashion-mnist, $FEDSKEW_DATA, its cache, ../shared/data), else
+   MNIST, else a synthetic stand-in of Fashion-MNIST's shape, labelled as such (its timings
+   hold, its accuracy means nothing).
 
 ``--device cpu`` is the dry run for a machine without a GPU: the same code with the CPU as the
 "device" (the together column then compares the CPU's vmap path with its one-after-another
@@ -303,14 +304,15 @@ def throughput_dataset(data_dir: str | None) -> tuple[str, str]:
 
 
 def throughput(args: argparse.Namespace, dry_run: bool) -> dict[str, Any]:
-    dataset, described = throughput_dataset(args.data_dir)
+    data_dir = data_dir_of(args.data_dir)
+    dataset, described = throughput_dataset(data_dir)
     tp = ["--device", args.device, "--dataset", dataset]
     if args.flower:
         tp.append("--flower")
     if dry_run:
         tp += ["--epochs", "1", "--rounds", "1", "--bare-steps", "20", "--pairs", "1"]
-    if args.data_dir:
-        tp += ["--data-dir", args.data_dir]
+    if data_dir:
+        tp += ["--data-dir", data_dir]
     result = clients_together.measure(clients_together.parser().parse_args(tp))
     command = "python benchmarks/clients_together.py " + shlex.join(tp)
     return {"dataset": described, "result": result, "command": command}
@@ -370,6 +372,15 @@ def markdown(data: dict[str, Any], red: list[str]) -> str:
     eq = steps.get("equivalence")
     if eq is not None:
         lines += [
+def data_dir_of(given: str | None) -> str | None:
+    """Where the throughput data is looked for first: ``given``, else the checkout's data/
+    (the folder a GPU machine gets carried to it; fedskew's loader does not look there)."""
+    if given:
+        return given
+    carried = ROOT / "data"
+    return str(carried) if carried.is_dir() else None
+
+
             "",
             "## CPU and device curves, per algorithm",
             "",
@@ -426,7 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flower", action="store_true", help="Flower's simulation in the table")
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--only", default=None, help="comma-separated algorithms (default: all)")
-    p.add_argument("--data-dir", default=None, help="where Fashion-MNIST is (see the loader)")
+    p.add_argument(
+        "--data-dir", default=None, help="where Fashion-MNIST is (default: data/ if it exists)"
+    )
     p.add_argument("--out", default=None, help="the .md to write (a .json goes beside it)")
     args = p.parse_args(argv)
     try:

@@ -66,6 +66,27 @@ def test_throughput_data_falls_back_to_a_labelled_stand_in(gpu_check, monkeypatc
     assert tuple(data.x_train.shape) == (60000, 1, 28, 28) and data.num_classes == 10
 
 
+def test_throughput_data_is_looked_for_in_the_carried_data_folder(
+    gpu_check, monkeypatch, tmp_path: Path
+) -> None:
+    """docs/gpu.md says to carry data/ to the GPU machine: the check must look there (a
+    run's loader does not), after --data-dir, before the loader's own places."""
+    asked = []
+
+    def found(name, data_dir, download):
+        asked.append(data_dir)
+        raise DataError(f"{name}: no data found")
+
+    monkeypatch.setattr(gpu_check, "load_dataset", found)
+    monkeypatch.setattr(gpu_check, "ROOT", tmp_path)
+    assert gpu_check.data_dir_of(None) is None  # no data/ here: the loader's places only
+    (tmp_path / "data").mkdir()
+    assert gpu_check.data_dir_of(None) == str(tmp_path / "data")
+    assert gpu_check.data_dir_of("elsewhere") == "elsewhere"
+    gpu_check.throughput_dataset(gpu_check.data_dir_of(None))
+    assert asked == [str(tmp_path / "data")] * 2  # Fashion-MNIST, then MNIST
+
+
 def test_the_report_survives_a_failing_step_and_exits_non_zero(
     gpu_check, monkeypatch, tmp_path: Path
 ) -> None:

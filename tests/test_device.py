@@ -42,6 +42,7 @@ from fedskew.core.device import (
     tf32_state,
 )
 from fedskew.core.errors import UsageError
+from fedskew.core.gpu_memory import PEAK_KEYS, memory_peaks, reset_peaks
 from fedskew.engines.client_runtime import ClientRuntime
 from fedskew.engines.inprocess import InProcessEngine
 from fedskew.runs.loop import RunState, evaluate_global_model, play_round, run, server_setup
@@ -109,7 +110,10 @@ def test_execution_options_leave_the_config_hash_alone() -> None:
     """device, tf32, deterministic and clients_together change rounding, not the experiment:
     a run may be resumed on another device (see EXECUTION_ONLY)."""
     base = ExperimentConfig()
-    other = ExperimentConfig(device="cpu", tf32=True, deterministic=True, clients_together="vmap")
+    other = ExperimentConfig(
+        device="cpu", tf32=True, deterministic=True, clients_together="vmap",
+        clients_together_max=8,
+    )  # fmt: skip
     assert config_hash(base) == config_hash(other)
 
 
@@ -280,6 +284,48 @@ def test_run_folder_records_the_device(tmp_path: Path) -> None:
     resolved = json.loads((folder / "config.json").read_text())["resolved"]
     assert resolved["device"] == "cpu"
     assert summary["final_accuracy"] is not None
+    # No GPU memory to report on the CPU: the keys are absent.
+    line = json.loads((folder / "metrics.jsonl").read_text().splitlines()[0])
+    assert not set(PEAK_KEYS) & (set(line) | set(summary))
+
+
+def test_gpu_memory_peaks_per_round_and_in_the_summary(monkeypatch, tmp_path: Path) -> None:
+    """Each round's peaks reach metrics.jsonl and the run's largest the summary (the query
+    monkeypatched: this machine may have no GPU)."""
+    import fedskew.runs.loop as loop
+
+    resets: list[torch.device] = []
+    peaks = iter([(100.0, 128.0), (300.0, 512.0), (200.0, 512.0)])
+
+    def measured(device: torch.device) -> dict[str, float]:
+        allocated, reserved = next(peaks)
+        return {"gpu_peak_mib": allocated, "gpu_reserved_peak_mib": reserved}
+
+    monkeypatch.setattr(loop, "reset_peaks", resets.append)
+    monkeypatch.setattr(loop, "memory_peaks", measured)
+    cfg = ExperimentConfig(
+        rounds=3, num_clients=4, clients_per_round=2, local_epochs=1, out_dir=str(tmp_path),
+        name="peaks", quiet=True, workers=0, device="cpu",
+    )  # fmt: skip
+    folder, summary = run(cfg)
+    lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [x["gpu_peak_mib"] for x in lines] == [100.0, 300.0, 200.0]
+    assert [x["gpu_reserved_peak_mib"] for x in lines] == [128.0, 512.0, 512.0]
+    assert (summary["gpu_peak_mib"], summary["gpu_reserved_peak_mib"]) == (300.0, 512.0)
+    assert len(resets) == 3  # measured afresh every round
+
+
+def test_memory_peaks_read_the_allocator_on_cuda(monkeypatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: 4 * 2**30 + 2**19)
+    cuda = torch.device("cuda", 0)
+    reset_peaks(cuda)
+    assert calls == ["reset"]
+    assert memory_peaks(cuda) == {"gpu_peak_mib": 3072.0, "gpu_reserved_peak_mib": 4096.5}
+    reset_peaks(torch.device("cpu"))
+    assert calls == ["reset"] and memory_peaks(torch.device("cpu")) == {}
 
 
 # ---------------------------------------------------------------------------- meta default

@@ -204,7 +204,7 @@ class ClientRuntime:
             if self._train_chunk(rnd, chunk, messages, states, replies):
                 done += len(chunk)
                 continue
-            if size == 1:
+            if len(chunk) == 1:
                 self._oom_alone = True
                 self._say(
                     "clients trained together ran out of GPU memory with one client at a "
@@ -214,9 +214,9 @@ class ClientRuntime:
                 for cid in cids[done:]:
                     replies[cid] = self.handle(cid, rnd, messages[cid], states[cid])
                 break
-            self._after_oom = size = size // 2
+            self._after_oom = size = len(chunk) // 2
             self._say(
-                f"clients trained together ran out of GPU memory with {2 * size} at once: "
+                f"clients trained together ran out of GPU memory with {len(chunk)} at once: "
                 f"{size} at a time from now on (--clients-together-max N sets the number)",
                 warn=True,
                 key="halved",

@@ -16,11 +16,12 @@
 # run: python benchmarks/gpu_check.py --device cpu
 #
 # Data: the equivalence needs nothing (digits are embedded). The throughput table looks for
-# Fashion-MNIST with fedskew's loader (GPU_CHECK_DATA_DIR, data/, $FEDSKEW_DATA,
-# /usr/share/datasets/fashion-mnist, ../shared/data), then MNIST, then uses a synthetic
-# stand-in of the same shape (said in the report). A GPU machine without internet gets the
-# real files carried in an ignored folder, e.g. `mkdir -p data/fmnist && cp
-# /usr/share/datasets/fashion-mnist/*.gz data/fmnist/` here and data/ carried along.
+# Fashion-MNIST in GPU_CHECK_DATA_DIR, else in this checkout's data/ when it exists, then
+# where fedskew's loader looks (/usr/share/datasets/fashion-mnist, $FEDSKEW_DATA, its cache,
+# ../shared/data), then MNIST likewise, then uses a synthetic stand-in of the same shape
+# (said in the report). A GPU machine without internet gets the real files carried in an
+# ignored folder, e.g. `mkdir -p data/fmnist && cp /usr/share/datasets/fashion-mnist/*.gz
+# data/fmnist/` here and data/ carried along.
 # PYTHON chooses the interpreter (default: .venv/bin/python, else python3); fedskew is
 # imported from src/ when it is not installed. Arguments are passed to gpu_check.py (e.g.
 # --out DIR/gpu_check.md where only an output folder comes back).

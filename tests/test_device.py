@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from host_sync_check import SYNC_CASES, cuda_syncs, sync_counts, waits_per_step
 from tiny_bn import NAME as TINY_BN
 
 from fedskew.algorithms import ALGORITHMS
@@ -38,8 +39,10 @@ from fedskew.core.device import (
     cuda_count,
     resolve_device,
     settings_applied,
+    tf32_state,
 )
 from fedskew.core.errors import UsageError
+from fedskew.core.gpu_memory import PEAK_KEYS, memory_peaks, reset_peaks
 from fedskew.engines.client_runtime import ClientRuntime
 from fedskew.engines.inprocess import InProcessEngine
 from fedskew.runs.loop import RunState, evaluate_global_model, play_round, run, server_setup
@@ -107,7 +110,10 @@ def test_execution_options_leave_the_config_hash_alone() -> None:
     """device, tf32, deterministic and clients_together change rounding, not the experiment:
     a run may be resumed on another device (see EXECUTION_ONLY)."""
     base = ExperimentConfig()
-    other = ExperimentConfig(device="cpu", tf32=True, deterministic=True, clients_together="vmap")
+    other = ExperimentConfig(
+        device="cpu", tf32=True, deterministic=True, clients_together="vmap",
+        clients_together_max=8,
+    )  # fmt: skip
     assert config_hash(base) == config_hash(other)
 
 
@@ -115,8 +121,76 @@ def test_execution_settings_are_put_back() -> None:
     before = ExecutionSettings.current()
     with settings_applied(ExecutionSettings(tf32=not before.tf32, deterministic=True)):
         assert torch.are_deterministic_algorithms_enabled()
-        assert torch.backends.cuda.matmul.allow_tf32 is (not before.tf32)
+        assert tf32_state() == (("ieee", "ieee") if before.tf32 else ("tf32", "tf32"))
     assert ExecutionSettings.current() == before
+
+
+def _tf32_readings() -> dict[str, object]:
+    """What a user's code may read about TF32, through either API ("raises" where PyTorch
+    refuses the read)."""
+    backends = torch.backends
+    readers = {
+        "matmul.allow_tf32": lambda: backends.cuda.matmul.allow_tf32,
+        "matmul.fp32_precision": lambda: backends.cuda.matmul.fp32_precision,
+        "cudnn.allow_tf32": lambda: backends.cudnn.allow_tf32,
+        "cudnn.conv.fp32_precision": lambda: backends.cudnn.conv.fp32_precision,
+        "fp32_precision": lambda: backends.fp32_precision,
+        "float32_matmul_precision": torch.get_float32_matmul_precision,
+    }
+    out: dict[str, object] = {}
+    for name, read in readers.items():
+        try:
+            out[name] = read()
+        except RuntimeError:
+            out[name] = "raises"
+    return out
+
+
+@pytest.fixture
+def user_tf32():
+    """The TF32 switches as a fresh process has them, after the test."""
+    yield
+    torch.backends.fp32_precision = "none"
+    torch.set_float32_matmul_precision("highest")  # legacy and new in step
+    torch.backends.cuda.matmul.fp32_precision = "none"
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.conv.fp32_precision = "tf32"
+
+
+USER_TF32 = {
+    "new matmul api": lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"),
+    "new conv api": lambda: setattr(torch.backends.cudnn.conv, "fp32_precision", "ieee"),
+    "new generic api": lambda: setattr(torch.backends, "fp32_precision", "tf32"),
+    "legacy flags": lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True),
+    "matmul precision high": lambda: torch.set_float32_matmul_precision("high"),
+    "nothing set": lambda: None,
+}
+
+
+@pytest.mark.parametrize("user", sorted(USER_TF32))
+@pytest.mark.parametrize("tf32", [False, True])
+def test_tf32_settings_work_after_either_api_and_are_put_back(user, tf32, user_tf32) -> None:
+    """Before, a session that set TF32 through PyTorch's newer API (fp32_precision) got
+    "mix of the legacy and new APIs" from fedskew reading the legacy flag."""
+    USER_TF32[user]()
+    before = _tf32_readings()
+    with settings_applied(ExecutionSettings(tf32=tf32, deterministic=False)):
+        want = "tf32" if tf32 else "ieee"
+        assert tf32_state() == (want, want)
+        assert ExecutionSettings.current().tf32 is tf32
+    assert _tf32_readings() == before
+
+
+def test_a_run_after_the_new_tf32_api(user_tf32, tmp_path: Path) -> None:
+    """The review's reproduction: fp32_precision set, then fedskew.run (on any device)."""
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    cfg = ExperimentConfig(
+        rounds=1, num_clients=4, clients_per_round=2, local_epochs=1, out_dir=str(tmp_path),
+        name="tf32", quiet=True, workers=0, device="cpu",
+    )  # fmt: skip
+    _, summary = run(cfg)
+    assert summary["final_accuracy"] is not None
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
 
 
 def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -210,6 +284,48 @@ def test_run_folder_records_the_device(tmp_path: Path) -> None:
     resolved = json.loads((folder / "config.json").read_text())["resolved"]
     assert resolved["device"] == "cpu"
     assert summary["final_accuracy"] is not None
+    # No GPU memory to report on the CPU: the keys are absent.
+    line = json.loads((folder / "metrics.jsonl").read_text().splitlines()[0])
+    assert not set(PEAK_KEYS) & (set(line) | set(summary))
+
+
+def test_gpu_memory_peaks_per_round_and_in_the_summary(monkeypatch, tmp_path: Path) -> None:
+    """Each round's peaks reach metrics.jsonl and the run's largest the summary (the query
+    monkeypatched: this machine may have no GPU)."""
+    import fedskew.runs.loop as loop
+
+    resets: list[torch.device] = []
+    peaks = iter([(100.0, 128.0), (300.0, 512.0), (200.0, 512.0)])
+
+    def measured(device: torch.device) -> dict[str, float]:
+        allocated, reserved = next(peaks)
+        return {"gpu_peak_mib": allocated, "gpu_reserved_peak_mib": reserved}
+
+    monkeypatch.setattr(loop, "reset_peaks", resets.append)
+    monkeypatch.setattr(loop, "memory_peaks", measured)
+    cfg = ExperimentConfig(
+        rounds=3, num_clients=4, clients_per_round=2, local_epochs=1, out_dir=str(tmp_path),
+        name="peaks", quiet=True, workers=0, device="cpu",
+    )  # fmt: skip
+    folder, summary = run(cfg)
+    lines = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [x["gpu_peak_mib"] for x in lines] == [100.0, 300.0, 200.0]
+    assert [x["gpu_reserved_peak_mib"] for x in lines] == [128.0, 512.0, 512.0]
+    assert (summary["gpu_peak_mib"], summary["gpu_reserved_peak_mib"]) == (300.0, 512.0)
+    assert len(resets) == 3  # measured afresh every round
+
+
+def test_memory_peaks_read_the_allocator_on_cuda(monkeypatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: 4 * 2**30 + 2**19)
+    cuda = torch.device("cuda", 0)
+    reset_peaks(cuda)
+    assert calls == ["reset"]
+    assert memory_peaks(cuda) == {"gpu_peak_mib": 3072.0, "gpu_reserved_peak_mib": 4096.5}
+    reset_peaks(torch.device("cpu"))
+    assert calls == ["reset"] and memory_peaks(torch.device("cpu")) == {}
 
 
 # ---------------------------------------------------------------------------- meta default
@@ -351,48 +467,16 @@ def test_cuda_curve_matches_the_cpu_curve(algorithm: str, tmp_path: Path) -> Non
         assert abs(cpu["loss"] - cuda["loss"]) <= 0.02 * abs(cpu["loss"]) + 1e-4
 
 
-# Local steps that must not wait for the host on CUDA: augmentation (one client and stacked),
-# FedACD's mixup and margins, the loss terms of FedCME, FedNTD and FedDecorr.
-SYNC_CASES = {
-    "fedavg-augment": {"augment": True},
-    "fedavg-augment-together": {"augment": True, "clients_together": "vmap"},
-    "fedacd-mixup": {"algorithm": "fedacd", "params": {"mixup": True}},
-    "fedcme": {"algorithm": "fedcme"},
-    "fedntd": {"algorithm": "fedntd"},
-    "feddecorr": {"algorithm": "feddecorr"},
-}
-
-
-def _host_syncs(options: dict, epochs: int, tmp_path: Path) -> int:
-    """Host syncs PyTorch reports (``set_sync_debug_mode``) over a 2-round CUDA run."""
-    import warnings
-
-    cfg = ExperimentConfig(
-        **{"model": TINY_BN, "clients_together": "off", **options}, rounds=2, num_clients=4,
-        clients_per_round=2, local_epochs=epochs, workers=0, device="cuda",
-        out_dir=str(tmp_path), name=f"sync-{epochs}", quiet=True, checkpoint_every=0,
-    )  # fmt: skip
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run(cfg)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
-
-
 @pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)
 @pytest.mark.parametrize("case", sorted(SYNC_CASES))
 def test_cuda_local_steps_do_not_wait_for_the_host(case: str, tmp_path: Path) -> None:
-    """Two more local epochs add about 22 steps per client and round; they may add a few
-    syncs (per epoch at most), not several per step, as the per-batch host draws and boolean
-    masks did (about 5 per step with augmentation)."""
-    options = SYNC_CASES[case]
-    short = _host_syncs(options, 1, tmp_path / "short")
-    long = _host_syncs(options, 3, tmp_path / "long")
-    extra_epochs = 2 * 2 * 2  # rounds x clients x epochs
-    assert long - short <= extra_epochs, (short, long)
+    """Two more local epochs (2 against 4: one protocol for every case) add about 44 steps
+    per client; they may add a sync per epoch at most, not several per step, as the
+    per-batch host draws and boolean masks did (about 5 per step with augmentation). The
+    same check on the CPU, with a proxy counter, catches a planted per-step sync
+    (tests/test_host_syncs.py)."""
+    short, long = sync_counts(cuda_syncs, SYNC_CASES[case], "cuda", tmp_path)
+    assert not waits_per_step(short, long), (short, long)
 
 
 # ---------------------------------------------------------------------------- several GPUs

@@ -570,3 +570,70 @@ def test_hostile_names_never_leave_the_grid_or_reach_a_script(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "control character" in err, err
     assert not list(newline.glob("slurm/*.sbatch"))
+
+
+# ---------------------------------------------------------------------------- local GPUs
+
+
+def test_local_runs_take_turns_on_the_gpus(monkeypatch):
+    """GpuSlots with a monkeypatched GPU count: runs on cuda or auto get a group of the
+    visible GPUs each (least busy first, in turn), others keep the environment."""
+    from fedskew.grid import launch
+
+    monkeypatch.setattr(launch, "cuda_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    slots = launch.GpuSlots.visible(jobs=4)
+    assert [slots.take(d) for d in ("auto", "cuda", "auto")] == ["0", "1", "0"]
+    assert slots.take("cpu") is None and slots.take("cuda:1") is None
+    slots.give("0")
+    slots.give("0")
+    assert slots.take("cuda") == "0"  # 0 idle again, 1 still busy
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")  # compare's own GPUs, as named
+    slots = launch.GpuSlots.visible(jobs=2)
+    assert [slots.take("auto"), slots.take("auto")] == ["3", "5"]
+    monkeypatch.setattr(launch, "cuda_count", lambda: 8)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    slots = launch.GpuSlots.visible(jobs=2)  # more GPUs than jobs: several per run
+    assert [slots.take("auto"), slots.take("auto")] == ["0,1,2,3", "4,5,6,7"]
+    monkeypatch.setattr(launch, "cuda_count", lambda: 0)
+    assert launch.GpuSlots.visible(jobs=2).take("auto") is None  # no GPU: nothing set
+
+
+def test_compare_jobs_give_each_run_its_gpu(monkeypatch, tmp_path):
+    """`compare --jobs 2` on a (pretended) 2-GPU machine: each run process gets
+    CUDA_VISIBLE_DEVICES, the two at a time on different GPUs."""
+    import threading
+
+    from fedskew.grid import launch
+    from fedskew.grid.plan import grid_from, plan, read_file
+
+    file = grid_file(tmp_path)
+    text = file.read_text().replace("[methods.fedavg]", "[methods.fedavg]\n[methods.avg2]\n"
+                                    'algorithm = "fedavg"\nlr = 0.02\n[methods.avg3]\n'
+                                    'algorithm = "fedavg"\nlr = 0.03')  # fmt: skip
+    file.write_text(text)
+    grid = grid_from(read_file(file), str(file), {"device": "auto"}, None, {})
+    runs = plan(grid)
+    assert len(runs) == 4 and grid.jobs == 2
+    monkeypatch.setattr(launch, "cuda_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    envs: list[str] = []
+    running: dict[str, int] = {}
+    lock = threading.Lock()
+    overlap: list[bool] = []
+
+    def started(self, cmd, env):  # the run's process, not started: its environment kept
+        with lock:
+            envs.append(env["CUDA_VISIBLE_DEVICES"])
+            running[env["CUDA_VISIBLE_DEVICES"]] = running.get(env["CUDA_VISIBLE_DEVICES"], 0) + 1
+            overlap.append(running[env["CUDA_VISIBLE_DEVICES"]] > 1)
+        time.sleep(0.3)
+        with lock:
+            running[env["CUDA_VISIBLE_DEVICES"]] -= 1
+        return None
+
+    monkeypatch.setattr(launch.Children, "start", started)
+    lines: list[str] = []
+    outcomes = launch.run_grid(grid, runs, lines.append)
+    assert len(outcomes) == 4 and "gpus: 2 GPU(s), 1 per run (CUDA_VISIBLE_DEVICES)" in lines
+    assert sorted(envs) == ["0", "0", "1", "1"] and not any(overlap)

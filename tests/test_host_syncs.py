@@ -2,12 +2,19 @@
 draws, no boolean masks, no bincount) compute what the masked and per-batch versions did:
 exactly where the arithmetic is the same, and within the stated rounding where the order of a
 sum changed. The references below are the earlier versions, kept here as the specification.
-On CUDA, tests/test_device.py counts the syncs themselves."""
+
+On CUDA, tests/test_device.py counts the syncs themselves; the same check runs here with a
+CPU proxy counter (tests/host_sync_check.py), which also shows that the check can fail: a
+planted per-step sync turns it red."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 import torch.nn.functional as F
+from host_sync_check import ALLOWED, SYNC_CASES, cpu_syncs, sync_counts, waits_per_step
 
 from fedskew.algorithms.fedacd import log_margins
 from fedskew.algorithms.fedcme import alignment_loss
@@ -146,3 +153,48 @@ def test_evaluation_counted_on_the_device_is_the_per_batch_readout() -> None:
     assert result.loss == loss_sum / 2500
     assert result.accuracy == float(correct.sum()) / 2500
     assert (result.class_counts == total.numpy()).all()
+
+
+# ---------------------------------------------------------------------------- the sync check
+
+
+@pytest.mark.parametrize("case", sorted(SYNC_CASES))
+def test_local_steps_do_not_wait_for_the_host_by_the_cpu_proxy(case: str, tmp_path: Path) -> None:
+    """The CUDA test's check, counted by the CPU proxy: 0 more syncs at 4 epochs than at 2
+    in every case (FedCME included, whose 1 against 3 epochs were two protocols: 124
+    against 1563 by this proxy)."""
+    short, long = sync_counts(cpu_syncs, SYNC_CASES[case], "cpu", tmp_path)
+    assert short > 0  # the proxy sees the per-client reads (a client's mean loss, ...)
+    assert not waits_per_step(short, long), (short, long)
+
+
+def _item_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A per-step read-back, as a logging line would do: the loss's value after backward."""
+    step = torch.optim.SGD.step
+
+    def logged(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        float(self.param_groups[0]["params"][0].grad.sum())
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.SGD, "step", logged)
+
+
+def _mask_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A boolean mask in the loss (the earlier FedNTD / FedCME terms had these)."""
+    cross_entropy = F.cross_entropy
+
+    def masked(logits, y, *args, **kwargs):  # type: ignore[no-untyped-def]
+        keep = y >= 0
+        return cross_entropy(logits[keep], y[keep], *args, **kwargs)
+
+    monkeypatch.setattr(F, "cross_entropy", masked)
+
+
+@pytest.mark.parametrize("plant", [_item_per_step, _mask_per_step], ids=["item", "mask"])
+def test_the_check_catches_a_planted_per_step_sync(
+    plant, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    plant(monkeypatch)
+    short, long = sync_counts(cpu_syncs, SYNC_CASES["fedavg-augment"], "cpu", tmp_path)
+    assert waits_per_step(short, long), (short, long)
+    assert long - short >= 4 * ALLOWED  # about one per step: 2 x 2 x 2 epochs x 11 steps

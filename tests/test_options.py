@@ -62,7 +62,8 @@ def test_the_tags_make_the_lists_other_modules_use():
     assert set(config.MEASUREMENT_ONLY) == {"feature_metrics_every", "local_risk_every", "tsne"}
     assert config.TABLES == ("model_options", "partition_params", "params")
     assert set(config.NOT_IN_FLOWER_RUN_CONFIG) == {
-        "data_dir", "engine", "workers", "clients_together", "quiet", "track_dir",
+        "data_dir", "engine", "workers", "clients_together", "clients_together_max", "quiet",
+        "track_dir",
     }  # fmt: skip
     assert all(config.NOT_IN_FLOWER_RUN_CONFIG.values())  # each with its reason
 

@@ -16,8 +16,17 @@ from fedskew.assembly.prepare import new_model, prepare
 from fedskew.config import ExperimentConfig
 from fedskew.core.device import ExecutionSettings, cuda_count, settings_applied
 from fedskew.core.rng import torch_rng
+from fedskew.engines import client_runtime
 from fedskew.engines.inprocess import InProcessEngine
 from fedskew.engines.together import plain_handler, resolve_mode, train_together
+from fedskew.engines.together_memory import (
+    MODEL_COPIES,
+    SAFETY,
+    VMAP_ACTIVATIONS,
+    client_bytes,
+    model_bytes,
+    saved_activation_bytes,
+)
 from fedskew.runs.loop import RunState, evaluate_global_model, play_round, server_setup
 from fedskew.training.interface import ClientContext, LocalTrainConfig
 from fedskew.training.local import local_train, set_arrays
@@ -194,3 +203,123 @@ def test_resnet_trains_together_without_a_per_client_fallback() -> None:
         warnings.simplefilter("always")
         train_together(model, datas, prep.train, gens, [start] * 2, [1, 1])
     assert not [str(w.message) for w in caught if "performance drop" in str(w.message)]
+
+
+# ---------------------------------------------------------------------------- chunks
+
+
+def _chunks_seen(monkeypatch: pytest.MonkeyPatch, fail_above: int | None = None) -> list[int]:
+    """The sizes train_together is called with; with ``fail_above``, a chunk larger than
+    that runs out of GPU memory (once per size), as on a card that holds no more."""
+    sizes: list[int] = []
+    failed: set[int] = set()
+    real = client_runtime.train_together
+
+    def counted(model, datas, *args, **kwargs):  # type: ignore[no-untyped-def]
+        sizes.append(len(datas))
+        if fail_above is not None and len(datas) > fail_above and len(datas) not in failed:
+            failed.add(len(datas))
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model, datas, *args, **kwargs)
+
+    monkeypatch.setattr(client_runtime, "train_together", counted)
+    return sizes
+
+
+CHUNKED = {"model": TINY_BN, "augment": True, "grad_clip": 0.5}  # masks, BN, own generators
+
+
+@pytest.fixture(scope="module")
+def whole_f64() -> tuple[list, RunState]:
+    """The 4 clients of each round trained at once, in float64: the reference of chunks."""
+    return _rounds("vmap", dtype=torch.float64, **CHUNKED)
+
+
+def test_chunks_are_the_whole_exchange_in_float64(whole_f64, monkeypatch) -> None:
+    """--clients-together-max 3: 4 clients per round in chunks of 3 and 1, the numbers of
+    all 4 at once."""
+    expected, whole = whole_f64
+    sizes = _chunks_seen(monkeypatch)
+    got, chunked = _rounds("vmap", dtype=torch.float64, clients_together_max=3, **CHUNKED)
+    assert sizes == [3, 1, 3, 1]
+    _compare(expected, whole, got, chunked, {**F64, "metrics": 1e-6})
+
+
+def test_a_chunk_out_of_memory_is_halved_once_said(whole_f64, monkeypatch, caplog) -> None:
+    expected, whole = whole_f64
+    sizes = _chunks_seen(monkeypatch, fail_above=2)
+    with caplog.at_level(logging.INFO, logger="fedskew"):
+        got, halved = _rounds("vmap", dtype=torch.float64, **CHUNKED)
+    # Round 1: 4 fails, then 2 + 2; round 2 starts at 2.
+    assert sizes == [4, 2, 2, 2, 2]
+    _compare(expected, whole, got, halved, {**F64, "metrics": 1e-6})
+    said = [r.getMessage() for r in caplog.records if "ran out of GPU memory" in r.getMessage()]
+    assert said == [
+        "clients trained together ran out of GPU memory with 4 at once: 2 at a time from now "
+        "on (--clients-together-max N sets the number)"
+    ]
+
+
+def test_one_client_out_of_memory_goes_on_one_after_another(monkeypatch, caplog) -> None:
+    expected, _ = _rounds("off", **CHUNKED)
+    sizes = _chunks_seen(monkeypatch, fail_above=0)
+    with caplog.at_level(logging.INFO, logger="fedskew"):
+        got, _ = _rounds("vmap", **CHUNKED)
+    assert sizes == [4, 2, 1]  # then one after another, this round and the next
+    assert got == expected
+    assert "with one client at a time: one after another from now on" in caplog.text
+
+
+def test_auto_chunks_by_the_memory_estimate(monkeypatch, caplog) -> None:
+    """On CUDA, auto trains as many clients together as SAFETY of the free memory holds by
+    the estimate (here a monkeypatched free memory on the CPU: room for 2 of the 4)."""
+    cfg = ExperimentConfig(model=TINY_BN, num_clients=6, workers=0, device="cpu")
+    prep = prepare(cfg)
+    model = new_model(prep)
+    x, y = prep.fed.client(0).batch(torch.arange(16))
+    per_client = client_bytes(model, x, y)
+    monkeypatch.setattr(client_runtime, "free_bytes", lambda device: int(2.5 * per_client / SAFETY))
+    sizes = _chunks_seen(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="fedskew"):
+        _rounds("vmap", **CHUNKED)
+    assert sizes == [2, 2, 2, 2]
+    assert "2 at a time (--clients-together-max N sets the number)" in caplog.text
+
+
+def test_the_memory_estimate_counts_what_stacking_holds() -> None:
+    """Per client: the model's copies and the saved activations under vmap, which keep more
+    than one client alone (VMAP_ACTIVATIONS, measured again here on a small ResNet-18)."""
+    from torch.func import functional_call, vmap
+
+    torch.manual_seed(0)
+    cfg = ExperimentConfig(
+        model="resnet18", model_options={"width": 8}, num_clients=4, workers=0, device="cpu"
+    )
+    prep = prepare(cfg)
+    model = new_model(prep)
+    x, y = prep.fed.client(0).batch(torch.arange(32))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    alone = saved_activation_bytes(model, x, y)
+    for name, value in model.state_dict().items():  # the probe leaves the model as it was
+        assert torch.equal(value, before[name]), name
+    assert client_bytes(model, x, y) > MODEL_COPIES * model_bytes(model) + alone
+    k = 2
+    params = {
+        n: torch.stack([p.detach()] * k).requires_grad_() for n, p in model.named_parameters()
+    }
+    buffers = {n: torch.stack([b.clone()] * k) for n, b in model.named_buffers()}
+    weights = {p.untyped_storage().data_ptr() for p in params.values()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def one(p, b, xb, yb):  # type: ignore[no-untyped-def]
+        return torch.nn.functional.cross_entropy(functional_call(model, (p, b), (xb,)), yb)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        vmap(one)(params, buffers, torch.stack([x] * k), torch.stack([y] * k))
+    ratio = sum(saved.values()) / k / alone
+    assert 1.0 < ratio <= VMAP_ACTIVATIONS, ratio

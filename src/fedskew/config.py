@@ -167,6 +167,16 @@ class ExperimentConfig:
         help="train a round's clients together with stacked parameters (vmap) where the "
         "algorithm's local step is plain cross-entropy; off: one after another",
     )
+    # How many clients one stacked step trains at most: "auto" estimates what the GPU's free
+    # memory holds before the first step (fedskew.engines.together_memory; all of them on
+    # the CPU); a chunk that still runs out of memory is halved and the run goes on.
+    clients_together_max: int | str = option(
+        "auto", metavar="N|auto", execution=True, resumable=True, flower=False,
+        flower_reason="a SuperNode answers for one client at a time",
+        default_text="auto: as many as the GPU's free memory holds, by an estimate",
+        help="train at most N clients together at once (with --clients-together vmap); "
+        "more are trained in chunks of N",
+    )
     params: dict[str, Any] = option(
         factory=dict, short="-p", flag="--param", action="pairs",
         help="algorithm hyper-parameter, e.g. mu=0.01 (repeatable)",
@@ -331,6 +341,7 @@ class ExperimentConfig:
                 f"clients-together must be one of {', '.join(CLIENTS_TOGETHER)}, "
                 f"got {self.clients_together!r}"
             )
+        self.clients_together_max = parse_clients_together_max(self.clients_together_max)
         if self.name is not None and self.name.endswith(".incomplete"):
             raise UsageError(
                 f"name {self.name!r} ends in .incomplete, the mark of an unfinished run folder"
@@ -541,6 +552,8 @@ def parse_value(key: str, value: Any, where: str | None = None) -> Any:
         return value
     if key == "workers":
         return parse_workers(value)
+    if key == "clients_together_max":
+        return parse_clients_together_max(value)
     kind = {"participation": float, "clients_per_round": int}.get(key, type(default))
     if kind is bool:
         if isinstance(value, bool):
@@ -579,6 +592,22 @@ def parse_workers(value: Any) -> int | str:
         raise UsageError(f"workers expects an integer >= 0 or auto, got {value!r}") from None
     if isinstance(value, float) and not value.is_integer():
         raise UsageError(f"workers expects an integer >= 0 or auto, got {value!r}")
+    return count
+
+
+def parse_clients_together_max(value: Any) -> int | str:
+    """``auto`` or a count >= 1, from any source of a value."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    message = f"clients-together-max expects an integer >= 1 or auto, got {value!r}"
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise UsageError(message)
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        raise UsageError(message) from None
+    if count < 1:
+        raise UsageError(message)
     return count
 
 

@@ -102,6 +102,24 @@ def device_facts(device: torch.device) -> dict[str, object]:
     return facts
 
 
+# TF32 through PyTorch's fp32_precision switches ("tf32", "ieee", or "none": inherit), not
+# the legacy allow_tf32 flags: once a user has set the new switches, reading a legacy flag
+# raises ("mix of the legacy and new APIs"), while the new ones read and set alike after
+# either API (the legacy setters keep them in step). cuBLAS products and cuDNN convolutions.
+_TF32_SWITCHES = (torch.backends.cuda.matmul, torch.backends.cudnn.conv)
+
+
+def tf32_state() -> tuple[str, str]:
+    """The fp32 precision of CUDA matrix products and of cuDNN convolutions, as set now."""
+    return tuple(switch.fp32_precision for switch in _TF32_SWITCHES)  # type: ignore[return-value]
+
+
+def set_tf32_state(state: tuple[str, str]) -> None:
+    """Set what :func:`tf32_state` reads (a state it read puts the switches back)."""
+    for switch, precision in zip(_TF32_SWITCHES, state, strict=True):
+        switch.fp32_precision = precision
+
+
 @dataclass(frozen=True)
 class ExecutionSettings:
     """The process-wide torch switches a run sets: TF32 and deterministic algorithms (how,
@@ -117,7 +135,7 @@ class ExecutionSettings:
     def current(cls) -> ExecutionSettings:
         state = denormals_state()
         return cls(
-            tf32=bool(torch.backends.cuda.matmul.allow_tf32),
+            tf32=tf32_state()[0] == "tf32",
             deterministic=torch.are_deterministic_algorithms_enabled(),
             # A pool left mixed by other code is put back as torch's default.
             denormals="flush" if state == "flush" else "keep",
@@ -132,8 +150,8 @@ def apply_settings(settings: ExecutionSettings) -> None:
     if settings.deterministic:
         check_cublas_deterministic()
         torch.backends.cudnn.benchmark = False
-    torch.backends.cuda.matmul.allow_tf32 = settings.tf32
-    torch.backends.cudnn.allow_tf32 = settings.tf32
+    precision = "tf32" if settings.tf32 else "ieee"
+    set_tf32_state((precision, precision))
     torch.backends.cudnn.deterministic = settings.deterministic
     torch.use_deterministic_algorithms(settings.deterministic)
 
@@ -164,14 +182,14 @@ def settings_applied(settings: ExecutionSettings) -> Iterator[None]:
     """``settings`` for the duration of the block, the previous switches put back after it
     (a run inside a longer Python session must not leave them changed)."""
     before = ExecutionSettings.current()
-    cudnn_tf32 = torch.backends.cudnn.allow_tf32
+    tf32 = tf32_state()
     cudnn_deterministic = torch.backends.cudnn.deterministic
     apply_settings(settings)
     try:
         yield
     finally:
         apply_settings(before)
-        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+        set_tf32_state(tf32)
         torch.backends.cudnn.deterministic = cudnn_deterministic
 
 

@@ -31,8 +31,9 @@ from fedskew.core.device import apply_settings, to_cpu, to_device
 from fedskew.data.datasets import Dataset
 from fedskew.data.federated import FederatedData
 from fedskew.engines.together import model_obstacle, plain_handler, resolve_mode, train_together
+from fedskew.engines.together_memory import client_bytes, clients_that_fit, free_bytes
 from fedskew.training.interface import ClientContext, ClientLogic, LocalTrainConfig
-from fedskew.training.local import PlainTraining, set_arrays
+from fedskew.training.local import PlainTraining, TrainResult, set_arrays
 from fedskew.training.local_evaluation import LOCAL_EVALUATION, answer_local_evaluation
 from fedskew.training.protocol import ClientState, Message
 
@@ -73,6 +74,7 @@ class ClientRuntime:
         test: tuple[torch.Tensor, torch.Tensor] | None = None,
         clients_together: str = "off",
         denormals: str | None = None,
+        clients_together_max: int | str = "auto",
     ) -> None:
         self.client_logic = client_logic
         self.data = data
@@ -84,6 +86,11 @@ class ClientRuntime:
         # "vmap": handle_together trains an exchange's clients at once where it can.
         self.clients_together = resolve_mode(clients_together, self.device)
         self._said: set[str] = set()  # reasons for training one after another, logged once
+        # Clients trained at once: a count, or "auto" (what the GPU's free memory holds).
+        self.clients_together_max = clients_together_max
+        self._client_bytes: int | None = None  # the estimate, made at the first exchange
+        self._after_oom: int | None = None  # a chunk size that ran out of memory, halved
+        self._oom_alone = False  # one client at a time ran out: one after another from then
         # The run's denormal policy, held while a handler runs, in whichever thread calls it
         # (Flower calls a ClientApp from threads of its own); None: as the process has it.
         self.denormals = denormals
@@ -106,6 +113,7 @@ class ClientRuntime:
             test=(prep.x_test, prep.y_test),
             clients_together=prep.cfg.clients_together,
             denormals=prep.cfg.denormals,
+            clients_together_max=prep.cfg.clients_together_max,
         )
 
     @property
@@ -187,32 +195,131 @@ class ClientRuntime:
                 self._said.add(reason)
                 log.info("clients trained one after another: %s", reason)
             return None
+        cids = list(messages)
+        replies: dict[int, Message] = {}
+        size = self._chunk_size(cids)
+        done = 0
+        while done < len(cids):
+            chunk = cids[done : done + size]
+            if self._train_chunk(rnd, chunk, messages, states, replies):
+                done += len(chunk)
+                continue
+            if len(chunk) == 1:
+                self._oom_alone = True
+                self._say(
+                    "clients trained together ran out of GPU memory with one client at a "
+                    "time: one after another from now on",
+                    warn=True,
+                )
+                for cid in cids[done:]:
+                    replies[cid] = self.handle(cid, rnd, messages[cid], states[cid])
+                break
+            self._after_oom = size = len(chunk) // 2
+            self._say(
+                f"clients trained together ran out of GPU memory with {len(chunk)} at once: "
+                f"{size} at a time from now on (--clients-together-max N sets the number)",
+                warn=True,
+                key="halved",
+            )
+        return replies
+
+    def _train_chunk(
+        self,
+        rnd: int,
+        chunk: list[int],
+        messages: Mapping[int, Message],
+        states: Mapping[int, ClientState],
+        replies: dict[int, Message],
+    ) -> bool:
+        """Train the clients of ``chunk`` together and add their replies; False, with nothing
+        added, when the GPU ran out of memory (the chunk may then be tried smaller: its
+        clients' messages, states and generators are as they were)."""
+        try:
+            plans, trained = self._train_stacked(rnd, chunk, messages, states)
+        except torch.cuda.OutOfMemoryError:
+            trained = None
+        if trained is None:
+            # Outside the except clause: its traceback no longer holds the chunk's tensors.
+            torch.cuda.empty_cache()
+            return False
+        for cid, (result, final) in zip(chunk, trained, strict=True):
+            plan, _ctx, _msg = plans[cid]
+            set_arrays(self.model, final)
+            replies[cid] = self.outbound(plan.finish(result), states[cid])
+        return True
+
+    def _train_stacked(
+        self,
+        rnd: int,
+        chunk: list[int],
+        messages: Mapping[int, Message],
+        states: Mapping[int, ClientState],
+    ) -> tuple[
+        dict[int, tuple[PlainTraining, ClientContext, Message]],
+        list[tuple[TrainResult, dict[str, torch.Tensor]]],
+    ]:
+        """Each client's handler up to its local training, then the training, stacked."""
         plans: dict[int, tuple[PlainTraining, ClientContext, Message]] = {}
         starts: dict[int, dict[str, torch.Tensor]] = {}
-        for cid, msg in messages.items():
-            msg = self.inbound(msg, states[cid])
+        for cid in chunk:
+            msg = self.inbound(messages[cid], states[cid])
             ctx = self.context(cid, rnd, states[cid])
             split, _ = plain_handler(self.client_logic, msg.kind)
             assert split is not None
             plans[cid] = (split(msg, ctx), ctx, msg)
             starts[cid] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        cids = list(messages)
         results, finals = train_together(
             self.model,
-            [plans[c][1].data for c in cids],
+            [plans[c][1].data for c in chunk],
             self.train,
-            [plans[c][1].rng(plans[c][0].purpose) for c in cids],
-            [starts[c] for c in cids],
-            [self.train.epochs if plans[c][0].epochs is None else plans[c][0].epochs for c in cids],
+            [plans[c][1].rng(plans[c][0].purpose) for c in chunk],
+            [starts[c] for c in chunk],
+            [
+                self.train.epochs if plans[c][0].epochs is None else plans[c][0].epochs
+                for c in chunk
+            ],
         )
-        replies: dict[int, Message] = {}
-        for cid, result, final in zip(cids, results, finals, strict=True):
-            set_arrays(self.model, final)
-            replies[cid] = self.outbound(plans[cid][0].finish(result), states[cid])
-        return replies
+        return plans, list(zip(results, finals, strict=True))
+
+    def _chunk_size(self, cids: list[int]) -> int:
+        """How many of these clients to train at once: --clients-together-max N, or for
+        auto what the device's free memory holds by the estimate (all of them on the CPU);
+        never more than a size that ran out of memory before, halved."""
+        size = len(cids)
+        if self._after_oom is not None:
+            size = min(size, self._after_oom)
+        if self.clients_together_max != "auto":
+            return max(1, min(size, int(self.clients_together_max)))
+        free = free_bytes(self.device)
+        if free is None:
+            return size
+        if self._client_bytes is None:
+            data = self.data.client(cids[0])
+            rows = torch.arange(min(self.train.batch_size, len(data)), device=self.device)
+            x, y = data.batch(rows)
+            self._client_bytes = client_bytes(self.model, x, y)
+        fits = clients_that_fit(free, self._client_bytes)
+        if fits < size:
+            self._say(
+                f"clients trained together: about {self._client_bytes / 2**20:.0f} MiB each, "
+                f"{free / 2**30:.1f} GiB free on {self.device}: {fits} at a time "
+                "(--clients-together-max N sets the number)",
+                key="estimate",
+            )
+        return min(size, fits)
+
+    def _say(self, line: str, warn: bool = False, key: str | None = None) -> None:
+        """Log ``line`` once per runtime (once per ``key`` where given: lines whose numbers
+        change from exchange to exchange)."""
+        key = line if key is None else key
+        if key not in self._said:
+            self._said.add(key)
+            (log.warning if warn else log.info)("%s", line)
 
     def _together_obstacle(self, messages: Mapping[int, Message]) -> str:
         """Why these messages cannot be trained together ("" when they can)."""
+        if self._oom_alone:
+            return "clients trained together ran out of GPU memory with one client at a time"
         for kind in sorted({m.kind for m in messages.values()}):
             split, reason = plain_handler(self.client_logic, kind)
             if split is None:

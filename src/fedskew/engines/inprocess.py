@@ -34,10 +34,12 @@ class InProcessEngine(ClientRuntime, ServerSideClientStates):
         test: tuple[torch.Tensor, torch.Tensor] | None = None,
         clients_together: str = "off",
         denormals: str | None = None,
+        clients_together_max: int | str = "auto",
     ) -> None:
         ClientRuntime.__init__(
-            self, client_logic, data, model, train, seed, test, clients_together, denormals
-        )
+            self, client_logic, data, model, train, seed, test, clients_together, denormals,
+            clients_together_max,
+        )  # fmt: skip
         ServerSideClientStates.__init__(self)
 
     def exchange(

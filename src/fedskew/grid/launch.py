@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fedskew.config import config_differences, config_hash
+from fedskew.core.device import cuda_count
 from fedskew.core.errors import FedskewError, UsageError
 from fedskew.core.locks import Busy, lock, unlock
 from fedskew.core.machine import usable_cores
@@ -47,6 +48,54 @@ def threads_per_run(jobs: int, threads: int | None, cores: int) -> int:
             "lower --jobs or --threads (jobs x threads <= cores)"
         )
     return threads
+
+
+class GpuSlots:
+    """The visible GPUs a local grid's runs take turns on, as the Ray and Slurm executors
+    give each run its own: without this every run of ``--jobs N`` resolved ``auto`` to
+    cuda:0 (and with several GPUs each started a worker on every one of them).
+
+    The GPUs are split into groups, one per job where there are enough (8 GPUs and 2 jobs:
+    4 each; 2 GPUs and 4 jobs: 1 each, two runs per GPU), and a run that trains on CUDA
+    (device ``cuda`` or ``auto``) gets the least busy group, in turn when equal, as the
+    CUDA_VISIBLE_DEVICES of its process. A run on ``cpu`` or on a GPU it names
+    (``cuda:N``, of the GPUs compare sees) keeps the environment as it is."""
+
+    def __init__(self, ids: list[str], jobs: int) -> None:
+        size = max(1, len(ids) // max(1, jobs))
+        self.groups = [ids[i : i + size] for i in range(0, len(ids) - size + 1, size)]
+        self.busy = [0] * len(self.groups)
+        self._next = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def visible(cls, jobs: int) -> GpuSlots:
+        """The GPUs this process sees, named as its CUDA_VISIBLE_DEVICES names them."""
+        count = cuda_count()
+        named = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+        named = [x for x in named if x]
+        ids = named[:count] if len(named) >= count else [str(i) for i in range(count)]
+        return cls(ids, jobs)
+
+    def take(self, device: str) -> str | None:
+        """The CUDA_VISIBLE_DEVICES of a run on ``device``, or None to leave it as it is."""
+        if not self.groups or device not in ("auto", "cuda"):
+            return None
+        with self._lock:
+            order = [(self._next + k) % len(self.groups) for k in range(len(self.groups))]
+            chosen = min(order, key=lambda g: self.busy[g])
+            self.busy[chosen] += 1
+            self._next = chosen + 1
+        return ",".join(self.groups[chosen])
+
+    def give(self, visible: str) -> None:
+        """The run on ``visible`` (what :meth:`take` gave) has ended."""
+        with self._lock:
+            self.busy[self.groups.index(visible.split(","))] -= 1
+
+    def describe(self) -> str:
+        per_run = len(self.groups[0]) if self.groups else 0
+        return f"{len(self.groups) * per_run} GPU(s), {per_run} per run (CUDA_VISIBLE_DEVICES)"
 
 
 def saved_hash(folder: Path) -> str:
@@ -162,7 +211,14 @@ def _hurry_on_signals(hurry: threading.Event) -> Callable[[], None]:
     return restore
 
 
-def run_one(run: PlannedRun, root: Path, threads: int, logs: Path, children: Children) -> Outcome:
+def run_one(
+    run: PlannedRun,
+    root: Path,
+    threads: int,
+    logs: Path,
+    children: Children,
+    gpus: GpuSlots | None = None,
+) -> Outcome:
     finished = root / run.folder
     unfinished = finished.with_name(finished.name + INCOMPLETE)
     want = config_hash(run.cfg)
@@ -200,7 +256,7 @@ def run_one(run: PlannedRun, root: Path, threads: int, logs: Path, children: Chi
         holder = running_elsewhere(unfinished)
         if holder is not None:  # `fedskew run --resume` by hand is training it now
             return Outcome(run, "running elsewhere", holder)
-        return launch(run, threads, logs, finished, unfinished, children)
+        return launch(run, threads, logs, finished, unfinished, children, gpus)
     finally:
         unlock(slot)
 
@@ -212,9 +268,30 @@ def launch(
     finished: Path,
     unfinished: Path,
     children: Children,
+    gpus: GpuSlots | None = None,
 ) -> Outcome:
-    """Run (or resume) one planned run in its own process."""
+    """Run (or resume) one planned run in its own process (on its GPUs, see GpuSlots)."""
+    visible = gpus.take(run.cfg.device) if gpus is not None else None
+    try:
+        return _launch(run, threads, logs, finished, unfinished, children, visible)
+    finally:
+        if visible is not None:
+            assert gpus is not None
+            gpus.give(visible)
+
+
+def _launch(
+    run: PlannedRun,
+    threads: int,
+    logs: Path,
+    finished: Path,
+    unfinished: Path,
+    children: Children,
+    visible: str | None,
+) -> Outcome:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fedskew-compare-") as tmp:
         if unfinished.is_dir():
@@ -292,10 +369,15 @@ def run_grid(
     prepare_tracking([r.cfg for r in todo])  # a missing tracker package stops all, up front
     prefetch(todo, print_line)
     children = Children()
+    gpus = GpuSlots.visible(grid.jobs)
+    if gpus.groups:
+        print_line(f"gpus: {gpus.describe()}")
     outcomes: list[Outcome] = []
     pool = ThreadPoolExecutor(max_workers=grid.jobs)
     try:
-        futures = [pool.submit(run_one, r, root, threads, root / "logs", children) for r in runs]
+        futures = [
+            pool.submit(run_one, r, root, threads, root / "logs", children, gpus) for r in runs
+        ]
         for n, fut in enumerate(as_completed(futures), start=1):
             o = fut.result()
             outcomes.append(o)

@@ -37,6 +37,7 @@ from fedskew.config import Execution, ExperimentConfig, config_hash, execution_c
 from fedskew.core.denormals import denormals_state
 from fedskew.core.device import device_facts, settings_applied
 from fedskew.core.errors import FedskewError, UsageError
+from fedskew.core.gpu_memory import memory_peaks, reset_peaks, run_peaks
 from fedskew.core.machine import cpu_features, machine_facts, software_facts
 from fedskew.data.federated import sample_clients
 from fedskew.engines.base import Engine, ServerSideClientStates
@@ -156,6 +157,7 @@ def _run(
         if on_start is not None:
             on_start(state.start_round)
         for rnd in range(state.start_round, cfg.rounds):
+            reset_peaks(prep.device)
             record = play_round(state, rnd)
             if setup.is_eval_round(rnd):
                 t1 = time.perf_counter()
@@ -164,6 +166,7 @@ def _run(
                 record.update(state.last_eval)
                 record["eval_seconds"] = round(time.perf_counter() - t1, 4)
             record.update(measurements.measure(rnd, server, skipped="skipped" in record))
+            record.update(memory_peaks(prep.device))
             keep_round(state, rnd, record)
             tracking.log_round(record)
             if on_round is not None:
@@ -650,6 +653,7 @@ def finish(state: RunState, seconds_this_process: float) -> tuple[Path, dict[str
     summary.update(final_values(state.history))  # final_personal_accuracy and the like
     summary.update(per_class_summary(state.history))
     summary.update(client_state_size(state.engine))
+    summary.update(run_peaks(state.history))
     summary["wall_seconds_this_process"] = round(seconds_this_process, 3)
     summary["processes"] = folder.read_processes()
     return folder.finish(summary), summary

@@ -24,7 +24,8 @@ import torch
 pytest.importorskip("flwr")
 
 from flower_grid import LocalGrid  # noqa: E402
-from flwr.app import Context, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import Context, Error, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import Message as FlowerMessage  # noqa: E402
 
 import fedskew.apps.flower.server as flower_server  # noqa: E402
 from fedskew.algorithms import ALGORITHMS  # noqa: E402
@@ -152,17 +153,25 @@ def test_run_config_maps_to_experiment_config(tmp_path):
 # --------------------------------------------------------------------------- output root
 
 
-def test_output_root_is_the_operators_and_must_exist(tmp_path, monkeypatch):
+def test_output_root_is_the_operators_and_is_created(tmp_path, monkeypatch):
     monkeypatch.delenv(OUTPUT_ROOT_VARIABLE, raising=False)
     with pytest.raises(UsageError, match=f"{OUTPUT_ROOT_VARIABLE} is not set"):
         output_root()
     monkeypatch.setenv(OUTPUT_ROOT_VARIABLE, "relative/runs")
     with pytest.raises(UsageError, match="absolute"):
         output_root()
-    monkeypatch.setenv(OUTPUT_ROOT_VARIABLE, str(tmp_path / "missing"))
-    with pytest.raises(UsageError, match="not a folder"):
+    # A fresh machine: the folder the operator named is made, parents included.
+    monkeypatch.setenv(OUTPUT_ROOT_VARIABLE, str(tmp_path / "srv" / "runs"))
+    assert output_root() == (tmp_path / "srv" / "runs").resolve()
+    assert (tmp_path / "srv" / "runs").is_dir()
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(OUTPUT_ROOT_VARIABLE, str(tmp_path / "file"))
+    with pytest.raises(UsageError, match="is not a folder"):
         output_root()
-    assert not (tmp_path / "missing").exists()
+    # One that cannot be made: one line naming it and why.
+    monkeypatch.setenv(OUTPUT_ROOT_VARIABLE, str(tmp_path / "file" / "runs"))
+    with pytest.raises(UsageError, match=r"file/runs: cannot create the output root \("):
+        output_root()
     monkeypatch.setenv(OUTPUT_ROOT_VARIABLE, str(tmp_path))
     assert output_root() == tmp_path.resolve()
 
@@ -552,6 +561,54 @@ def test_setup_gives_up_only_after_no_answer_for_the_limit(tmp_path, monkeypatch
     silent = LocalGrid(4, setup_delay=dict.fromkeys(range(4), math.inf))
     with pytest.raises(FedskewError, match=r"partitions 0-3 still starting"):
         serve(silent, cfg, setup_timeout=0.3)
+
+
+class FailingSetupGrid(LocalGrid):
+    """Every node answers the setup with an error, as a ClientApp that cannot import
+    fedskew does (Flower's runtime turns the exception into the reply's error)."""
+
+    def deliver(self, msg):
+        reason = "<class 'ModuleNotFoundError'>:<'No module named 'fedskew''>"
+        return FlowerMessage(Error(code=0, reason=reason), reply_to=msg)
+
+
+def test_no_connected_supernode_is_told_apart_from_a_failed_setup(tmp_path, monkeypatch):
+    """After a SuperLink restart its SuperNodes are gone: the error says no node is connected
+    (and why that happens), not that nodes were slow to answer."""
+    monkeypatch.setattr(flower_server, "POLL_SECONDS", 0.05)
+    cfg = digits_cfg(tmp_path / "none", "fedavg", num_clients=2, clients_per_round=2, rounds=1)
+    nobody = LocalGrid(2)
+    nobody.contexts.clear()
+    with pytest.raises(FedskewError) as info:
+        serve(nobody, cfg, node_wait=0.2)
+    message = str(info.value)
+    assert message.startswith("no SuperNode is connected to the SuperLink (waited 0 s: node-wait)")
+    assert "SuperNodes exit when their SuperLink goes away" in message
+    assert "setup" not in message and "\n" not in message
+    assert not (tmp_path / "none").exists()  # nothing written
+
+    cfg = digits_cfg(tmp_path / "fail", "fedavg", num_clients=2, clients_per_round=2, rounds=1)
+    with pytest.raises(FedskewError) as info:
+        serve(FailingSetupGrid(2), cfg, setup_timeout=5.0)
+    assert str(info.value).startswith(
+        "every SuperNode that answered failed the setup message; node 1000: "
+        "<class 'ModuleNotFoundError'>"
+    )
+    assert "(and 1 more)" in str(info.value) and "fedskew[flower] installed" in str(info.value)
+
+    cfg = digits_cfg(tmp_path / "ids", "fedavg", num_clients=2, clients_per_round=2, rounds=1)
+    elsewhere = LocalGrid(2)
+    for n, context in enumerate(elsewhere.contexts.values()):
+        context.node_config["partition-id"] = 7 + n  # partitions of a bigger federation
+    with pytest.raises(FedskewError, match="2 SuperNodes answered the setup but none holds a "
+                       r"partition of this run \(0 \.\. 1\)"):  # fmt: skip
+        serve(elsewhere, cfg, setup_timeout=5.0)
+
+    cfg = digits_cfg(tmp_path / "mute", "fedavg", num_clients=2, clients_per_round=2, rounds=1)
+    silent = LocalGrid(2, setup_delay=dict.fromkeys(range(2), math.inf))
+    with pytest.raises(FedskewError, match=r"^2 SuperNodes are connected but none answered the "
+                       r"setup message within 0 s \(partitions 0-1 still starting\)"):  # fmt: skip
+        serve(silent, cfg, setup_timeout=0.2)
 
 
 def test_setup_limit_grows_with_the_load(monkeypatch):

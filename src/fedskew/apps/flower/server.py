@@ -68,7 +68,8 @@ def ranges(numbers: Iterable[int]) -> str:
 
 
 def wait_for_nodes(grid: Grid, wanted: int, timeout: float = NODE_WAIT_SECONDS) -> list[int]:
-    """Node ids once ``wanted`` nodes are connected, or those there are after ``timeout``."""
+    """Node ids once ``wanted`` nodes are connected, or those there are after ``timeout``;
+    a one-line error when none is: the setup cannot then be what went wrong."""
     start = time.monotonic()
     next_report = start + PROGRESS_SECONDS
     nodes = list(grid.get_node_ids())
@@ -81,6 +82,18 @@ def wait_for_nodes(grid: Grid, wanted: int, timeout: float = NODE_WAIT_SECONDS) 
             )  # fmt: skip
         time.sleep(POLL_SECONDS)
         nodes = list(grid.get_node_ids())
+    if not nodes:
+        # Flower's SuperNodes exit when their SuperLink restarts: the likeliest cause.
+        raise FedskewError(
+            f"no SuperNode is connected to the SuperLink (waited {timeout:.0f} s: node-wait); "
+            f"start one per client ({wanted}) with flower-supernode, and again after a "
+            "SuperLink restart: SuperNodes exit when their SuperLink goes away"
+        )
+    if len(nodes) < wanted:
+        log.warning(
+            "Flower: %d of %d nodes connected after %.0f s (node-wait); the others' "
+            "partitions count as missing", len(nodes), wanted, time.monotonic() - start,
+        )  # fmt: skip
     return nodes
 
 
@@ -113,6 +126,8 @@ def handshake(
         else:
             log.warning("node %d: the setup message could not be sent", node)
     node_of: dict[int, int] = {}
+    failures: list[str] = []  # what nodes that failed the setup said, for the error below
+    answered = 0
     start = last_answer = time.monotonic()
     next_report = start + PROGRESS_SECONDS
     while pending:
@@ -121,6 +136,9 @@ def handshake(
             if node is None:
                 continue
             last_answer = time.monotonic()
+            answered += 1
+            if reply.has_error():
+                failures.append(f"node {node}: {reply.error.reason}")
             cid = _setup_reply(reply, node, cfg, node_of)
             if cid is not None:
                 node_of[cid] = node
@@ -141,14 +159,34 @@ def handshake(
         time.sleep(POLL_SECONDS)
     absent = sorted(set(range(cfg.num_clients)) - set(node_of))
     if len(absent) == cfg.num_clients:
-        raise FedskewError(
-            f"no Flower node answered the setup message within {time.monotonic() - start:.0f} s "
-            f"(partitions {ranges(absent)} still starting; a busy machine may need a longer "
-            "setup-timeout)"
-        )
+        raise FedskewError(_no_ready_node(len(nodes), answered, failures, absent, start))
     if absent:
         log.warning("no node holds partitions %s; they count as missing", ranges(absent))
     return node_of
+
+
+def _no_ready_node(
+    connected: int, answered: int, failures: list[str], absent: list[int], start: float
+) -> str:
+    """Why the setup left no node to train with, in one line: the nodes failed it (their
+    first reason: a ClientApp that cannot import fedskew says so here), answered without a
+    partition of this run, or were connected but silent (still starting, or stuck)."""
+    if failures:
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        return (
+            f"every SuperNode that answered failed the setup message; {failures[0]}{more} "
+            "(is fedskew[flower] installed where the SuperNode runs its ClientApp?)"
+        )
+    if answered:
+        return (
+            f"{answered} SuperNodes answered the setup but none holds a partition of this run "
+            f"(0 .. {len(absent) - 1}): check their --node-config partition-id"
+        )
+    return (
+        f"{connected} SuperNodes are connected but none answered the setup message within "
+        f"{time.monotonic() - start:.0f} s (partitions {ranges(absent)} still starting); "
+        "see the SuperNodes' logs, and give a busy machine a longer setup-timeout"
+    )
 
 
 def _starting(cfg: ExperimentConfig, node_of: dict[int, int]) -> str:

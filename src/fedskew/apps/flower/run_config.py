@@ -28,6 +28,9 @@ NODE_WAIT_SECONDS = 120.0
 SETUP_TIMEOUT_SECONDS = 120.0
 # Where a deployed ServerApp may write: set by the server operator, never by the run config.
 OUTPUT_ROOT_VARIABLE = "FEDSKEW_OUTPUT_ROOT"
+# Set ("1") in the environment of the SuperLink that `--engine flower-sim` starts for itself:
+# its runs are simulations (engine flower-sim in the run folder, resumable with fedskew run).
+SIMULATION_VARIABLE = "FEDSKEW_SIMULATION"
 # Run config keys that only the ServerApp reads (not experiment configuration): their
 # defaults, and what the Flower app's run config says of them.
 SERVER_KEY_NOTES: dict[str, tuple[str | float, str]] = {

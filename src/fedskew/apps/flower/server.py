@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -21,6 +22,7 @@ from fedskew.apps.flower.run_config import (
     NODE_WAIT_SECONDS,
     SERVER_KEYS,
     SETUP_TIMEOUT_SECONDS,
+    SIMULATION_VARIABLE,
     config_from_run_config,
     output_root,
     resumed_config,
@@ -292,8 +294,34 @@ def _server_main(grid: Grid, context: Context) -> None:
             cfg, resume = resumed_config(resume_dir, root)
         else:
             cfg, resume = config_from_run_config(experiment, root), None
+        if os.environ.get(SIMULATION_VARIABLE) == "1":
+            cfg.engine = "flower-sim"  # `fedskew run --engine flower-sim`'s own SuperLink
         folder, summary = serve(grid, cfg, resume=resume, **options)
     except FedskewError as exc:
         log.error("fedskew: %s", exc)  # one line, above Flower's traceback
         raise
+    finally:
+        remove_runtime_environment(context.run_id)
     log.info("fedskew run finished: %s, final accuracy %s", folder, summary.get("final_accuracy"))
+
+
+def remove_runtime_environment(run_id: int) -> None:
+    """Delete the environment Flower's runtime dependency installation made for this run,
+    now rather than on Flower's exit.
+
+    Flower 1.42 deletes it first among its exit handlers, before it reports the ServerApp's
+    status, and kills the process 5 s into them: the environment holds torch (tens of
+    thousands of files, about 10 s to delete on a busy 2-core machine), so the status never
+    went out and the SuperLink marked every finished run "failed: No heartbeat received from
+    the task" (flwrlabs/flower PR 7921 reorders the handlers). Deleted here, Flower finds
+    nothing left to delete. Only the folder Flower made for this run is touched: the one its
+    installer activated (VIRTUAL_ENV), named after the run, in a ``runtime-envs`` folder."""
+    value = os.environ.get("VIRTUAL_ENV", "")
+    if not value:
+        return
+    env = Path(value)
+    if env.name != str(run_id) or env.parent.name != "runtime-envs" or not env.is_dir():
+        return  # not Flower's per-run environment: the operator's own, never touched
+    started = time.monotonic()
+    shutil.rmtree(env, ignore_errors=True)  # loaded modules stay loaded; nothing imports later
+    log.info("removed the run's environment %s in %.1f s", env, time.monotonic() - started)

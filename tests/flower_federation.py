@@ -256,9 +256,12 @@ class Federation:
         self.wait_listening("superlink", self.port)
         self.write_cli_config()
 
-    def start_node(self, partition: int, key: Path | None = None, name: str = "") -> str:
-        """A SuperNode holding ``partition``; ``key``: its private key (node authentication).
-        Returns its process name."""
+    def start_node(
+        self, partition: int, key: Path | None = None, name: str = "", wait: bool = True
+    ) -> str:
+        """A SuperNode holding ``partition``; ``key``: its private key (node authentication);
+        ``wait``: until it listens (one the SuperLink refuses may exit first). Returns its
+        process name."""
         name = name or f"node{partition}"
         trust = ["--insecure"] if self.tls is None else [f"--root-certificates={self.tls['ca']}"]
         node_port = free_port()
@@ -271,7 +274,8 @@ class Federation:
         if key is not None:
             node_args.append(f"--auth-supernode-private-key={key}")
         self.spawn(name, [str(BIN / "flower-supernode"), *trust, *node_args])
-        self.wait_listening(name, node_port)
+        if wait:
+            self.wait_listening(name, node_port)
         return name
 
     def start(self, nodes: int, output_root: Path, tls: dict[str, Path] | None = None) -> None:

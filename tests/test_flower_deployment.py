@@ -232,7 +232,7 @@ def test_tls_node_authentication_and_every_node_trains_like_in_process(
         assert registered.returncode == 0, registered.stdout + registered.stderr
     for partition in range(3):
         federation.start_node(partition, key=keys[partition][0])
-    intruder = federation.start_node(3, key=keys[3][0], name="intruder")
+    intruder = federation.start_node(3, key=keys[3][0], name="intruder", wait=False)
     proc = federation.deploy({**OPTIONS_A, "name": "deployed", "dataset": "digits"})
     assert federation.wait(proc, RUN_SECONDS) == 0, federation.report()
     deployed = finished_run(out, "deployed", federation)
@@ -248,11 +248,12 @@ def test_tls_node_authentication_and_every_node_trains_like_in_process(
         assert row["missing_replies"] == [] and row["rejected_replies"] == []
         assert (row["bytes_down"], row["bytes_up"]) == (ref["bytes_down"], ref["bytes_up"])
         assert row["samples"] == ref["samples"]
-    # The unregistered node never joined: refused, it exits.
+    # The unregistered node never joined: refused, it exits ("Failed to activate SuperNode").
     deadline = time.monotonic() + 60
     while federation.procs[intruder].poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
     assert federation.procs[intruder].returncode not in (None, 0), federation.log(intruder)
+    assert "Failed to activate SuperNode" in federation.log(intruder)
 
 
 @needs_flower_commands

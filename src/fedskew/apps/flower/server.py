@@ -85,11 +85,12 @@ def wait_for_nodes(grid: Grid, wanted: int, timeout: float = NODE_WAIT_SECONDS) 
         time.sleep(POLL_SECONDS)
         nodes = list(grid.get_node_ids())
     if not nodes:
-        # Flower's SuperNodes exit when their SuperLink restarts: the likeliest cause.
+        # Flower's SuperNodes do not come back after their SuperLink restarts (the new one
+        # does not know them): the likeliest cause.
         raise FedskewError(
             f"no SuperNode is connected to the SuperLink (waited {timeout:.0f} s: node-wait); "
             f"start one per client ({wanted}) with flower-supernode, and again after a "
-            "SuperLink restart: SuperNodes exit when their SuperLink goes away"
+            "SuperLink restart: SuperNodes do not reconnect to a restarted SuperLink"
         )
     if len(nodes) < wanted:
         log.warning(

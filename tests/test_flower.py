@@ -2,12 +2,14 @@
 
 Most tests drive the real ServerApp logic (``serve``) and the real ClientApp through an
 in-memory Grid that calls the ClientApp directly with one persistent Context per node, so
-they run in seconds; ``test_ray_simulation_equals_inprocess`` runs Flower's own simulation
-engine (Ray). Real SuperLink/SuperNode deployments are in test_flower_deployment.py.
+they run in seconds; ``test_flower_simulation_equals_inprocess`` (slow) runs
+``--engine flower-sim`` on Flower's Simulation Runtime (a SuperLink in simulation mode, Ray).
+Real SuperLink/SuperNode deployments are in test_flower_deployment.py.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -24,12 +26,12 @@ from run_metrics import metrics
 pytest.importorskip("flwr")
 
 from flower_grid import LocalGrid  # noqa: E402
-from flwr.app import Context, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import Context, Error, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import Message as FlowerMessage  # noqa: E402
 
 import fedskew.apps.flower.server as flower_server  # noqa: E402
 from fedskew.algorithms import ALGORITHMS  # noqa: E402
 from fedskew.apps.flower import run_simulation  # noqa: E402
-from fedskew.apps.flower.client import client_app  # noqa: E402
 from fedskew.apps.flower.processes import end_processes, tagged_processes  # noqa: E402
 from fedskew.apps.flower.run_config import (  # noqa: E402
     NOT_IN_RUN_CONFIG,
@@ -42,6 +44,7 @@ from fedskew.apps.flower.run_config import (  # noqa: E402
     server_options,
 )
 from fedskew.apps.flower.server import _server_main, serve, setup_limit  # noqa: E402
+from fedskew.apps.flower.simulation import simulation_run_config  # noqa: E402
 from fedskew.config import ExperimentConfig, build_config  # noqa: E402
 from fedskew.core.errors import FedskewError, UsageError  # noqa: E402
 from fedskew.engines.flower_codec import (  # noqa: E402
@@ -148,17 +151,25 @@ def test_run_config_maps_to_experiment_config(tmp_path):
 # --------------------------------------------------------------------------- output root
 
 
-def test_output_root_is_the_operators_and_must_exist(tmp_path, monkeypatch):
+def test_output_root_is_the_operators_and_is_created(tmp_path, monkeypatch):
     monkeypatch.delenv(OUTPUT_ROOT_VARIABLE, raising=False)
     with pytest.raises(UsageError, match=f"{OUTPUT_ROOT_VARIABLE} is not set"):
         output_root()
     monkeypatch.setenv(OUTPUT_ROOT_VARIABLE, "relative/runs")
     with pytest.raises(UsageError, match="absolute"):
         output_root()
-    monkeypatch.setenv(OUTPUT_ROOT_VARIABLE, str(tmp_path / "missing"))
-    with pytest.raises(UsageError, match="not a folder"):
+    # A fresh machine: the folder the operator named is made, parents included.
+    monkeypatch.setenv(OUTPUT_ROOT_VARIABLE, str(tmp_path / "srv" / "runs"))
+    assert output_root() == (tmp_path / "srv" / "runs").resolve()
+    assert (tmp_path / "srv" / "runs").is_dir()
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(OUTPUT_ROOT_VARIABLE, str(tmp_path / "file"))
+    with pytest.raises(UsageError, match="is not a folder"):
         output_root()
-    assert not (tmp_path / "missing").exists()
+    # One that cannot be made: one line naming it and why.
+    monkeypatch.setenv(OUTPUT_ROOT_VARIABLE, str(tmp_path / "file" / "runs"))
+    with pytest.raises(UsageError, match=r"file/runs: cannot create the output root \("):
+        output_root()
     monkeypatch.setenv(OUTPUT_ROOT_VARIABLE, str(tmp_path))
     assert output_root() == tmp_path.resolve()
 
@@ -550,6 +561,54 @@ def test_setup_gives_up_only_after_no_answer_for_the_limit(tmp_path, monkeypatch
         serve(silent, cfg, setup_timeout=0.3)
 
 
+class FailingSetupGrid(LocalGrid):
+    """Every node answers the setup with an error, as a ClientApp that cannot import
+    fedskew does (Flower's runtime turns the exception into the reply's error)."""
+
+    def deliver(self, msg):
+        reason = "<class 'ModuleNotFoundError'>:<'No module named 'fedskew''>"
+        return FlowerMessage(Error(code=0, reason=reason), reply_to=msg)
+
+
+def test_no_connected_supernode_is_told_apart_from_a_failed_setup(tmp_path, monkeypatch):
+    """After a SuperLink restart its SuperNodes are gone: the error says no node is connected
+    (and why that happens), not that nodes were slow to answer."""
+    monkeypatch.setattr(flower_server, "POLL_SECONDS", 0.05)
+    cfg = digits_cfg(tmp_path / "none", "fedavg", num_clients=2, clients_per_round=2, rounds=1)
+    nobody = LocalGrid(2)
+    nobody.contexts.clear()
+    with pytest.raises(FedskewError) as info:
+        serve(nobody, cfg, node_wait=0.2)
+    message = str(info.value)
+    assert message.startswith("no SuperNode is connected to the SuperLink (waited 0 s: node-wait)")
+    assert "SuperNodes do not reconnect to a restarted SuperLink" in message
+    assert "setup" not in message and "\n" not in message
+    assert not (tmp_path / "none").exists()  # nothing written
+
+    cfg = digits_cfg(tmp_path / "fail", "fedavg", num_clients=2, clients_per_round=2, rounds=1)
+    with pytest.raises(FedskewError) as info:
+        serve(FailingSetupGrid(2), cfg, setup_timeout=5.0)
+    assert str(info.value).startswith(
+        "every SuperNode that answered failed the setup message; node 1000: "
+        "<class 'ModuleNotFoundError'>"
+    )
+    assert "(and 1 more)" in str(info.value) and "fedskew[flower] installed" in str(info.value)
+
+    cfg = digits_cfg(tmp_path / "ids", "fedavg", num_clients=2, clients_per_round=2, rounds=1)
+    elsewhere = LocalGrid(2)
+    for n, context in enumerate(elsewhere.contexts.values()):
+        context.node_config["partition-id"] = 7 + n  # partitions of a bigger federation
+    with pytest.raises(FedskewError, match="2 SuperNodes answered the setup but none holds a "
+                       r"partition of this run \(0 \.\. 1\)"):  # fmt: skip
+        serve(elsewhere, cfg, setup_timeout=5.0)
+
+    cfg = digits_cfg(tmp_path / "mute", "fedavg", num_clients=2, clients_per_round=2, rounds=1)
+    silent = LocalGrid(2, setup_delay=dict.fromkeys(range(2), math.inf))
+    with pytest.raises(FedskewError, match=r"^2 SuperNodes are connected but none answered the "
+                       r"setup message within 0 s \(partitions 0-1 still starting\)"):  # fmt: skip
+        serve(silent, cfg, setup_timeout=0.2)
+
+
 def test_setup_limit_grows_with_the_load(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.5, 0.5))
@@ -597,62 +656,104 @@ def test_only_processes_tagged_by_the_run_are_ended():
         os.kill(other, 9)
 
 
-# --------------------------------------------------------------------------- Ray
+def test_only_flowers_environment_of_this_run_is_removed(tmp_path, monkeypatch):
+    """The ServerApp deletes the environment Flower installed for its run (Flower 1.42 would
+    delete it within its 5 s exit window and lose the run's status), and nothing else."""
+    from fedskew.apps.flower.server import remove_runtime_environment
+
+    envs = tmp_path / "flwr" / "runtime-envs"
+    for name in ("123", "456"):
+        (envs / name / "lib").mkdir(parents=True)
+    mine = tmp_path / "venvs" / "123"
+    mine.mkdir(parents=True)
+    monkeypatch.setenv("VIRTUAL_ENV", str(mine))  # the operator's own, named like a run
+    remove_runtime_environment(123)
+    assert mine.is_dir()
+    monkeypatch.setenv("VIRTUAL_ENV", str(envs / "456"))  # another run's
+    remove_runtime_environment(123)
+    assert (envs / "456").is_dir()
+    monkeypatch.setenv("VIRTUAL_ENV", str(envs / "123"))
+    remove_runtime_environment(123)
+    assert not (envs / "123").exists() and (envs / "456").is_dir()
+    monkeypatch.delenv("VIRTUAL_ENV")
+    remove_runtime_environment(456)
+    assert (envs / "456").is_dir()
 
 
-def test_ray_simulation_equals_inprocess(tmp_path):
-    """Flower's own simulation engine (Ray): the four methods in one simulation, each
-    against its in-process run."""
-    from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation as flower_simulation
-
-    cases = [
-        ("fedavg", {}),
-        ("fedcme", {}),
-        ("fedfm", {"start_round": 1, "lam": 5}),
-        ("fedacd", {}),
-    ]
-    folders: dict[str, Path] = {}
-    errors: list[BaseException] = []
-    app = ServerApp()
-
-    @app.main()
-    def _main(grid, context) -> None:
-        try:
-            for algorithm, params in cases:
-                cfg = digits_cfg(tmp_path / "sim", algorithm, params=params, rounds=2,
-                                 name=algorithm)  # fmt: skip
-                folders[algorithm], _ = serve(grid, cfg)
-        except BaseException as exc:
-            errors.append(exc)
-
-    flower_simulation(
-        server_app=app,
-        client_app=client_app,
-        num_supernodes=4,
-        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
-    )
-    assert not errors, errors
-    for algorithm, params in cases:
-        cfg = digits_cfg(tmp_path / "ip", algorithm, params=params, rounds=2, name=algorithm)
-        folder_ip, _ = run(cfg)
-        assert_same_curves(metrics(folder_ip), metrics(folders[algorithm]))
+# --------------------------------------------------------------------------- simulation
 
 
+def test_a_simulation_passes_its_experiment_through_the_run_config(tmp_path):
+    """--engine flower-sim submits the experiment as Flower run config: the ServerApp reads
+    back the same configuration (tables, lists, unset values and a partition file in the
+    output folder included)."""
+    import dataclasses
+
+    partition = tmp_path / "parts" / "p.json"
+    partition.parent.mkdir()
+    partition.write_text(json.dumps([[0, 1, 2], [3, 4, 5]]))
+    cfg = build_config({}, dict(
+        algorithm="fedfm", params={"lam": 5.0, "start_round": 1, "anchor_agg": "uniform"},
+        partition="dirichlet", partition_params={"alpha": 0.3}, num_clients=2,
+        participation=None, clients_per_round=2, rounds=3, lr=0.01, seed=7, track="",
+        out_dir=str(tmp_path), partition_file=str(partition), engine="flower-sim",
+    ))  # fmt: skip
+    run_config = {**simulation_run_config(cfg, tmp_path.resolve()), "name": "n"}
+    declared = set(app_declared_keys())
+    assert set(run_config) <= declared  # flwr refuses keys the app does not declare
+    assert run_config["partition-file"] == "parts/p.json"
+    assert run_config["params"] == "lam=5.0 start_round=1 anchor_agg=uniform"
+    back = config_from_run_config(run_config, tmp_path.resolve())
+    for f in dataclasses.fields(cfg):
+        if f.name not in ("engine", "out_dir", "name", "partition_file", "quiet", "workers"):
+            assert getattr(back, f.name) == getattr(cfg, f.name), f.name
+    assert Path(back.partition_file) == partition.resolve()
+    with pytest.raises(UsageError, match="reads files only inside the output folder"):
+        simulation_run_config(dataclasses.replace(cfg, partition_file="/etc/passwd"), tmp_path)
+    spaced = dataclasses.replace(cfg, params={"note": "two words"})
+    with pytest.raises(UsageError, match="does not read back the same"):
+        simulation_run_config(spaced, tmp_path)
+
+
+def app_declared_keys() -> list[str]:
+    import tomllib
+
+    text = (Path(__file__).resolve().parents[1] / "flower" / "pyproject.toml").read_text()
+    return list(tomllib.loads(text)["tool"]["flwr"]["app"]["config"])
+
+
+# Minutes on 2 busy cores (a SuperLink, Ray and its actors per run): `pytest -m slow`.
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "algorithm,params", [("fedcme", {}), ("fedfm", {"start_round": 1, "lam": 5})]
+)
+def test_flower_simulation_equals_inprocess(tmp_path, algorithm, params):
+    """`--engine flower-sim` on Flower's Simulation Runtime (flwr run on a SuperLink in
+    simulation mode, Ray): the in-process curve, the rounds reported as they come, and a run
+    folder that says flower-sim."""
+    rounds: list[dict] = []
+    starts: list[int] = []
+    cfg = digits_cfg(tmp_path / "sim", algorithm, params=params, rounds=2, name=algorithm,
+                     engine="flower-sim")  # fmt: skip
+    folder, summary = run_simulation(cfg, on_round=rounds.append, on_start=starts.append)
+    assert folder == (tmp_path / "sim" / algorithm).resolve()
+    assert starts == [0] and [r["round"] for r in rounds] == [1, 2]
+    assert rounds == metrics(folder)
+    assert json.loads((folder / "config.json").read_text())["engine"] == "flower-sim"
+    cfg = digits_cfg(tmp_path / "ip", algorithm, params=params, rounds=2, name=algorithm)
+    folder_ip, summary_ip = run(cfg)
+    assert_same_curves(metrics(folder_ip), metrics(folder))
+    assert summary["final_accuracy"] == summary_ip["final_accuracy"]
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc")
 def test_failed_simulation_leaves_no_process(tmp_path, monkeypatch):
-    """A Flower simulation that fails at the setup ends every process it started: Ray's,
-    and one left without its parent (as a ClientAppActor still starting when a busy
-    machine's run failed outlived it before)."""
+    """A Flower simulation that fails at the setup (Ray's actors still starting: no answer
+    within 0.01 s) says why in one line and ends every process it started: the SuperLink,
+    the simulation process, Ray's."""
     mark = uuid.uuid4().hex
     monkeypatch.setenv("FEDSKEW_TEST_MARK", mark)  # inherited by whatever the run starts
-    orphans: list[int] = []
-
-    def fail_at_setup(grid, wanted, timeout):
-        orphans.append(orphan_sleeper(dict(os.environ)))
-        raise FedskewError("setup failed")
-
-    monkeypatch.setattr(flower_server, "wait_for_nodes", fail_at_setup)
     seen: set[int] = set()
     done = threading.Event()
 
@@ -663,16 +764,18 @@ def test_failed_simulation_leaves_no_process(tmp_path, monkeypatch):
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    cfg = digits_cfg(tmp_path, "fedavg", num_clients=2, clients_per_round=2, rounds=1)
+    cfg = digits_cfg(tmp_path, "fedavg", num_clients=2, clients_per_round=2, rounds=1,
+                     engine="flower-sim")  # fmt: skip
     try:
-        with pytest.raises(FedskewError, match="setup failed"):
-            run_simulation(cfg)
+        with pytest.raises(FedskewError, match=r"Flower run \d+ failed: 2 SuperNodes are "
+                           "connected but none answered the setup message"):  # fmt: skip
+            run_simulation(cfg, setup_timeout=0.01)
     finally:
         done.set()
         sampler.join()
     left = tagged_processes("FEDSKEW_TEST_MARK", mark)
     end_processes(left)  # so that a failure here leaves nothing behind either
-    assert orphans and set(orphans) < seen  # Ray's processes were there too
+    assert len(seen) >= 3  # the SuperLink, the simulation process, Ray's: all were there
     assert left == []
 
 

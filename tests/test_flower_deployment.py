@@ -1,28 +1,27 @@
 """A real Flower deployment on 127.0.0.1: a SuperLink and SuperNodes as separate processes,
-the fedskew app started with ``flwr run``, as a user deploys it (see docs/flower.md,
-"Deployment").
-
-Each test starts its own federation on free ports, with one FLWR_HOME per process (as on
-separate machines), and tears every process down afterwards, including the ``flwr-serverapp``
-and ``flwr-clientapp`` processes Flower spawns, even when the test fails. The processes' logs
-are kept in the test's tmp_path and printed on failure.
+the fedskew app submitted with ``fedskew deploy`` (which runs ``flwr run``), as a user deploys
+it (docs/flower.md, "Deployment"; the processes in tests/flower_federation.py).
 
 Every message starts a ``flwr-clientapp`` process that imports torch and loads the data, so a
-round takes seconds here, not milliseconds: the runs are kept to a few rounds.
+round takes seconds here, not milliseconds: the runs are kept to a few rounds, and every test
+that starts a federation is marked ``slow`` (``pytest -m slow``; minutes each on 2 busy cores).
+The default run keeps ``fedskew deploy``'s handling of Flower's answers, against a stand-in
+``flwr`` command (seconds).
 """
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import math
 import os
+import re
+import shlex
 import signal
 import socket
 import ssl
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,268 +31,34 @@ import pytest
 
 pytest.importorskip("flwr")
 
+from flower_federation import (  # noqa: E402
+    BIN,
+    REPO,
+    Federation,
+    free_port,
+    fresh_clone,
+    listening,
+    make_certificates,
+    make_node_key,
+    uv_index_env,
+)
+
+import fedskew.apps.flower.submit as submit  # noqa: E402
 from fedskew.apps.cli import main as fedskew_main  # noqa: E402
 from fedskew.apps.flower.server import machine_load  # noqa: E402
-from fedskew.core.durable import read_jsonl
+from fedskew.core.durable import read_jsonl  # noqa: E402
 from fedskew.runs.checkpoint import load_checkpoint  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-APP_DIR = REPO / "flower"
-BIN = Path(sys.executable).parent  # flower-superlink spawns flwr-serverapp etc. by name
-START_SECONDS = 60.0  # until a process listens on its port
-# One `flwr run`, start to end (a round is ~15 s on 2 cores), longer on a busier machine.
+DOC = REPO / "docs" / "flower.md"
+# One run, start to end (a round is ~15 s on 2 cores), longer on a busier machine.
 RUN_SECONDS = 300.0 * machine_load()
 # Config keys that legitimately differ between the deployed run and the in-process one.
 NOT_COMPARED = {"engine", "name", "out_dir", "quiet", "reply_timeout"}
 
-if not (BIN / "flower-superlink").exists() or not (BIN / "flwr").exists():
-    pytest.skip(f"Flower's commands are not installed in {BIN}", allow_module_level=True)
-
-
-# ---------------------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid``. Flower's SuperLink starts its ``flower-superexec`` in a
-    session of its own, so killing the SuperLink's process group alone would leave it (and
-    the ``flwr-serverapp`` it runs) behind."""
-    children: dict[int, list[int]] = {}
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return []
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace: float = 5.0) -> None:
-    """Signal ``proc`` (a session leader), its descendants and their process groups; SIGKILL
-    what is left after ``grace`` seconds."""
-    if proc.returncode is not None:
-        return  # reaped already: its pid may belong to another process by now
-    pids = [proc.pid, *descendants(proc.pid)]
-    groups = set()
-    for pid in pids:
-        try:
-            groups.add(os.getpgid(pid))
-        except ProcessLookupError:
-            pass
-
-    def send(signum: int) -> None:
-        for group in groups:
-            try:
-                os.killpg(group, signum)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for pid in pids:
-            try:
-                os.kill(pid, signum)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    def gone(within: float) -> bool:
-        deadline = time.monotonic() + within
-        while time.monotonic() < deadline:
-            if proc.poll() is not None and not any(alive(p) for p in pids[1:]):
-                return True
-            time.sleep(0.1)
-        return False
-
-    send(sig)
-    if sig != signal.SIGKILL and gone(grace):
-        return
-    send(signal.SIGKILL)
-    gone(5.0)
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    try:
-        text = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n".join(text[-lines:])
-
-
-class Federation:
-    """A SuperLink and its SuperNodes on 127.0.0.1, and the ``flwr`` CLI configured for it."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.logs = root / "logs"
-        self.logs.mkdir(parents=True)
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.log_files: dict[str, Path] = {}
-        self.port = 0
-        self.tls: dict[str, Path] | None = None
-
-    def env(self, home: str) -> dict[str, str]:
-        env = dict(os.environ)
-        env.pop("FEDSKEW_OUTPUT_ROOT", None)  # only the SuperLink gets one, in start()
-        flwr_home = self.root / "homes" / home
-        flwr_home.mkdir(parents=True, exist_ok=True)
-        env["FLWR_HOME"] = str(flwr_home)
-        env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-        env["OMP_NUM_THREADS"] = "1"
-        src = str(REPO / "src")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-        env.pop("NO_COLOR", None)
-        return env
-
-    def spawn(
-        self,
-        name: str,
-        args: list[str],
-        home: str | None = None,
-        extra_env: dict[str, str] | None = None,
-    ) -> subprocess.Popen:
-        log = self.logs / f"{name}.log"
-        with open(log, "wb") as fh:
-            proc = subprocess.Popen(
-                args,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**self.env(home or name), **(extra_env or {})},
-                cwd=self.root,
-                start_new_session=True,  # its own process group, killed as one
-            )
-        self.procs[name] = proc
-        self.log_files[name] = log
-        return proc
-
-    def start(self, nodes: int, output_root: Path, tls: dict[str, Path] | None = None) -> None:
-        """The SuperLink (its ServerApp writes under ``output_root``, the operator's
-        FEDSKEW_OUTPUT_ROOT) and ``nodes`` SuperNodes."""
-        self.tls = tls
-        output_root.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        # The app's dependencies are the installed fedskew: no `uv sync` on the SuperLink.
-        link_args = [
-            "--host=127.0.0.1",
-            f"--port={self.port}",
-            "--disable-runtime-dependency-installation",
-        ]
-        if tls is None:
-            link_args.append("--insecure")
-        else:
-            link_args += [
-                f"--ssl-ca-certfile={tls['ca']}",
-                f"--ssl-certfile={tls['cert']}",
-                f"--ssl-keyfile={tls['key']}",
-            ]
-        self.spawn(
-            "superlink",
-            [str(BIN / "flower-superlink"), *link_args],
-            extra_env={"FEDSKEW_OUTPUT_ROOT": str(output_root)},
-        )
-        self.wait_listening("superlink", self.port)
-        trust = ["--insecure"] if tls is None else [f"--root-certificates={tls['ca']}"]
-        node_ports = [free_port() for _ in range(nodes)]
-        for pid, node_port in enumerate(node_ports):
-            node_args = [
-                f"--superlink=127.0.0.1:{self.port}",
-                "--host=127.0.0.1",
-                f"--port={node_port}",  # the node's own API, for its ClientApp processes
-                f"--node-config=partition-id={pid}",
-            ]
-            self.spawn(f"node{pid}", [str(BIN / "flower-supernode"), *trust, *node_args])
-        for pid, node_port in enumerate(node_ports):
-            self.wait_listening(f"node{pid}", node_port)
-        self.write_cli_config()
-
-    def wait_listening(self, name: str, port: int) -> None:
-        deadline = time.monotonic() + START_SECONDS
-        while time.monotonic() < deadline:
-            if self.procs[name].poll() is not None:
-                raise AssertionError(f"{name} exited at start:\n{tail(self.log_files[name])}")
-            if listening(port):
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"{name} did not listen on {port}:\n{tail(self.log_files[name])}")
-
-    def write_cli_config(self) -> None:
-        """The ``flwr`` CLI's connection to this SuperLink, in its FLWR_HOME/config.toml."""
-        trust = "insecure = true" if self.tls is None else f'root-certificates = "{self.tls["ca"]}"'
-        home = self.root / "homes" / "cli"
-        home.mkdir(parents=True, exist_ok=True)
-        (home / "config.toml").write_text(
-            "[superlink]\n"
-            'default = "test"\n'
-            "[superlink.test]\n"
-            f'address = "127.0.0.1:{self.port}"\n'
-            f"{trust}\n",
-            encoding="utf-8",
-        )
-
-    def run_app(self, run_config: dict[str, Any]) -> subprocess.Popen:
-        """``flwr run flower test --run-config '...' --stream``, in the background."""
-        pairs = " ".join(f"{k}={toml_value(v)}" for k, v in run_config.items())
-        return self.spawn(
-            "flwr-run",
-            [str(BIN / "flwr"), "run", str(APP_DIR), "test", "--run-config", pairs, "--stream"],
-            home="cli",
-        )
-
-    def wait_app(self, proc: subprocess.Popen, timeout: float = RUN_SECONDS) -> int:
-        try:
-            return proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc)
-            raise AssertionError(f"flwr run did not end in {timeout} s\n{self.report()}") from None
-
-    def kill(self, name: str) -> None:
-        """Crash a process: SIGKILL to it, its group and its children, no clean shutdown."""
-        kill_tree(self.procs[name], signal.SIGKILL)
-
-    def stop(self) -> None:
-        # The CLI first, then the nodes, the SuperLink last (it owns the ServerApp).
-        for name in sorted(self.procs, key=lambda n: (n == "superlink", n != "flwr-run")):
-            kill_tree(self.procs[name])
-
-    def report(self) -> str:
-        return "\n".join(
-            f"===== {name} ({path})\n{tail(path)}" for name, path in self.log_files.items()
-        )
-
-
-def toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)  # a TOML basic string
-    return str(value)
+needs_flower_commands = pytest.mark.skipif(
+    not (BIN / "flower-superlink").exists() or not (BIN / "flwr").exists(),
+    reason=f"Flower's commands are not installed in {BIN}",
+)
 
 
 @pytest.fixture
@@ -334,23 +99,141 @@ def compared_config(folder: Path) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k not in NOT_COMPARED}
 
 
-def run_config(name: str, **options: Any) -> dict[str, Any]:
-    """No out-dir: run folders go straight into the SuperLink's output root."""
-    return {**options, "name": name}
+def error_line(log: str) -> str:
+    """fedskew deploy's one-line error (the last line of its output)."""
+    lines = [line for line in log.splitlines() if line.startswith("fedskew: error: ")]
+    assert lines, log[-3000:]
+    return lines[-1]
 
 
-# ---------------------------------------------------------------------------- tests
+# ---------------------------------------------------------------------------- the walk-through
+
+
+def walkthrough(text: str) -> list[tuple[str, bool]]:
+    """The commands of docs/flower.md's walk-through, in order: (command, long-running).
+    A command is a line with its ``\\`` continuations and here-documents; the SuperLink and
+    SuperNodes are long-running (a terminal each), the rest run to their end."""
+    start = text.index("<!-- walk-through")
+    end = text.index("<!-- end of the walk-through -->")
+    blocks = re.findall(r"```bash\n(.*?)```", text[start:end], flags=re.S)
+    assert blocks, "docs/flower.md has no walk-through"
+    commands: list[tuple[str, bool]] = []
+    for block in blocks:
+        lines = block.splitlines()
+        while lines:
+            line = lines.pop(0)
+            while line.endswith("\\") and lines:
+                line = line[:-1] + " " + lines.pop(0).strip()
+            heredoc = re.search(r"<<'?(\w+)'?", line)
+            if heredoc:
+                body = []
+                while lines and lines[0] != heredoc.group(1):
+                    body.append(lines.pop(0))
+                line = "\n".join([line, *body, lines.pop(0) if lines else heredoc.group(1)])
+            words = shlex.split(line.split("\n")[0], comments=True)
+            if not words:
+                continue
+            program = next(w for w in words if "=" not in w or w.startswith("-"))
+            commands.append((line, program in ("flower-superlink", "flower-supernode")))
+    return commands
+
+
+@needs_flower_commands
+@pytest.mark.slow
+def test_documented_deployment_runs_from_a_fresh_clone(tmp_path: Path) -> None:
+    """docs/flower.md's walk-through, command by command, in a fresh copy of the repository:
+    the SuperLink installs the bundle's dependency (a wheel of this fedskew) the Flower way,
+    two SuperNodes train FedCME, which exchanges classifiers every round."""
+    clone = fresh_clone(tmp_path / "fedskew")
+    home = tmp_path / "home"  # ~ of the walk-through: its ~/.flwr, runs and wheels
+    home.mkdir()
+    fed = Federation(tmp_path / "federation", clone)
+    # The doc's ports, made free ones; the rest as written.
+    ports = {"9093": str(free_port()), "9094": str(free_port()), "9095": str(free_port())}
+    env = {k: v for k, v in fed.env("walk-through").items() if k != "FLWR_HOME"}
+    env["HOME"] = str(home)
+    # uv's cache stays the machine's (the first install of torch & co. is the slow part),
+    # and uv resolves from the index pip was configured with.
+    uv_cache = subprocess.run(
+        [sys.executable, "-m", "uv", "cache", "dir"], capture_output=True, text=True
+    ).stdout.strip()
+    env.setdefault("UV_CACHE_DIR", uv_cache)
+    env.update(uv_index_env())
+    try:
+        steps = walkthrough(DOC.read_text())
+        for n, (command, long_running) in enumerate(steps):
+            for doc_port, port in ports.items():
+                command = re.sub(rf"\b{doc_port}\b", port, command)
+            name = f"step{n}"
+            if long_running:
+                fed.procs[name] = proc = subprocess.Popen(
+                    ["bash", "-c", command], cwd=clone, env=env, start_new_session=True,
+                    stdin=subprocess.DEVNULL, stdout=open(fed.logs / f"{name}.log", "wb"),
+                    stderr=subprocess.STDOUT,
+                )  # fmt: skip
+                fed.log_files[name] = fed.logs / f"{name}.log"
+                port = int(re.search(r"--port (\d+)", command).group(1))
+                deadline = time.monotonic() + 60
+                while not listening(port):
+                    assert proc.poll() is None, f"{command}\n{fed.report()}"
+                    assert time.monotonic() < deadline, f"{command}\n{fed.report()}"
+                    time.sleep(0.2)
+            else:
+                done = subprocess.run(
+                    ["bash", "-euo", "pipefail", "-c", command], cwd=clone, env=env,
+                    capture_output=True, text=True, timeout=RUN_SECONDS,
+                )  # fmt: skip
+                (fed.logs / f"{name}.log").write_text(done.stdout + done.stderr)
+                fed.log_files[name] = fed.logs / f"{name}.log"
+                assert done.returncode == 0, f"{command}\n{fed.report()}"
+                output = done.stdout + done.stderr
+        # The last command listed the run folder.
+        folder = home / "fedskew-runs" / "cme"
+        assert "summary.json" in output and (folder / "summary.json").is_file(), fed.report()
+        rows = read_metrics(folder / "metrics.jsonl")
+        assert [r["round"] for r in rows] == [1, 2, 3]
+        for row in rows:
+            assert row["clients"] == [0, 1] and row["missing_replies"] == []
+            assert row["exchanged"] == 2  # the two clients swapped classifiers
+        deploy_step = next(i for i, (c, _) in enumerate(steps) if "fedskew deploy" in c)
+        deploy_log = fed.log(f"step{deploy_step}")
+        # The ServerApp ran the fedskew that Flower installed from the bundle's dependency.
+        assert re.search(r"Installed: \[.*fedskew==0\.1\.0", deploy_log), deploy_log[-3000:]
+        assert "fedskew: Flower run" in deploy_log and "completed" in deploy_log
+    finally:
+        fed.stop()
+        print(fed.report())
+
+
+# ---------------------------------------------------------------------------- deployments
 
 OPTIONS_A = {"num-clients": 3, "clients-per-round": 3, "rounds": 2, "local-epochs": 1}
 
 
-def test_deployment_trains_every_node_like_in_process(
+@needs_flower_commands
+@pytest.mark.slow
+def test_tls_node_authentication_and_every_node_trains_like_in_process(
     federation: Federation, tmp_path: Path
 ) -> None:
+    """Over TLS with Flower's node authentication: the registered nodes train, bit for bit
+    like the in-process engine; a node whose key is not registered is refused."""
+    tls = make_certificates(tmp_path / "certs")
+    keys = [make_node_key(tmp_path / "keys", f"node{i}") for i in range(4)]
     out = tmp_path / "runs"
-    federation.start(nodes=3, output_root=out)
-    proc = federation.run_app(run_config("deployed", dataset="digits", **OPTIONS_A))
-    assert federation.wait_app(proc) == 0, federation.report()
+    federation.start_superlink(out, tls=tls, node_auth=True)
+    # The SuperLink really speaks TLS, with the certificate the CA signed for 127.0.0.1.
+    context = ssl.create_default_context(cafile=str(tls["ca"]))
+    with socket.create_connection(("127.0.0.1", federation.port), timeout=5) as raw:
+        with context.wrap_socket(raw, server_hostname="127.0.0.1") as conn:
+            assert conn.version() is not None
+    for _private, public in keys[:3]:  # the operator registers three nodes' public keys
+        registered = federation.cli("supernode", "register", str(public), "test")
+        assert registered.returncode == 0, registered.stdout + registered.stderr
+    for partition in range(3):
+        federation.start_node(partition, key=keys[partition][0])
+    intruder = federation.start_node(3, key=keys[3][0], name="intruder", wait=False)
+    proc = federation.deploy({**OPTIONS_A, "name": "deployed", "dataset": "digits"})
+    assert federation.wait(proc, RUN_SECONDS) == 0, federation.report()
     deployed = finished_run(out, "deployed", federation)
 
     reference = in_process_run(tmp_path / "inprocess", dataset="digits", **OPTIONS_A)
@@ -361,15 +244,18 @@ def test_deployment_trains_every_node_like_in_process(
     assert [r["accuracy"] for r in got] == [r["accuracy"] for r in want]
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
     for row, ref in zip(got, want, strict=True):
-        # every node replied and its reply was taken
         assert row["missing_replies"] == [] and row["rejected_replies"] == []
         assert (row["bytes_down"], row["bytes_up"]) == (ref["bytes_down"], ref["bytes_up"])
         assert row["samples"] == ref["samples"]
-    summary = json.loads((deployed / "summary.json").read_text())
-    assert summary["final_accuracy"] == want[-1]["accuracy"]
+    # The unregistered node never joined: refused, it exits ("Failed to activate SuperNode").
+    deadline = time.monotonic() + 60
+    while federation.procs[intruder].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert federation.procs[intruder].returncode not in (None, 0), federation.log(intruder)
+    assert "Failed to activate SuperNode" in federation.log(intruder)
 
 
-# Two minutes on 2 cores: outside the default run, with `pytest -m slow` (benchmarks/README.md).
+@needs_flower_commands
 @pytest.mark.slow
 def test_killed_node_is_missing_and_no_round_is_lost(
     federation: Federation, tmp_path: Path
@@ -381,7 +267,7 @@ def test_killed_node_is_missing_and_no_round_is_lost(
     # after ~60 s of missing heartbeats); a live client replies in ~10-20 s on 2 idle cores,
     # and takes longer in proportion on a busy machine (load 9 on 2 cores: over 30 s).
     options = {**OPTIONS_A, "rounds": rounds, "reply-timeout": 30.0 * machine_load()}
-    proc = federation.run_app(run_config("fault", dataset="digits", **options))
+    proc = federation.deploy({**options, "name": "fault", "dataset": "digits"})
     metrics = out / "fault.incomplete" / "metrics.jsonl"
     deadline = time.monotonic() + RUN_SECONDS
     while not read_metrics(metrics):
@@ -390,7 +276,7 @@ def test_killed_node_is_missing_and_no_round_is_lost(
         time.sleep(0.2)
     before_kill = read_metrics(metrics)
     federation.kill("node2")
-    assert federation.wait_app(proc) == 0, federation.report()
+    assert federation.wait(proc, RUN_SECONDS) == 0, federation.report()
     folder = finished_run(out, "fault", federation)
 
     rows = read_metrics(folder / "metrics.jsonl")
@@ -418,6 +304,52 @@ def test_killed_node_is_missing_and_no_round_is_lost(
     assert load_checkpoint(folder / "checkpoint.npz")[0] == rounds
 
 
+@needs_flower_commands
+@pytest.mark.slow
+def test_failed_runs_exit_non_zero_with_one_line(federation: Federation, tmp_path: Path) -> None:
+    """What a user of the walk-through met: an output root that cannot be made, and a
+    SuperLink restarted under its nodes (which do not come back); each run fails with status
+    1 and one line saying what is wrong, not a traceback and status 0."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    federation.start_superlink(blocker / "runs")  # cannot be created: a file is in the way
+    node = federation.start_node(0)
+    small = {"num-clients": 1, "clients-per-round": 1, "rounds": 1, "local-epochs": 1}
+    proc = federation.deploy({**small, "name": "r1"}, name="deploy1")
+    assert federation.wait(proc, RUN_SECONDS) == 1, federation.report()
+    line = error_line(federation.log("deploy1"))
+    assert re.fullmatch(
+        r"fedskew: error: Flower run \d+ failed: FEDSKEW_OUTPUT_ROOT=\S+/a-file/runs: "
+        r"cannot create the output root \(Not a directory\); create it, writable by the "
+        r"SuperLink's account",
+        line,
+    ), line
+
+    # A SuperLink restart: its node does not come back (Flower 1.42: the new SuperLink does
+    # not know it, its heartbeat is refused with 401 and stops), the next run says so.
+    federation.kill("superlink", signal.SIGTERM)
+    federation.start_superlink(tmp_path / "runs")
+
+    def dropped() -> bool:  # refused by the new SuperLink (or gone: the issue saw it exit)
+        return federation.procs[node].poll() is not None or "401" in federation.log(node)
+
+    deadline = time.monotonic() + 120
+    while not dropped() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert dropped(), federation.report()
+    proc = federation.deploy({**small, "name": "r2", "node-wait": 2.0}, name="deploy2")
+    assert federation.wait(proc, RUN_SECONDS) == 1, federation.report()
+    line = error_line(federation.log("deploy2"))
+    assert re.match(
+        r"fedskew: error: Flower run \d+ failed: no SuperNode is connected to the SuperLink "
+        r"\(waited 2 s: node-wait\)",
+        line,
+    ), line
+    assert not (tmp_path / "runs" / "r2").exists()
+
+
+@needs_flower_commands
+@pytest.mark.slow
 def test_serverapp_writes_only_under_the_operators_output_root(
     federation: Federation, tmp_path: Path
 ) -> None:
@@ -427,108 +359,96 @@ def test_serverapp_writes_only_under_the_operators_output_root(
     elsewhere = tmp_path / "elsewhere"
     federation.start(nodes=1, output_root=out)
     options = {"num-clients": 1, "clients-per-round": 1, "rounds": 1, "local-epochs": 1}
-    proc = federation.run_app({**options, "out-dir": str(elsewhere), "name": "escape"})
-    federation.wait_app(proc)
-    log = federation.log_files["flwr-run"].read_text(errors="replace")
-    assert "must be a path relative to the output root" in log, federation.report()
+    proc = federation.deploy({**options, "out-dir": str(elsewhere), "name": "escape"})
+    assert federation.wait(proc, RUN_SECONDS) == 1
+    assert "must be a path relative to the output root" in error_line(federation.log("deploy"))
     assert not elsewhere.exists()
     assert list(out.iterdir()) == []
 
 
-# ---------------------------------------------------------------------------- TLS
+# ---------------------------------------------------------------------------- fedskew deploy
 
 
-def make_certificates(folder: Path) -> dict[str, Path]:
-    """A CA, and a certificate it signs for the SuperLink at 127.0.0.1 (IP SAN)."""
-    pytest.importorskip("cryptography")  # installed with flwr
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    folder.mkdir(parents=True)
-    now = datetime.datetime.now(datetime.UTC)
-    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1)
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedskew test CA")])
-    ca_cert = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(end)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(end)
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), False
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    paths = {"ca": folder / "ca.pem", "cert": folder / "server.pem", "key": folder / "server.key"}
-    paths["ca"].write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths["key"].write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return paths
+FAKE_FLWR = textwrap.dedent(
+    """\
+    #!{python}
+    # A stand-in for Flower's `flwr`: answers as flwr 1.42 does, the run's fate from $FAKE_RUN.
+    import json, os, sys
+    args, fate = sys.argv[1:], os.environ["FAKE_RUN"]
+    with open(os.environ["FAKE_CALLS"], "a") as calls:
+        calls.write(json.dumps(args) + "\\n")
+    if args[0] == "run":
+        if fate == "unreachable":
+            print(json.dumps({{"success": False, "error-message": "Using SuperLink: x\\n"
+                  "Connection to the SuperLink is unavailable."}}, indent=2))
+        else:
+            print(json.dumps({{"success": True, "run-id": "42"}}, indent=2))
+    elif args[0] == "log":
+        print("INFO : round 1 ...")
+    elif args[0] == "ls":
+        status = {{"ok": "finished:completed", "failed": "finished:failed"}}[fate]
+        details = "" if fate == "ok" else (
+            "ServerApp failed with exception: FEDSKEW_OUTPUT_ROOT=/srv/runs: cannot create")
+        print(json.dumps({{"success": True, "runs": [{{"run-id": "42", "status": status,
+              "status-details": details}}]}}, indent=2))
+    """
+)
 
 
-@pytest.mark.slow  # a minute on 2 cores; `pytest -m slow`
-def test_deployment_over_tls(federation: Federation, tmp_path: Path) -> None:
-    tls = make_certificates(tmp_path / "certs")
-    options = {"num-clients": 2, "clients-per-round": 2, "rounds": 1, "local-epochs": 1}
-    out = tmp_path / "runs"
-    federation.start(nodes=2, output_root=out, tls=tls)
-    # The SuperLink really speaks TLS, with the certificate the CA signed for 127.0.0.1.
-    context = ssl.create_default_context(cafile=str(tls["ca"]))
-    with socket.create_connection(("127.0.0.1", federation.port), timeout=5) as raw:
-        with context.wrap_socket(raw, server_hostname="127.0.0.1") as conn:
-            assert conn.version() is not None
-    proc = federation.run_app(run_config("tls", dataset="digits", **options))
-    assert federation.wait_app(proc) == 0, federation.report()
-    deployed = finished_run(out, "tls", federation)
+@pytest.mark.parametrize(
+    "fate,status,message",
+    [
+        ("ok", 0, "fedskew: Flower run 42 completed"),
+        (
+            "failed",
+            1,
+            "fedskew: error: Flower run 42 failed: FEDSKEW_OUTPUT_ROOT=/srv/runs: cannot create",
+        ),
+        (
+            "unreachable",
+            1,
+            "fedskew: error: flwr run could not start the run on loopback: Connection to the "
+            "SuperLink is unavailable.",
+        ),
+    ],
+)
+def test_deploy_exits_non_zero_with_one_line_when_the_run_fails(
+    tmp_path, monkeypatch, capsys, fate, status, message
+):
+    fake = tmp_path / "flwr"
+    fake.write_text(FAKE_FLWR.format(python=sys.executable))
+    fake.chmod(0o755)
+    monkeypatch.setattr(submit, "flower_command", lambda name: str(fake))
+    monkeypatch.setenv("FAKE_RUN", fate)
+    monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls"))
+    code = fedskew_main(["deploy", "loopback", "--run-config", 'algorithm="fedcme" rounds=3'])
+    err = capsys.readouterr().err
+    assert code == status
+    assert err.splitlines()[-1] == message
+    calls = [json.loads(line) for line in (tmp_path / "calls").read_text().splitlines()]
+    run_call = calls[0]
+    assert run_call[:1] == ["run"] and run_call[2:] == [
+        "loopback", "--format", "json", "--run-config", 'algorithm="fedcme" rounds=3'
+    ]  # fmt: skip
+    # The app submitted is the one this fedskew writes, the same as the repository's.
+    if fate != "unreachable":
+        assert [c[0] for c in calls] == ["run", "log", "ls"]
+        assert calls[1] == ["log", "42", "loopback", "--stream"]
 
-    reference = in_process_run(tmp_path / "inprocess", dataset="digits", **options)
-    got, want = read_metrics(deployed / "metrics.jsonl"), read_metrics(reference / "metrics.jsonl")
-    assert [r["accuracy"] for r in got] == [r["accuracy"] for r in want]
-    assert all(r["missing_replies"] == [] for r in got)
+
+def test_walkthrough_parses_into_the_documented_commands():
+    commands = walkthrough(DOC.read_text())
+    programs = [shlex.split(c.split("\n")[0])[0] for c, _ in commands]
+    long_running = [c for c, background in commands if background]
+    assert len(long_running) == 3  # a SuperLink and two SuperNodes
+    assert "flower-superlink" in long_running[0] and "FEDSKEW_OUTPUT_ROOT=" in long_running[0]
+    assert programs[-2:] == ["fedskew", "ls"] and "deploy loopback" in commands[-2][0]
+    assert any("<<'EOF'" in c and c.endswith("EOF") for c, _ in commands)
+
+
+def test_the_app_fedskew_submits_is_the_repositorys(tmp_path):
+    from fedskew.apps.flower.app_config import write_app
+
+    written = write_app(tmp_path / "app") / "pyproject.toml"
+    assert written.read_text() == (REPO / "flower" / "pyproject.toml").read_text()
+    assert os.listdir(tmp_path / "app") == ["pyproject.toml"]

@@ -135,12 +135,12 @@ def test_the_flower_app_run_config_is_written_from_the_option_metadata(tmp_path,
 
     pyproject = Path(__file__).resolve().parents[1] / "flower" / "pyproject.toml"
     assert app_config.main(["--check", str(pyproject)]) == 0, (
-        "flower/pyproject.toml's run config is stale: "
+        "flower/pyproject.toml is stale: "
         "python -m fedskew.apps.flower.app_config flower/pyproject.toml"
     )
     stale = tmp_path / "pyproject.toml"
     stale.write_text(pyproject.read_text().replace("lr = 0.05\n", ""))
     assert app_config.main(["--check", str(stale)]) == 1
-    assert "differs from the option metadata" in capsys.readouterr().err
+    assert "differs from the app fedskew writes" in capsys.readouterr().err
     assert app_config.main([str(stale)]) == 0
     assert stale.read_text() == pyproject.read_text()

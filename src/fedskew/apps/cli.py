@@ -1,4 +1,4 @@
-"""The ``fedskew`` command line: run, list, partition, compare, tune, report."""
+"""The ``fedskew`` command line: run, list, partition, compare, tune, report, deploy."""
 
 from __future__ import annotations
 
@@ -86,6 +86,19 @@ def flower_simulation():
             f"--engine flower-sim needs Flower: pip install 'fedskew[flower]' ({exc})"
         ) from None
     return run_simulation
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    # Flower's command line does the work: this imports no Flower (a missing flwr command
+    # is a one-line error there).
+    from fedskew.apps.flower.submit import deploy
+
+    app = Path(args.app) if args.app else None
+    if app is not None and not (app / "pyproject.toml").is_file():
+        raise UsageError(f"--app {args.app}: no Flower app there (no pyproject.toml)")
+    status = deploy(args.connection, args.run_config or (), app, args.federation)
+    print(f"fedskew: Flower run {status.run_id} completed", file=sys.stderr)
+    return 0
 
 
 def resume_config(args: argparse.Namespace):
@@ -416,6 +429,26 @@ def make_parser() -> argparse.ArgumentParser:
     )
     add_tune_options(p_tune)
     p_tune.set_defaults(func=cmd_tune)
+
+    p_dep = sub.add_parser(
+        "deploy",
+        help="run the fedskew Flower app on a SuperLink (flwr run, its log, and exit status 1 "
+        "when the run failed)",
+    )
+    p_dep.add_argument(
+        "connection", help="a SuperLink connection of $FLWR_HOME/config.toml (flwr run's)"
+    )
+    p_dep.add_argument(
+        "--run-config", "-c", action="append", metavar="'k=v ...'",
+        help="run config, as flwr run takes it: keys of fedskew run, TOML values "
+        "('algorithm=\"fedcme\" rounds=20'); may repeat",
+    )  # fmt: skip
+    p_dep.add_argument(
+        "--app", help="the Flower app folder (default: the app this fedskew writes, the same "
+        "as the repository's flower/)",
+    )  # fmt: skip
+    p_dep.add_argument("--federation", help="flwr run --federation (@account/name)")
+    p_dep.set_defaults(func=cmd_deploy)
 
     p_task = sub.add_parser(
         "grid-task", help="run one run of a compare grid's runs list (a Slurm array task's job)"

@@ -18,11 +18,14 @@ in ``$FEDSKEW_OUTPUT_ROOT``; paths in the run config are relative to it (:func:`
 ``fedskew run --engine flower-sim`` writes where ``-o`` says: its user is its operator.
 
 Entry points: ``server_app`` / ``client_app`` (named in the Flower app's pyproject for
-``flwr run``), and :func:`run_simulation` for ``fedskew run --engine flower-sim``.
+``flwr run``), and :func:`run_simulation` for ``fedskew run --engine flower-sim`` (which
+submits the same app to a SuperLink of its own in simulation mode).
 
 The parts: ``run_config`` (the run config and the output root, no Flower import),
-``server`` (the handshake and the ServerApp), ``client`` (the ClientApp), ``simulation``
-(``fedskew run --engine flower-sim``) and ``processes`` (ending what a simulation left).
+``app_config`` (the app's pyproject.toml), ``submit`` (``flwr run`` and the run's status:
+``fedskew deploy``), ``server`` (the handshake and the ServerApp), ``client`` (the
+ClientApp), ``simulation`` (``fedskew run --engine flower-sim``) and ``processes`` (ending
+what a simulation left).
 """
 
 from typing import Any

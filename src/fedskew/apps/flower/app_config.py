@@ -1,7 +1,11 @@
-"""The run config table of the Flower app (``[tool.flwr.app.config]`` in
-flower/pyproject.toml), written from the option metadata of ExperimentConfig:
-``python -m fedskew.apps.flower.app_config flower/pyproject.toml`` rewrites the table in place
-(``--check``: exit 1 when it differs; a test compares the two).
+"""The Flower app's pyproject.toml (flower/pyproject.toml), written from code: its header,
+its declared dependency (this fedskew, with the flower extra) and its run config table
+(``[tool.flwr.app.config]``) from the option metadata of ExperimentConfig.
+``python -m fedskew.apps.flower.app_config flower/pyproject.toml`` rewrites the file
+(``--check``: exit 1 when it differs; a test compares the two). ``fedskew deploy`` and
+``--engine flower-sim`` write the same file into a folder of their own (:func:`write_app`),
+so the app they submit is the one ``flwr run flower`` submits, also where fedskew was
+installed without its repository.
 
 flwr refuses a ``--run-config`` key the app does not declare, so every option of
 ``fedskew run`` is declared here, with fedskew's default, except those whose metadata says
@@ -20,6 +24,7 @@ from typing import Any
 
 from fedskew.apps.flower.run_config import SERVER_KEY_NOTES
 from fedskew.config import ExperimentConfig
+from fedskew.version import __version__
 
 TABLE = "[tool.flwr.app.config]"
 # The app's own small federation (a first `flwr run` finishes in minutes), and its run
@@ -68,25 +73,75 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
-def rewritten(text: str) -> str:
-    """``text`` (flower/pyproject.toml) with its table replaced by :func:`render`'s."""
-    at = text.find("\n" + TABLE + "\n")
-    if at < 0:
-        raise SystemExit(f"no {TABLE} table in the file")
-    return text[: at + 1] + render()
+# Everything above the run config table. The dependency pins this fedskew: the table below
+# declares its options, and a node with another version may not understand them.
+HEADER = f"""\
+# The fedskew Flower app. `flwr run flower <connection> --stream` (or `fedskew deploy
+# <connection>`, which also exits non-zero when the run fails) bundles this folder into a
+# Flower App Bundle (`flwr build --app flower` writes it) and runs it on the SuperLink and its
+# SuperNodes. Its code is its one dependency, fedskew with the flower extra: the SuperLink
+# installs it per run (Flower's runtime dependency installation, on by default; uv must find
+# fedskew, see docs/flower.md), a SuperNode has it installed or installs it too
+# (flower-supernode --allow-runtime-dependency-installation).
+# Written by `python -m fedskew.apps.flower.app_config flower/pyproject.toml`: edit it there.
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "fedskew-flower"
+version = "{__version__}"
+description = "fedskew's federated algorithms on a Flower federation"
+license = "Apache-2.0"
+requires-python = ">=3.11"
+dependencies = ["fedskew[flower]=={__version__}"]
+
+[tool.hatch.build.targets.wheel]
+bypass-selection = true  # the app's code is its dependency: the bundle holds no module
+
+[tool.flwr.app]
+publisher = "fedskew"
+
+[tool.flwr.app.components]
+serverapp = "fedskew.apps.flower:server_app"
+clientapp = "fedskew.apps.flower:client_app"
+
+# Keys of `fedskew run`, set here or with `flwr run ... --run-config 'k=v'`.
+# "" means the fedskew default. Tables are strings of key=value pairs: params = "lam=10".
+# Each SuperNode needs `--node-config "partition-id=<i>"` (0 .. num-clients - 1) and may
+# add `data-dir="<path>"` for its local copy of the dataset (the server reads its copy from
+# $FEDSKEW_DATA or its cache: data-dir is not a run config key of a deployment).
+# Paths are relative to the output root that the server operator sets in FEDSKEW_OUTPUT_ROOT
+# (the SuperLink's environment); the ServerApp refuses to start without it (see SECURITY.md).
+"""
+
+
+def app_text() -> str:
+    """The whole pyproject.toml of the Flower app."""
+    return HEADER + render()
+
+
+def write_app(folder: Path) -> Path:
+    """The Flower app in ``folder`` (made if missing): its pyproject.toml, all a bundle
+    holds. Returns the folder, for ``flwr run``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "pyproject.toml").write_text(app_text(), encoding="utf-8")
+    return folder
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="write the Flower app's run config table")
+    parser = argparse.ArgumentParser(description="write the Flower app's pyproject.toml")
     parser.add_argument("pyproject", type=Path, help="flower/pyproject.toml")
-    parser.add_argument("--check", action="store_true", help="exit 1 when the table differs")
+    parser.add_argument("--check", action="store_true", help="exit 1 when the file differs")
     args = parser.parse_args(argv)
-    text = args.pyproject.read_text(encoding="utf-8")
-    new = rewritten(text)
+    text = args.pyproject.read_text(encoding="utf-8") if args.pyproject.exists() else ""
+    new = app_text()
     if args.check:
         if new != text:
             print(
-                f"{args.pyproject}: its {TABLE} differs from the option metadata", file=sys.stderr
+                f"{args.pyproject}: it differs from the app fedskew writes (its {TABLE} "
+                "from the option metadata)",
+                file=sys.stderr,
             )
             return 1
         return 0

@@ -28,6 +28,9 @@ NODE_WAIT_SECONDS = 120.0
 SETUP_TIMEOUT_SECONDS = 120.0
 # Where a deployed ServerApp may write: set by the server operator, never by the run config.
 OUTPUT_ROOT_VARIABLE = "FEDSKEW_OUTPUT_ROOT"
+# Set ("1") in the environment of the SuperLink that `--engine flower-sim` starts for itself:
+# its runs are simulations (engine flower-sim in the run folder, resumable with fedskew run).
+SIMULATION_VARIABLE = "FEDSKEW_SIMULATION"
 # Run config keys that only the ServerApp reads (not experiment configuration): their
 # defaults, and what the Flower app's run config says of them.
 SERVER_KEY_NOTES: dict[str, tuple[str | float, str]] = {
@@ -55,9 +58,10 @@ NOT_IN_RUN_CONFIG = NOT_IN_FLOWER_RUN_CONFIG
 
 def output_root() -> Path:
     """The folder a deployed ServerApp writes under: ``$FEDSKEW_OUTPUT_ROOT`` of the process
-    that runs the ServerApp (the SuperLink's environment reaches it). Without it the
-    ServerApp refuses to start: its working directory is wherever the SuperLink was
-    started, and no folder should be written that the operator did not choose."""
+    that runs the ServerApp (the SuperLink's environment reaches it), created when missing.
+    Without it the ServerApp refuses to start: its working directory is wherever the
+    SuperLink was started, and no folder should be written that the operator did not
+    choose."""
     value = os.environ.get(OUTPUT_ROOT_VARIABLE, "").strip()
     if not value:
         raise UsageError(
@@ -68,8 +72,17 @@ def output_root() -> Path:
     root = Path(value).expanduser()
     if not root.is_absolute():
         raise UsageError(f"{OUTPUT_ROOT_VARIABLE} must be an absolute path, got {value!r}")
-    if not root.is_dir():
-        raise UsageError(f"{OUTPUT_ROOT_VARIABLE}={value} is not a folder (create it first)")
+    try:
+        # The operator named it: making it is what they asked for (a first run on a fresh
+        # machine), and it holds nothing yet that a run config could reach.
+        root.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UsageError(f"{OUTPUT_ROOT_VARIABLE}={value} is not a folder") from None
+    except OSError as exc:
+        raise UsageError(
+            f"{OUTPUT_ROOT_VARIABLE}={value}: cannot create the output root "
+            f"({exc.strerror or exc}); create it, writable by the SuperLink's account"
+        ) from None
     return root.resolve()
 
 

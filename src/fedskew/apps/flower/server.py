@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -21,6 +22,7 @@ from fedskew.apps.flower.run_config import (
     NODE_WAIT_SECONDS,
     SERVER_KEYS,
     SETUP_TIMEOUT_SECONDS,
+    SIMULATION_VARIABLE,
     config_from_run_config,
     output_root,
     resumed_config,
@@ -68,7 +70,8 @@ def ranges(numbers: Iterable[int]) -> str:
 
 
 def wait_for_nodes(grid: Grid, wanted: int, timeout: float = NODE_WAIT_SECONDS) -> list[int]:
-    """Node ids once ``wanted`` nodes are connected, or those there are after ``timeout``."""
+    """Node ids once ``wanted`` nodes are connected, or those there are after ``timeout``;
+    a one-line error when none is: the setup cannot then be what went wrong."""
     start = time.monotonic()
     next_report = start + PROGRESS_SECONDS
     nodes = list(grid.get_node_ids())
@@ -81,6 +84,19 @@ def wait_for_nodes(grid: Grid, wanted: int, timeout: float = NODE_WAIT_SECONDS) 
             )  # fmt: skip
         time.sleep(POLL_SECONDS)
         nodes = list(grid.get_node_ids())
+    if not nodes:
+        # Flower's SuperNodes do not come back after their SuperLink restarts (the new one
+        # does not know them): the likeliest cause.
+        raise FedskewError(
+            f"no SuperNode is connected to the SuperLink (waited {timeout:.0f} s: node-wait); "
+            f"start one per client ({wanted}) with flower-supernode, and again after a "
+            "SuperLink restart: SuperNodes do not reconnect to a restarted SuperLink"
+        )
+    if len(nodes) < wanted:
+        log.warning(
+            "Flower: %d of %d nodes connected after %.0f s (node-wait); the others' "
+            "partitions count as missing", len(nodes), wanted, time.monotonic() - start,
+        )  # fmt: skip
     return nodes
 
 
@@ -113,6 +129,8 @@ def handshake(
         else:
             log.warning("node %d: the setup message could not be sent", node)
     node_of: dict[int, int] = {}
+    failures: list[str] = []  # what nodes that failed the setup said, for the error below
+    answered = 0
     start = last_answer = time.monotonic()
     next_report = start + PROGRESS_SECONDS
     while pending:
@@ -121,6 +139,9 @@ def handshake(
             if node is None:
                 continue
             last_answer = time.monotonic()
+            answered += 1
+            if reply.has_error():
+                failures.append(f"node {node}: {reply.error.reason}")
             cid = _setup_reply(reply, node, cfg, node_of)
             if cid is not None:
                 node_of[cid] = node
@@ -141,14 +162,34 @@ def handshake(
         time.sleep(POLL_SECONDS)
     absent = sorted(set(range(cfg.num_clients)) - set(node_of))
     if len(absent) == cfg.num_clients:
-        raise FedskewError(
-            f"no Flower node answered the setup message within {time.monotonic() - start:.0f} s "
-            f"(partitions {ranges(absent)} still starting; a busy machine may need a longer "
-            "setup-timeout)"
-        )
+        raise FedskewError(_no_ready_node(len(nodes), answered, failures, absent, start))
     if absent:
         log.warning("no node holds partitions %s; they count as missing", ranges(absent))
     return node_of
+
+
+def _no_ready_node(
+    connected: int, answered: int, failures: list[str], absent: list[int], start: float
+) -> str:
+    """Why the setup left no node to train with, in one line: the nodes failed it (their
+    first reason: a ClientApp that cannot import fedskew says so here), answered without a
+    partition of this run, or were connected but silent (still starting, or stuck)."""
+    if failures:
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        return (
+            f"every SuperNode that answered failed the setup message; {failures[0]}{more} "
+            "(is fedskew[flower] installed where the SuperNode runs its ClientApp?)"
+        )
+    if answered:
+        return (
+            f"{answered} SuperNodes answered the setup but none holds a partition of this run "
+            f"(0 .. {len(absent) - 1}): check their --node-config partition-id"
+        )
+    return (
+        f"{connected} SuperNodes are connected but none answered the setup message within "
+        f"{time.monotonic() - start:.0f} s (partitions {ranges(absent)} still starting); "
+        "see the SuperNodes' logs, and give a busy machine a longer setup-timeout"
+    )
 
 
 def _starting(cfg: ExperimentConfig, node_of: dict[int, int]) -> str:
@@ -254,8 +295,34 @@ def _server_main(grid: Grid, context: Context) -> None:
             cfg, resume = resumed_config(resume_dir, root)
         else:
             cfg, resume = config_from_run_config(experiment, root), None
+        if os.environ.get(SIMULATION_VARIABLE) == "1":
+            cfg.engine = "flower-sim"  # `fedskew run --engine flower-sim`'s own SuperLink
         folder, summary = serve(grid, cfg, resume=resume, **options)
     except FedskewError as exc:
         log.error("fedskew: %s", exc)  # one line, above Flower's traceback
         raise
+    finally:
+        remove_runtime_environment(context.run_id)
     log.info("fedskew run finished: %s, final accuracy %s", folder, summary.get("final_accuracy"))
+
+
+def remove_runtime_environment(run_id: int) -> None:
+    """Delete the environment Flower's runtime dependency installation made for this run,
+    now rather than on Flower's exit.
+
+    Flower 1.42 deletes it first among its exit handlers, before it reports the ServerApp's
+    status, and kills the process 5 s into them: the environment holds torch (tens of
+    thousands of files, about 10 s to delete on a busy 2-core machine), so the status never
+    went out and the SuperLink marked every finished run "failed: No heartbeat received from
+    the task" (flwrlabs/flower PR 7921 reorders the handlers). Deleted here, Flower finds
+    nothing left to delete. Only the folder Flower made for this run is touched: the one its
+    installer activated (VIRTUAL_ENV), named after the run, in a ``runtime-envs`` folder."""
+    value = os.environ.get("VIRTUAL_ENV", "")
+    if not value:
+        return
+    env = Path(value)
+    if env.name != str(run_id) or env.parent.name != "runtime-envs" or not env.is_dir():
+        return  # not Flower's per-run environment: the operator's own, never touched
+    started = time.monotonic()
+    shutil.rmtree(env, ignore_errors=True)  # loaded modules stay loaded; nothing imports later
+    log.info("removed the run's environment %s in %.1f s", env, time.monotonic() - started)

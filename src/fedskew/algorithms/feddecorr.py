@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
+from fedskew.algorithms.fedavg import AVERAGED_UPDATES, FedAvgParams, FedAvgServer
 from fedskew.core.errors import UsageError
 from fedskew.core.precision import in_fp32
 from fedskew.training.interface import Algorithm, ClientContext, ClientLogic
@@ -84,3 +84,4 @@ class FedDecorr(Algorithm):
     Params = FedDecorrParams
     Server = FedAvgServer
     Client = FedDecorrClient
+    privacy = AVERAGED_UPDATES  # its server is FedAvg's

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
+from fedskew.algorithms.fedavg import AVERAGED_UPDATES, FedAvgParams, FedAvgServer
 from fedskew.core.errors import UsageError
 from fedskew.training.interface import Algorithm, ClientContext, ClientLogic
 from fedskew.training.local import LossOutput, set_arrays, train_client, trained_reply
@@ -72,3 +72,4 @@ class FedLC(Algorithm):
     Params = FedLCParams
     Server = FedAvgServer
     Client = FedLCClient
+    privacy = AVERAGED_UPDATES  # its server is FedAvg's

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
+from fedskew.algorithms.fedavg import AVERAGED_UPDATES, FedAvgParams, FedAvgServer
 from fedskew.core.errors import UsageError
 from fedskew.training.interface import Algorithm, ClientContext, ClientLogic
 from fedskew.training.local import LossOutput, set_arrays, train_client, trained_reply
@@ -62,3 +62,4 @@ class FedRS(Algorithm):
     Params = FedRSParams
     Server = FedAvgServer
     Client = FedRSClient
+    privacy = AVERAGED_UPDATES  # its server is FedAvg's

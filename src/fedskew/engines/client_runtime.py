@@ -34,6 +34,7 @@ from fedskew.engines.together import model_obstacle, plain_handler, resolve_mode
 from fedskew.training.interface import ClientContext, ClientLogic, LocalTrainConfig
 from fedskew.training.local import PlainTraining, set_arrays
 from fedskew.training.local_evaluation import LOCAL_EVALUATION, answer_local_evaluation
+from fedskew.training.privacy import summand_reply
 from fedskew.training.protocol import ClientState, Message
 
 log = logging.getLogger("fedskew")
@@ -164,6 +165,8 @@ class ClientRuntime:
                 )
             else:
                 reply = self.client_logic.handle(msg, ctx)
+                # In a summed exchange (secure aggregation, DP) the client sends its summand.
+                reply = summand_reply(self.client_logic, msg, reply, ctx)
             return self.outbound(reply, state)
 
     def handle_together(
@@ -208,7 +211,9 @@ class ClientRuntime:
         replies: dict[int, Message] = {}
         for cid, result, final in zip(cids, results, finals, strict=True):
             set_arrays(self.model, final)
-            replies[cid] = self.outbound(plans[cid][0].finish(result), states[cid])
+            plan, ctx, msg = plans[cid]
+            reply = summand_reply(self.client_logic, msg, plan.finish(result), ctx)
+            replies[cid] = self.outbound(reply, states[cid])
         return replies
 
     def _together_obstacle(self, messages: Mapping[int, Message]) -> str:

@@ -222,6 +222,7 @@ class _SecureRound:
                 log.warning("round %d: reply of client %d rejected: %s",
                             self.engine.round + 1, cid, exc)  # fmt: skip
                 self.engine.rejected.add(cid)
+                self.engine.missing.add(cid)
                 continue
             clear[node] = numbers
             self.engine.traffic.bytes_up += self.request.masked_nbytes() + numbers.nbytes()
@@ -244,7 +245,9 @@ class _SecureRound:
             Key.DEAD_NODE_ID_LIST: sorted(dead),
         }
         shares: dict[int, dict[int, bytes]] = {n: {} for n in active | dead}  # owner -> sender
-        answers = self.send({n: _configs(config) for n in active}, "unmask")
+        # A node silent now has its vector in the sum already: not a lost reply (the others'
+        # shares of its mask seed suffice).
+        answers = self.send({n: _configs(config) for n in active}, "unmask", lost=False)
         for node, record in answers.items():
             owners, parts = record.get(Key.NODE_ID_LIST), record.get(Key.SHARE_LIST)
             if not (
@@ -253,7 +256,7 @@ class _SecureRound:
                 and all(isinstance(o, int) and o in shares for o in owners)
                 and all(isinstance(p, bytes) and len(p) <= MAX_KEY_BYTES for p in parts)
             ):  # fmt: skip
-                self.left_out(node, "unmask", "its answer is not a list of shares")
+                self.left_out(node, "unmask", "its answer is not a list of shares", lost=False)
                 continue
             for owner, part in zip(owners, parts, strict=True):
                 shares[owner][node] = part
@@ -313,19 +316,22 @@ class _SecureRound:
                 raise RejectedReply("a masked value is outside [0, 2**32)")
         return Message(decoded.kind, scalars=decoded.scalars), vector
 
-    def send(self, contents: Mapping[int, RecordDict], stage: str) -> dict[int, ConfigRecord]:
-        """The protocol's config record of each node's answer."""
+    def send(
+        self, contents: Mapping[int, RecordDict], stage: str, lost: bool = True
+    ) -> dict[int, ConfigRecord]:
+        """The protocol's config record of each node's answer (``lost``: a node that gives
+        none counts as a lost reply)."""
         out: dict[int, ConfigRecord] = {}
-        for node, reply in self.send_contents(contents, stage).items():
+        for node, reply in self.send_contents(contents, stage, lost).items():
             record = reply.config_records.get(RECORD_KEY_CONFIGS)
             if record is None:
-                self.left_out(node, stage, "its answer has no SecAgg+ record")
+                self.left_out(node, stage, "its answer has no SecAgg+ record", lost)
             else:
                 out[node] = record
         return out
 
     def send_contents(
-        self, contents: Mapping[int, RecordDict], stage: str
+        self, contents: Mapping[int, RecordDict], stage: str, lost: bool = True
     ) -> dict[int, RecordDict]:
         """Each node's answer to its content, from the nodes that answered without error."""
         outgoing = [
@@ -338,19 +344,20 @@ class _SecureRound:
             if node not in contents or node in answers:
                 continue
             if reply.has_error():
-                self.left_out(node, stage, reply.error.reason)
+                self.left_out(node, stage, reply.error.reason, lost)
                 continue
             answers[node] = reply.content
         for node in contents:
-            if node not in answers:
+            if node not in answers and lost:
                 self.engine.missing.add(self.client_of[node])
         return answers
 
-    def left_out(self, node: int, stage: str, why: str) -> None:
+    def left_out(self, node: int, stage: str, why: str, lost: bool = True) -> None:
         cid = self.client_of[node]
         log.warning("round %d: client %d left out of secure aggregation (%s): %s",
                     self.engine.round + 1, cid, stage, why)  # fmt: skip
-        self.engine.missing.add(cid)
+        if lost:
+            self.engine.missing.add(cid)
 
     def enough(self, nodes: Mapping[int, Any], stage: str) -> None:
         if len(nodes) < self.threshold:

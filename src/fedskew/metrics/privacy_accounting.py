@@ -17,6 +17,14 @@ sensitivity. Per round:
   the server sees who took part, so there is no amplification by sampling. Reported for the
   client that took part in the most rounds so far.
 
+Amplification by sampling assumes the adversary does not know which clients took part. A
+fedskew run's sampling follows from its seed, independently of the data, and metrics.jsonl
+lists each round's clients: for the sampling the run made, the mechanism is each client's
+composition of ``GaussianDpEvent(z/2)`` over the rounds it took part in, without
+amplification (``local_epsilon`` of the most-sampled client's participations). That holds
+for a reader who knows who took part, and it bounds the amplified one too, which at high
+sampling rates can be the looser (the run reports the smaller: ``fedskew.runs.privacy``).
+
 Papers often report DP-FedAvg's epsilon for Poisson sampling of rate m/N and add-or-remove
 adjacency (sensitivity S), which is smaller for the same z; fedskew's sampling is not
 Poisson, and that number would not be this mechanism's.

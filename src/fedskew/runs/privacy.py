@@ -31,14 +31,24 @@ class PrivacyLedger:
     def accounted(self) -> bool:
         return self.privacy is not None and self.privacy.dp != "off"
 
-    def epsilon_after(self, rnd: int) -> float | None:
-        """Epsilon at the run's delta after round ``rnd`` (0-based); None when the noise is
-        0 (no finite epsilon)."""
+    def epsilons_after(self, rnd: int) -> tuple[float | None, float | None]:
+        """(epsilon for an adversary who does not know which clients took part, epsilon for
+        one who does) at the run's delta after round ``rnd`` (0-based); None when the noise
+        is 0 (no finite epsilon).
+
+        The second is the most-sampled client's composition, no amplification by sampling:
+        for a fixed sampling (the seed fixes it, independently of the data) that is the
+        mechanism's guarantee, so it bounds the first too, which takes the smaller of it and
+        the amplified bound (WOR amplification can be looser at high sampling rates)."""
         p = self.privacy
         assert p is not None and p.dp != "off"
-        if p.central:
-            return central_epsilon(p.noise, self.num_clients, self.per_round, rnd + 1, p.delta)
-        return local_epsilon(p.noise, self.most_participations(rnd), p.delta)
+        known = local_epsilon(p.noise, self.most_participations(rnd), p.delta)
+        if p.local or self.per_round >= self.num_clients:
+            return known, known
+        amplified = central_epsilon(p.noise, self.num_clients, self.per_round, rnd + 1, p.delta)
+        if amplified is None or known is None:
+            return None, None
+        return min(amplified, known), known
 
     def most_participations(self, rnd: int) -> int:
         """The most rounds any one client was sampled in, up to round ``rnd``: a client's
@@ -50,10 +60,17 @@ class PrivacyLedger:
         return max(counts)
 
     def record(self, rnd: int) -> dict[str, Any]:
-        """What the metrics line of round ``rnd`` adds."""
+        """What the metrics line of round ``rnd`` adds: ``dp_epsilon`` and, for central DP
+        with sampled clients, ``dp_epsilon_known_sampling`` (what holds for a reader who
+        knows who took part: the seed and metrics.jsonl's ``clients`` say it)."""
         if not self.accounted:
             return {}
-        return {"dp_epsilon": self.epsilon_after(rnd)}
+        assert self.privacy is not None
+        hidden, known = self.epsilons_after(rnd)
+        out: dict[str, Any] = {"dp_epsilon": hidden}
+        if self.privacy.central and self.per_round < self.num_clients:
+            out["dp_epsilon_known_sampling"] = known
+        return out
 
     def summary(self, history: list[dict[str, Any]]) -> dict[str, Any]:
         """What summary.json adds: the settings, and the epsilon after the last round."""
@@ -61,7 +78,10 @@ class PrivacyLedger:
             return {}
         out = self.privacy.describe()
         if self.accounted:
-            out["dp_epsilon"] = history[-1].get("dp_epsilon") if history else 0.0
+            last = history[-1] if history else {}
+            out["dp_epsilon"] = last.get("dp_epsilon", 0.0)
+            if "dp_epsilon_known_sampling" in last:
+                out["dp_epsilon_known_sampling"] = last["dp_epsilon_known_sampling"]
         return out
 
     def facts(self) -> dict[str, Any]:

@@ -122,6 +122,10 @@ class Channel(Protocol):
     that fails validation. Servers work with the clients that replied (see ``arrived``).
     ``expect`` says what the server reads from each reply (see ``Needs``); without it a
     reply that lacks something the server reads makes the round raise.
+
+    The run loop's channel also has ``exchange_summed(messages, expect, request)``: the
+    summed exchange of secure aggregation and DP, which gives the server only the mean of
+    the replies' summands (``SumRequest``, ``Summed``; ``fedskew.training.privacy``).
     """
 
     def exchange(

@@ -222,6 +222,23 @@ def test_option_combinations_without_a_guarantee_are_refused(tmp_path, extra, me
         cfg_of(tmp_path, **extra)
 
 
+def test_the_run_summary_line_says_what_was_spent(tmp_path):
+    from fedskew.apps.cli import format_summary
+
+    summary = dict(
+        algorithm="fedavg", dataset="digits", model="mlp", partition="iid", num_clients=4,
+        clients_per_round=3, rounds=2, seed=0, final_accuracy=0.5, best_accuracy=0.5,
+        final_client_dist_accuracy=0.5, total_bytes_down=0, total_bytes_up=0,
+        train_seconds=1.0, train_samples_per_second=1.0, eval_seconds=0.0,
+        secure_aggregation=True, dp="central", dp_epsilon=5.968, dp_delta=1e-5, dp_noise=2.0,
+        dp_clip=1.0, dp_clipping="fixed",
+    )  # fmt: skip
+    text = format_summary(summary, tmp_path)
+    assert "privacy: secure aggregation; central DP, epsilon 5.97 at delta 1e-05" in text
+    assert "privacy" not in format_summary({**summary, "secure_aggregation": False, "dp": "off"},
+                                           tmp_path)  # fmt: skip
+
+
 def test_dp_without_the_accountant_is_refused_in_one_line(tmp_path, monkeypatch):
     import sys
 

@@ -422,38 +422,45 @@ class ExperimentConfig:
             raise UsageError(f"workers runs clients of the inprocess engine, not {self.engine}")
 
     def validate_privacy(self) -> None:
-        """The secure aggregation and DP options (which algorithms take them is checked where
-        the algorithm is known: fedskew.training.privacy.check_privacy)."""
-        if self.secure_aggregation:
-            if self.per_round() < 2:
-                raise UsageError(
-                    "secure-aggregation needs at least 2 clients per round (one client's sum "
-                    "is its update)"
-                )
-            if not self.secagg_clip_range > 0:
-                raise UsageError(f"secagg-clip-range must be > 0, got {self.secagg_clip_range}")
-            q = self.secagg_quantization
-            if isinstance(q, bool) or not isinstance(q, int) or q < 2:
-                raise UsageError(f"secagg-quantization must be an integer >= 2, got {q!r}")
-            if self.per_round() * q >= SECAGG_MODULUS:
-                raise UsageError(
-                    f"secure aggregation: {self.per_round()} clients per round x "
-                    f"secagg-quantization {q} must stay below 2**32 (the sum's modulus)"
-                )
+        """The secure aggregation and DP options: each value, then the combinations that
+        would leave no guarantee (which algorithms take them is checked where the algorithm
+        is known: fedskew.training.privacy.check_privacy)."""
+        if not self.secagg_clip_range > 0:
+            raise UsageError(f"secagg-clip-range must be > 0, got {self.secagg_clip_range}")
+        q = self.secagg_quantization
+        if isinstance(q, bool) or not isinstance(q, int) or q < 2:
+            raise UsageError(f"secagg-quantization must be an integer >= 2, got {q!r}")
         if self.dp not in DP_MODES:
             raise UsageError(f"dp must be one of {', '.join(DP_MODES)}, got {self.dp!r}")
         if self.dp_clipping not in DP_CLIPPING:
             raise UsageError(
                 f"dp-clipping must be one of {', '.join(DP_CLIPPING)}, got {self.dp_clipping!r}"
             )
-        if self.dp == "off":
-            return
         if not self.dp_clip > 0:
             raise UsageError(f"dp-clip must be > 0, got {self.dp_clip}")
         if self.dp_noise < 0:
             raise UsageError(f"dp-noise must be >= 0 (0: clipping only), got {self.dp_noise}")
         if not 0 < self.dp_delta < 1:
             raise UsageError(f"dp-delta must be in (0, 1), got {self.dp_delta}")
+        if not 0 <= self.dp_target_quantile <= 1:
+            raise UsageError(f"dp-target-quantile must be in [0, 1], got {self.dp_target_quantile}")
+        if self.dp_clip_lr < 0:
+            raise UsageError(f"dp-clip-lr must be >= 0, got {self.dp_clip_lr}")
+        if self.dp_count_noise < 0:
+            raise UsageError(f"dp-count-noise must be >= 0, got {self.dp_count_noise}")
+        if self.secure_aggregation:
+            if self.per_round() < 2:
+                raise UsageError(
+                    "secure-aggregation needs at least 2 clients per round (one client's sum "
+                    "is its update)"
+                )
+            if self.per_round() * q >= SECAGG_MODULUS:
+                raise UsageError(
+                    f"secure aggregation: {self.per_round()} clients per round x "
+                    f"secagg-quantization {q} must stay below 2**32 (the sum's modulus)"
+                )
+        if self.dp == "off":
+            return
         if self.local_test_fraction > 0:
             raise UsageError(
                 "dp: local-test-fraction sends each client's accuracy counts in clear, outside "
@@ -468,14 +475,6 @@ class ExperimentConfig:
             if self.dp != "central":
                 raise UsageError("dp-clipping adaptive is for dp central (its count is noised "
                                  "on the server)")  # fmt: skip
-            if not 0 <= self.dp_target_quantile <= 1:
-                raise UsageError(
-                    f"dp-target-quantile must be in [0, 1], got {self.dp_target_quantile}"
-                )
-            if self.dp_clip_lr < 0:
-                raise UsageError(f"dp-clip-lr must be >= 0, got {self.dp_clip_lr}")
-            if self.dp_count_noise < 0:
-                raise UsageError(f"dp-count-noise must be >= 0, got {self.dp_count_noise}")
             sigma = self.count_noise()
             if self.dp_noise > 0 and not 2 * sigma > self.dp_noise:
                 raise UsageError(

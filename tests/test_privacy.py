@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_metrics import metrics
 
 from fedskew.config import build_config
 from fedskew.core.errors import UsageError
@@ -39,10 +40,6 @@ def cfg_of(tmp_path: Path, **extra):
     )  # fmt: skip
     values.update(extra)
     return build_config({}, values)
-
-
-def metrics(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 PRIVATE_KEYS = (

@@ -313,6 +313,17 @@ def _option_values() -> dict[str, st.SearchStrategy]:
             lambda v: v[0].strip().lower() != "auto" and (_int(v[0]) or 0) < 2
         ),
         "--on-divergence": choice_values(["stop", "drop"]),
+        "--secure-aggregation": st.just(None),
+        "--secagg-clip-range": float_values(lambda x: x > 0, 0.1, 10.0),
+        "--secagg-quantization": int_values(lambda n: n >= 2),
+        "--dp": choice_values(["off", "central", "local"]),
+        "--dp-clip": float_values(lambda x: x > 0, 0.01, 10.0),
+        "--dp-noise": float_values(lambda x: x >= 0, 0.0, 10.0),
+        "--dp-clipping": choice_values(["fixed", "adaptive"]),
+        "--dp-target-quantile": float_values(lambda x: 0 <= x <= 1, 0.0, 1.0),
+        "--dp-clip-lr": float_values(lambda x: x >= 0, 0.0, 1.0),
+        "--dp-count-noise": float_values(lambda x: x >= 0, 0.0, 5.0),
+        "--dp-delta": float_values(lambda x: 0 < x < 1, 1e-9, 0.5),
         # TensorBoard only: MLflow and W&B keep copies of summary.json that
         # check_finished_run would count as runs. Names take other spellings (" TensorBoard").
         "--track": choice_values(["tensorboard"], strict=False),

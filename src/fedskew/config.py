@@ -52,6 +52,11 @@ CLIENTS_TOGETHER = ("auto", "off", "vmap")
 DIVERGENCE_POLICIES = ("stop", "drop")
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 ENGINES = ("inprocess", "flower-sim", "flower")  # "flower": set by the deployed ServerApp
+DP_MODES = ("off", "central", "local")
+DP_CLIPPING = ("fixed", "adaptive")
+# Flower's SecAgg+ masks and sums modulo 2**32 (its largest modulus_range): the quantised
+# values of a round's clients must add up below it.
+SECAGG_MODULUS = 2**32
 
 
 @dataclass
@@ -184,6 +189,63 @@ class ExperimentConfig:
     feature_matching: bool = option(
         False, action="true",
         help="add FedFM's anchor feature matching to the algorithm (plug-in)",
+    )
+    # Privacy (fedskew.training.privacy; docs/privacy.md). Each changes what a run computes
+    # and is in the config hash; ``legacy`` at the default keeps the hashes (and resume) of
+    # run folders written before the options existed.
+    secure_aggregation: bool = option(
+        False, action="true", legacy=False,
+        help="SecAgg+ (Flower's secaggplus_mod): the server gets only the weighted sum of the "
+        "clients' updates; simulated with the same arithmetic off Flower",
+    )
+    secagg_clip_range: float = option(
+        8.0, metavar="R", legacy=8.0,
+        help="secure aggregation: each update value is clipped to [-R, R] before it is "
+        "quantised (Flower's clipping_range)",
+    )
+    secagg_quantization: int = option(
+        4194304, metavar="Q", legacy=4194304, default_text="4194304 = 2**22",
+        help="secure aggregation: quantisation levels of [-R, R] (Flower's quantization_range); "
+        "clients per round x Q must stay below 2**32",
+    )
+    dp: str = option(
+        "off", choices=DP_MODES, legacy="off", default_text="off",
+        help="differential privacy of the clients' updates: central (clipped updates, "
+        "Gaussian noise on their sum, DP-FedAvg) or local (each client clips and noises its "
+        "own update)",
+    )
+    dp_clip: float = option(
+        1.0, metavar="S", legacy=1.0,
+        help="DP: L2 norm each client's update is clipped to (the initial norm under "
+        "adaptive clipping)",
+    )
+    dp_noise: float = option(
+        1.0, metavar="Z", legacy=1.0,
+        help="DP: noise multiplier, the Gaussian noise's standard deviation over the clip "
+        "norm (on the sum: central; on each update: local)",
+    )
+    dp_clipping: str = option(
+        "fixed", choices=DP_CLIPPING, legacy="fixed", default_text="fixed",
+        help="DP: fixed clip norm, or adaptive (Andrew et al. 2021: the norm follows a "
+        "quantile of the update norms, estimated privately; central only)",
+    )
+    dp_target_quantile: float = option(
+        0.5, metavar="G", legacy=0.5,
+        help="adaptive clipping: the fraction of updates the clip norm should leave unclipped",
+    )
+    dp_clip_lr: float = option(
+        0.2, metavar="ETA", legacy=0.2, help="adaptive clipping: the clip norm's learning rate"
+    )
+    dp_count_noise: float = option(
+        0.0, metavar="SIGMA", legacy=0.0,
+        default_text="0: max(clients per round / 20, dp-noise)",
+        help="adaptive clipping: standard deviation of the noise on the count of unclipped "
+        "updates",
+    )
+    # Only what is reported (the accountant's epsilon at this delta): a measurement.
+    dp_delta: float = option(
+        1e-5, metavar="DELTA", measurement=True,
+        help="DP: the delta at which the privacy spent (epsilon) is reported",
     )
     eval_every: int = option(1, help="evaluate every N rounds")
     # Changes which samples train (in the config hash); folders from before the option ran
@@ -362,6 +424,7 @@ class ExperimentConfig:
             raise UsageError("give either partition natural or a partition file, not both")
         if self.reply_timeout < 0:
             raise UsageError(f"reply-timeout must be >= 0 (0: no limit), got {self.reply_timeout}")
+        self.validate_privacy()
         if self.workers == "auto":
             return
         if not isinstance(self.workers, int) or isinstance(self.workers, bool) or self.workers < 0:
@@ -369,13 +432,84 @@ class ExperimentConfig:
         if self.workers > 1 and self.engine != "inprocess":
             raise UsageError(f"workers runs clients of the inprocess engine, not {self.engine}")
 
+    def validate_privacy(self) -> None:
+        """The secure aggregation and DP options: each value, then the combinations that
+        would leave no guarantee (which algorithms take them is checked where the algorithm
+        is known: fedskew.training.privacy.check_privacy)."""
+        if not self.secagg_clip_range > 0:
+            raise UsageError(f"secagg-clip-range must be > 0, got {self.secagg_clip_range}")
+        q = self.secagg_quantization
+        if isinstance(q, bool) or not isinstance(q, int) or q < 2:
+            raise UsageError(f"secagg-quantization must be an integer >= 2, got {q!r}")
+        if self.dp not in DP_MODES:
+            raise UsageError(f"dp must be one of {', '.join(DP_MODES)}, got {self.dp!r}")
+        if self.dp_clipping not in DP_CLIPPING:
+            raise UsageError(
+                f"dp-clipping must be one of {', '.join(DP_CLIPPING)}, got {self.dp_clipping!r}"
+            )
+        if not self.dp_clip > 0:
+            raise UsageError(f"dp-clip must be > 0, got {self.dp_clip}")
+        if self.dp_noise < 0:
+            raise UsageError(f"dp-noise must be >= 0 (0: clipping only), got {self.dp_noise}")
+        if not 0 < self.dp_delta < 1:
+            raise UsageError(f"dp-delta must be in (0, 1), got {self.dp_delta}")
+        if not 0 <= self.dp_target_quantile <= 1:
+            raise UsageError(f"dp-target-quantile must be in [0, 1], got {self.dp_target_quantile}")
+        if self.dp_clip_lr < 0:
+            raise UsageError(f"dp-clip-lr must be >= 0, got {self.dp_clip_lr}")
+        if self.dp_count_noise < 0:
+            raise UsageError(f"dp-count-noise must be >= 0, got {self.dp_count_noise}")
+        if self.secure_aggregation:
+            if self.per_round() < 2:
+                raise UsageError(
+                    "secure-aggregation needs at least 2 clients per round (one client's sum "
+                    "is its update)"
+                )
+            if self.per_round() * q >= SECAGG_MODULUS:
+                raise UsageError(
+                    f"secure aggregation: {self.per_round()} clients per round x "
+                    f"secagg-quantization {q} must stay below 2**32 (the sum's modulus)"
+                )
+        if self.dp == "off":
+            return
+        if self.local_test_fraction > 0:
+            raise UsageError(
+                "dp: local-test-fraction sends each client's accuracy counts in clear, outside "
+                "the privacy guarantee; use one or the other"
+            )
+        if self.feature_matching:
+            raise UsageError(
+                "dp: feature matching sends class anchors (feature means per class) in clear, "
+                "outside the privacy guarantee"
+            )
+        if self.dp_clipping == "adaptive":
+            if self.dp != "central":
+                raise UsageError("dp-clipping adaptive is for dp central (its count is noised "
+                                 "on the server)")  # fmt: skip
+            sigma = self.count_noise()
+            if self.dp_noise > 0 and not 2 * sigma > self.dp_noise:
+                raise UsageError(
+                    f"adaptive clipping: dp-noise {self.dp_noise} needs dp-count-noise above "
+                    f"{self.dp_noise / 2:g} (got {sigma:g}): the count's noise takes part of "
+                    "the noise budget (Andrew et al. 2021)"
+                )
+
+    def count_noise(self) -> float:
+        """The noise on the count of unclipped updates (adaptive clipping): dp_count_noise,
+        or by default Andrew et al.'s clients per round / 20, raised to the noise multiplier
+        where that is smaller (so that the updates' noise grows by at most 1/sqrt(3/4))."""
+        if self.dp_count_noise > 0:
+            return self.dp_count_noise
+        return max(self.per_round() / 20, self.dp_noise)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 FINITE = (
     "lr", "momentum", "weight_decay", "grad_clip", "participation", "reply_timeout",
-    "synthetic_alpha", "synthetic_beta",
+    "synthetic_alpha", "synthetic_beta", "secagg_clip_range", "dp_clip", "dp_noise",
+    "dp_target_quantile", "dp_clip_lr", "dp_count_noise", "dp_delta",
 )  # fmt: skip
 FIELDS = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
 TABLES = tuple(name for name, f in FIELDS.items() if f.metadata.get("action") == "pairs")

@@ -262,6 +262,10 @@ def with_feature_matching(cls: type[Algorithm]) -> type[Algorithm]:
         Client = FMClient
         feature_matching: ClassVar[bool] = True
         inner: ClassVar[type[Algorithm]] = cls
+        privacy: ClassVar[dict[str, str | None]] = {
+            "secure_aggregation": "with feature matching reads each client's class anchors",
+            "dp": "with feature matching sends class anchors, outside the clip norm",
+        }
 
         @classmethod
         def reply_arrays(

@@ -414,6 +414,11 @@ class FedACD(Algorithm):
     Params = FedACDParams
     Server = FedACDServer
     Client = FedACDClient
+    privacy = {
+        "secure_aggregation": "weighs each client by its divergence D, which the server "
+        "normalises (and caps) over the round's clients: a client cannot weigh its own update",
+        "dp": "weighs clients by their divergence D, sent in clear and unbounded by the clip norm",
+    }
 
     @classmethod
     def reply_scalars(cls, params: Any) -> dict[str, ScalarSpec]:

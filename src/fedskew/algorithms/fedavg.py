@@ -5,6 +5,12 @@ server_lr times the averaged update, as in FedOpt's FedAvgM without momentum.
 
 A sampled client whose reply does not arrive (a dead node, a rejected reply) is left out:
 the average and the metrics are over the clients that replied.
+
+Under secure aggregation or DP (``fedskew.training.privacy``) the server gets only the mean
+of the clients' updates: sample-weighted under secure aggregation alone and local DP, equal
+weights under central DP (a client's weight would be its sensitivity). The methods that keep
+this server and change only the clients' training (FedProx, FedDecorr, FedLC, FedNTD, FedRS,
+MOON) take both mechanisms too (``AVERAGED_UPDATES``).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from fedskew.training.interface import (
     ClientContext,
     ClientLogic,
     ServerLogic,
+    ServerSetup,
     keeps_nothing,
 )
 from fedskew.training.local import (
@@ -29,7 +36,12 @@ from fedskew.training.local import (
     trained_needs,
     trained_reply,
 )
+from fedskew.training.privacy import PrivateAggregation, moved
 from fedskew.training.protocol import Channel, Expected, Message, arrived
+
+# Algorithm.privacy of a method whose server moves the model by the mean of the clients'
+# updates and nothing else: both mechanisms apply.
+AVERAGED_UPDATES: dict[str, str | None] = {"secure_aggregation": None, "dp": None}
 
 
 @dataclass
@@ -50,14 +62,31 @@ class FedAvgServer(ServerLogic):
     """One exchange, then the weighted average. A method that changes only the weights
     (FedACD) overrides ``weights``, and ``metrics`` for what it adds to the log."""
 
+    def __init__(self, params: FedAvgParams, setup: ServerSetup) -> None:
+        super().__init__(params, setup)
+        self.private = PrivateAggregation.install(self)  # None without secure aggregation/DP
+
     def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
         msg = Message("train", arrays=self.global_arrays)
+        if self.private is not None:
+            return self.private_round(rnd, clients, channel, msg)
         replies = channel.exchange({c: msg for c in clients}, self.expected())
         clients = arrived(clients, replies)
         weights = self.weights(replies, clients)
         metrics = self.metrics(replies, clients, weights)
         averaged = weighted_average([replies[c].arrays for c in clients], weights)
         self.global_arrays = apply_server_lr(self.global_arrays, averaged, self.server_lr())
+        return metrics
+
+    def private_round(
+        self, rnd: int, clients: list[int], channel: Channel, msg: Message
+    ) -> dict[str, float]:
+        """The round over a summed exchange: the global model moves by the server learning
+        rate times the (noised, under central DP) mean update; one client's is never seen."""
+        assert self.private is not None
+        summed = self.private.exchange(channel, rnd, clients, msg, self.privacy_state)
+        update, metrics = self.private.finish(rnd, summed, self.privacy_state)
+        self.global_arrays = moved(self.global_arrays, update, self.server_lr())
         return metrics
 
     def expected(self) -> Expected:
@@ -97,3 +126,4 @@ class FedAvg(Algorithm):
     Server = FedAvgServer
     Client = FedAvgClient
     client_state = classmethod(keeps_nothing)
+    privacy = AVERAGED_UPDATES

@@ -623,6 +623,12 @@ class FedCME(Algorithm):
     Params = FedCMEParams
     Server = FedCMEServer
     Client = FedCMEClient
+    privacy = {
+        "secure_aggregation": "pairs clients by their evaluation vectors and relays one "
+        "client's classifier head to another",
+        "dp": "pairs clients by their evaluation vectors and relays one client's classifier "
+        "head to another",
+    }
 
     @classmethod
     def reply_arrays(

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
+from fedskew.algorithms.fedavg import AVERAGED_UPDATES, FedAvgParams, FedAvgServer
 from fedskew.core.errors import UsageError
 from fedskew.core.precision import in_fp32
 from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, keeps_nothing
@@ -85,3 +85,4 @@ class FedDecorr(Algorithm):
     Server = FedAvgServer
     Client = FedDecorrClient
     client_state = classmethod(keeps_nothing)
+    privacy = AVERAGED_UPDATES  # its server is FedAvg's

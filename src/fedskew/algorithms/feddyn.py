@@ -139,6 +139,12 @@ class FedDyn(Algorithm):
     Params = FedDynParams
     Server = FedDynServer
     Client = FedDynClient
+    privacy = {
+        "secure_aggregation": "is not wired for it yet (its correction h needs only the sum "
+        "of the models, which the algebra allows)",
+        "dp": "is not wired for it (its correction h accumulates the clients' updates across "
+        "rounds)",
+    }
 
     @classmethod
     def client_state(

@@ -502,6 +502,11 @@ class FedFM(Algorithm):
     Params = FedFMParams
     Server = FedFMServer
     Client = FedFMClient
+    privacy = {
+        "secure_aggregation": "weighs each client's class anchors by its class counts, per "
+        "class (one weight per client is all a secure sum carries)",
+        "dp": "sends class anchors (feature means per class), outside the clip norm",
+    }
     feature_matching = True  # --feature-matching leaves it as it is
 
     @classmethod

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
+from fedskew.algorithms.fedavg import AVERAGED_UPDATES, FedAvgParams, FedAvgServer
 from fedskew.core.errors import UsageError
 from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, keeps_nothing
 from fedskew.training.local import LossOutput, set_arrays, train_client, trained_reply
@@ -73,3 +73,4 @@ class FedLC(Algorithm):
     Server = FedAvgServer
     Client = FedLCClient
     client_state = classmethod(keeps_nothing)
+    privacy = AVERAGED_UPDATES  # its server is FedAvg's

@@ -23,10 +23,18 @@ optimiser: clients send them as they are and the server averages them with the w
 
 FedNova has no hyper-parameter of its own: ``tau_i`` and ``rho`` come from the local
 training settings (``--local-epochs``, ``--batch-size``, ``--momentum``).
+
+Secure aggregation: the server needs ``sum_i p_i d_i`` (and the buffers' weighted mean),
+a sample-weighted mean, and ``tau_eff``, from each client's ``a_i`` in clear (a function of
+its size, the epochs and the batch size, all of which the server knows). So each client
+sums its ``d_i`` (its buffers' change for the buffers) and sends ``a_i`` beside. Differential
+privacy is refused: the mean is weighted by sample counts and scaled by the step counts,
+which DP-FedAvg's noise calibration (equal weights, one clip norm) does not cover.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +47,7 @@ from fedskew.training.interface import (
     ClientContext,
     ClientLogic,
     ServerLogic,
+    ServerSetup,
     keeps_nothing,
 )
 from fedskew.training.local import (
@@ -48,6 +57,7 @@ from fedskew.training.local import (
     trained_needs,
     trained_reply,
 )
+from fedskew.training.privacy import PrivateAggregation, moved
 from fedskew.training.protocol import Channel, Message, ScalarSpec, arrived
 
 # BatchNorm keeps these as buffers; the forward pass moves them, not the optimiser.
@@ -89,7 +99,13 @@ class FedNovaParams:
 
 
 class FedNovaServer(ServerLogic):
+    def __init__(self, params: FedNovaParams, setup: ServerSetup) -> None:
+        super().__init__(params, setup)
+        self.private = PrivateAggregation.install(self)  # None without secure aggregation
+
     def round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
+        if self.private is not None:
+            return self.secure_round(rnd, clients, channel)
         replies = channel.exchange(
             {c: Message("train", arrays=self.global_arrays) for c in clients},
             trained_needs(self.global_arrays, "num_samples", "a"),
@@ -115,6 +131,36 @@ class FedNovaServer(ServerLogic):
             "tau_eff": tau_eff,
         }
 
+    def typical_a(self) -> float:
+        """a of a client of mean size: d_i is summed times it, so that it is about as large
+        as a model update and SecAgg+'s quantisation (steps of 2R/Q) keeps its precision.
+        Known to both sides: the message says it."""
+        sizes = self.setup.client_sizes
+        mean = sum(sizes) / max(1, len(sizes))
+        train = self.setup.train
+        steps = train.epochs * max(1, math.ceil(mean / train.batch_size))
+        return max(1.0, momentum_normaliser(steps, train.momentum))
+
+    def secure_round(self, rnd: int, clients: list[int], channel: Channel) -> dict[str, float]:
+        """The round over a secure sum: sum_i p_i d_i and the buffers' mean change come
+        summed; each a_i in clear."""
+        assert self.private is not None
+        msg = Message("train", arrays=self.global_arrays)
+        summed = self.private.exchange(
+            channel, rnd, clients, msg, self.privacy_state, ("a",), scale=self.typical_a()
+        )
+        sizes = {c: r.scalars["num_samples"] for c, r in summed.replies.items()}
+        total = sum(sizes.values())
+        tau_eff = sum(n / total * summed.replies[c].scalars["a"] for c, n in sizes.items())
+        update, metrics = self.private.finish(rnd, summed, self.privacy_state)
+        trained = set(trained_keys(self.global_arrays))
+        # w <- w - tau_eff * sum_i p_i d_i; a buffer <- its weighted mean (old + mean change)
+        self.global_arrays = moved(
+            self.global_arrays,
+            {k: -tau_eff * v if k in trained else v for k, v in update.items()},
+        )
+        return {**metrics, "tau_eff": tau_eff}
+
 
 class FedNovaClient(ClientLogic):
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
@@ -130,6 +176,17 @@ class FedNovaClient(ClientLogic):
         }
         return trained_reply(ctx, result.mean_loss, arrays, {"a": a})
 
+    def summand(self, sent: Message, reply: Message) -> Message:
+        """d_i for the trained entries (already an update), the change of the buffers; a_i
+        beside the sample count."""
+        arrays = {
+            k: v if is_trained(k, v) else v - sent.arrays[k]
+            for k, v in reply.arrays.items()
+            if v.is_floating_point()
+        }
+        scalars = {"num_samples": reply.scalars["num_samples"], "a": reply.scalars["a"]}
+        return Message(reply.kind, arrays=arrays, scalars=scalars)
+
 
 class FedNova(Algorithm):
     name = "fednova"
@@ -139,6 +196,11 @@ class FedNova(Algorithm):
     Client = FedNovaClient
     client_state = classmethod(keeps_nothing)
     replies_carry_local_models = False  # they carry (w - y) / a, not the local model y
+    privacy = {
+        "secure_aggregation": None,
+        "dp": "weighs the clients' updates by sample counts and scales their mean by the step "
+        "counts (tau_eff), which DP-FedAvg's noise calibration does not cover",
+    }
 
     @classmethod
     def reply_scalars(cls, params: Any) -> dict[str, ScalarSpec]:

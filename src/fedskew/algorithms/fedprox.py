@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
+from fedskew.algorithms.fedavg import AVERAGED_UPDATES, FedAvgParams, FedAvgServer
 from fedskew.core.errors import UsageError
 from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, keeps_nothing
 from fedskew.training.local import LossOutput, set_arrays, train_client, trained_reply
@@ -72,3 +72,4 @@ class FedProx(Algorithm):
     Server = FedAvgServer
     Client = FedProxClient
     client_state = classmethod(keeps_nothing)
+    privacy = AVERAGED_UPDATES  # its server is FedAvg's

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
+from fedskew.algorithms.fedavg import AVERAGED_UPDATES, FedAvgParams, FedAvgServer
 from fedskew.core.errors import UsageError
 from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, keeps_nothing
 from fedskew.training.local import LossOutput, set_arrays, train_client, trained_reply
@@ -63,3 +63,4 @@ class FedRS(Algorithm):
     Server = FedAvgServer
     Client = FedRSClient
     client_state = classmethod(keeps_nothing)
+    privacy = AVERAGED_UPDATES  # its server is FedAvg's

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedskew.algorithms.fedavg import FedAvgParams, FedAvgServer
+from fedskew.algorithms.fedavg import AVERAGED_UPDATES, FedAvgParams, FedAvgServer
 from fedskew.core.errors import UsageError
 from fedskew.core.precision import in_fp32
 from fedskew.training.interface import (
@@ -148,6 +148,7 @@ class Moon(Algorithm):
     Params = MoonParams
     Server = FedAvgServer
     Client = MoonClient
+    privacy = AVERAGED_UPDATES  # its server is FedAvg's
 
     @classmethod
     def adapt_model(cls, params: MoonParams, model: nn.Module) -> nn.Module:

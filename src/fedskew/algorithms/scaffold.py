@@ -172,6 +172,11 @@ class Scaffold(Algorithm):
     Params = ScaffoldParams
     Server = ScaffoldServer
     Client = ScaffoldClient
+    privacy = {
+        "secure_aggregation": "is not wired for it yet (its server needs the sums of the "
+        "model updates and of the control-variate updates, which the algebra allows)",
+        "dp": "sends control-variate updates, outside the clip norm",
+    }
 
     @classmethod
     def reply_arrays(

@@ -122,6 +122,18 @@ def format_summary(summary: dict[str, Any], folder: Path) -> str:
         return "n/a" if v is None else f"{100 * v:.2f} %"
 
     mb = 1024 * 1024
+    privacy = []
+    if summary.get("secure_aggregation") or summary.get("dp", "off") != "off":
+        parts = ["secure aggregation"] if summary.get("secure_aggregation") else []
+        if summary.get("dp", "off") != "off":
+            eps = summary.get("dp_epsilon")
+            spent = "no finite epsilon (no noise)" if eps is None else f"epsilon {eps:.3g}"
+            parts.append(
+                f"{summary['dp']} DP, {spent} at delta {summary['dp_delta']:g} "
+                f"(noise {summary['dp_noise']:g}, clip {summary['dp_clip']:g}, "
+                f"{summary['dp_clipping']})"
+            )
+        privacy = ["  privacy: " + "; ".join(parts)]
     return "\n".join(
         [
             f"{summary['algorithm']} on {summary['dataset']} ({summary['model']}), "
@@ -135,6 +147,7 @@ def format_summary(summary: dict[str, Any], folder: Path) -> str:
             f"{summary['total_bytes_up'] / mb:.2f} MiB up;  training "
             f"{summary['train_seconds']:.1f} s ({summary['train_samples_per_second']} samples/s);"
             f"  evaluation {summary['eval_seconds']:.1f} s",
+            *privacy,
             f"  run folder: {folder}",
         ]
     )

@@ -35,6 +35,7 @@ from fedskew.data.user_datasets import default_model_for, find_dataset_loader
 from fedskew.models import build_model, find_model
 from fedskew.models.cost import TRAIN_FLOPS_PER_FORWARD, forward_cost
 from fedskew.training.interface import Algorithm, InactiveMechanism, LocalTrainConfig, RunShape
+from fedskew.training.privacy import Privacy, check_privacy
 from fedskew.version import __version__
 
 
@@ -61,6 +62,8 @@ class Prepared:
     # The clients' whole data before the split (the run folder's partition.npz and its
     # digest: the split is recomputed from it); None: ``partition`` itself.
     whole_partition: list[np.ndarray] | None = None
+    # Secure aggregation and DP (fedskew.training.privacy); None: neither.
+    privacy: Privacy | None = None
 
     @property
     def clients_data(self) -> list[np.ndarray]:
@@ -157,6 +160,8 @@ def prepare(cfg: ExperimentConfig, dataset: Dataset | None = None) -> Prepared:
     device = resolve_device(cfg.device)
     algorithm = get_algorithm(cfg.algorithm, feature_matching=cfg.feature_matching)
     params = algorithm.make_params(cfg.params)
+    privacy = Privacy.of(cfg)
+    check_privacy(algorithm.name, algorithm.privacy, privacy)
     if dataset is None:
         dataset = load_experiment_data(cfg)
     partition = build_partition(cfg, dataset)
@@ -198,7 +203,7 @@ def prepare(cfg: ExperimentConfig, dataset: Dataset | None = None) -> Prepared:
     test = (dataset.x_test.to(device), dataset.y_test.to(device))
     return Prepared(
         cfg, dataset, model_name, partition, fed, algorithm, params, train, channels_last,
-        device, test, local_test, whole,
+        device, test, local_test, whole, privacy,
     )  # fmt: skip
 
 

@@ -35,6 +35,7 @@ from fedskew.engines.together_memory import client_bytes, clients_that_fit, free
 from fedskew.training.interface import ClientContext, ClientLogic, LocalTrainConfig
 from fedskew.training.local import PlainTraining, TrainResult, set_arrays
 from fedskew.training.local_evaluation import LOCAL_EVALUATION, answer_local_evaluation
+from fedskew.training.privacy import summand_reply
 from fedskew.training.protocol import ClientState, Message
 
 log = logging.getLogger("fedskew")
@@ -172,6 +173,8 @@ class ClientRuntime:
                 )
             else:
                 reply = self.client_logic.handle(msg, ctx)
+                # In a summed exchange (secure aggregation, DP) the client sends its summand.
+                reply = summand_reply(self.client_logic, msg, reply, ctx)
             return self.outbound(reply, state)
 
     def handle_together(
@@ -243,9 +246,10 @@ class ClientRuntime:
             torch.cuda.empty_cache()
             return False
         for cid, (result, final) in zip(chunk, trained, strict=True):
-            plan, _ctx, _msg = plans[cid]
+            plan, ctx, msg = plans[cid]
             set_arrays(self.model, final)
-            replies[cid] = self.outbound(plan.finish(result), states[cid])
+            reply = summand_reply(self.client_logic, msg, plan.finish(result), ctx)
+            replies[cid] = self.outbound(reply, states[cid])
         return True
 
     def _train_stacked(

@@ -28,12 +28,15 @@ from fedskew.engines.flower_codec import (
     decode,
     encode,
 )
+from fedskew.engines.flower_secagg import secure_exchange
 from fedskew.training.protocol import (
     ArraySpec,
     ClientState,
     Expected,
     Message,
     ScalarSpec,
+    Summed,
+    SumRequest,
     unmet,
 )
 
@@ -139,6 +142,13 @@ class FlowerEngine:
             if cid not in replies:
                 self.missing.add(cid)
         return replies
+
+    def exchange_summed(
+        self, messages: Mapping[int, Message], expect: Expected, request: SumRequest
+    ) -> Summed:
+        """A secure summed exchange: Flower's SecAgg+ through the Grid
+        (``fedskew.engines.flower_secagg``); the run loop calls it for secure requests only."""
+        return secure_exchange(self, messages, expect, request)
 
     def _checked(
         self, reply: FlowerMessage, sent: Message, expect: Expected | None, size: int | None

@@ -518,6 +518,9 @@ PAPER_METRICS = (
     ("feature_nmi", "feature NMI", 1.0),
     ("feature_silhouette", "feature silhouette", 1.0),
     ("local_risk", "risk of local models", 1.0),
+    # DP runs: the accountant's epsilon at the run's delta after the last round
+    # (docs/privacy.md; dp_delta is in the configuration table).
+    ("dp_epsilon", "privacy spent (DP epsilon)", 1.0),
 )
 # Bookkeeping rather than results: left out of the diagnostics column.
 _BOOKKEEPING = re.compile(r"(_seconds|_models)$")

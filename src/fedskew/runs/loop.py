@@ -42,6 +42,7 @@ from fedskew.core.machine import cpu_features, machine_facts, software_facts
 from fedskew.data.federated import sample_clients
 from fedskew.engines.base import Engine, ServerSideClientStates
 from fedskew.engines.inprocess import InProcessEngine
+from fedskew.engines.secure_sum import simulated_secure_mean
 from fedskew.engines.shared_data import dataset_nbytes, shared_memory_available
 from fedskew.engines.workers import (
     WorkerPoolEngine,
@@ -62,6 +63,7 @@ from fedskew.runs.checkpoint import (
 from fedskew.runs.folder import RunFolder, check_writable
 from fedskew.runs.local_evaluation import evaluate_on_clients, has_personal_part
 from fedskew.runs.measurements import Measurements, due, final_values
+from fedskew.runs.privacy import PrivacyLedger
 from fedskew.runs.saved_state import (
     RecordSpec,
     SavedStateSpec,
@@ -71,7 +73,15 @@ from fedskew.runs.saved_state import (
 from fedskew.runs.tracking import TrackingSession, check_available, check_saved_trackers
 from fedskew.training.interface import ClientLogic, ServerLogic, ServerSetup
 from fedskew.training.local import set_arrays
-from fedskew.training.protocol import Expected, Message, NoReplies, largest_state
+from fedskew.training.privacy import plain_mean
+from fedskew.training.protocol import (
+    Expected,
+    Message,
+    NoReplies,
+    Summed,
+    SumRequest,
+    largest_state,
+)
 
 RoundCallback = Callable[[dict[str, Any]], None]
 # Builds the engine of a run from the prepared experiment, the client logic and the
@@ -127,6 +137,7 @@ def _run(
     per_round = cfg.per_round()
     if per_round > len(prep.partition):
         raise UsageError(f"{per_round} clients per round but only {len(prep.partition)} clients")
+    ledger = PrivacyLedger(prep, per_round)  # needs the accountant under DP: checked here
     factory = default_engine_factory(cfg) if engine_factory is None else engine_factory
     model = new_model(prep)
     eval_model = new_model(prep)
@@ -147,7 +158,7 @@ def _run(
     measurements = Measurements(prep, eval_model)
     state = RunState(
         prep, setup, server, engine, eval_model, per_round, measurements=measurements,
-        execution=execution if isinstance(execution, Execution) else None,
+        execution=execution if isinstance(execution, Execution) else None, ledger=ledger,
     )  # fmt: skip
     tracking = TrackingSession()  # none until the run folder is open
     try:
@@ -159,6 +170,7 @@ def _run(
         for rnd in range(state.start_round, cfg.rounds):
             reset_peaks(prep.device)
             record = play_round(state, rnd)
+            record.update(ledger.record(rnd))
             if setup.is_eval_round(rnd):
                 t1 = time.perf_counter()
                 state.last_eval = evaluate_global_model(state)
@@ -279,6 +291,7 @@ def server_setup(prep: Prepared, model: torch.nn.Module) -> ServerSetup:
         train=prep.train,
         rounds=cfg.rounds,
         eval_every=cfg.eval_every,
+        privacy=prep.privacy,
     )
 
 
@@ -299,6 +312,7 @@ class RunState:
     measurements: Measurements | None = None  # the metrics asked for besides accuracy
     execution: Execution | None = None  # what the default engine factory chose, and why
     metrics_digest: str = ""  # of the metrics lines of history (saved_state.metrics_digest)
+    ledger: PrivacyLedger | None = None  # the privacy spent per round (DP runs)
 
     def __post_init__(self) -> None:
         self.client_counts = self.prep.fed.class_counts()
@@ -323,7 +337,10 @@ def open_folder(state: RunState, resume: Path | None) -> None:
         # config.json makes the folder resumable (RunFolder.reopen), so it comes last: a
         # kill before it leaves a folder that says so, never one without its partition.
         folder.write_partition(prep.clients_data, partition_meta(cfg))
-        folder.write_config({**cfg.to_dict(), "resolved": resolved_facts(prep, state.per_round)})
+        resolved = resolved_facts(prep, state.per_round)
+        if state.ledger is not None:
+            resolved.update(state.ledger.facts())
+        folder.write_config({**cfg.to_dict(), "resolved": resolved})
     else:
         folder = RunFolder.reopen(resume)
         folder.claim()
@@ -561,6 +578,24 @@ class FiniteReplies:
             del replies[cid]
         return replies
 
+    def exchange_summed(
+        self, messages: Mapping[int, Message], expect: Expected, request: SumRequest
+    ) -> Summed:
+        """A summed exchange (``fedskew.training.privacy``): secure on an engine that sums
+        itself (Flower's SecAgg+); otherwise over the replies, which pass the checks above
+        first: SecAgg+'s arithmetic simulated, or the plain mean without secure aggregation."""
+        native = getattr(self.engine, "exchange_summed", None)
+        if request.secure and native is not None:
+            summed: Summed = native(messages, expect, request)
+            return summed
+        replies = self.exchange(messages, expect)
+        if not request.secure:
+            return plain_mean(replies, request)
+        summed, extra = simulated_secure_mean(replies, request)
+        # What SecAgg+ sends up is the masked int64 vectors, not the float summands.
+        self.engine.traffic.bytes_up += extra
+        return summed
+
 
 def non_finite_array(arrays: dict[str, torch.Tensor]) -> str | None:
     for name, t in arrays.items():
@@ -652,6 +687,8 @@ def finish(state: RunState, seconds_this_process: float) -> tuple[Path, dict[str
     )
     summary.update(final_values(state.history))  # final_personal_accuracy and the like
     summary.update(per_class_summary(state.history))
+    if state.ledger is not None:
+        summary.update(state.ledger.summary(state.history))
     summary.update(client_state_size(state.engine))
     summary.update(run_peaks(state.history))
     summary["wall_seconds_this_process"] = round(seconds_this_process, 3)

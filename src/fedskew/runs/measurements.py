@@ -129,6 +129,13 @@ class Measurements:
         self.local_models = {}
         if not due(self.cfg.local_risk_every, rnd, self.cfg.rounds):
             return channel
+        if self.prep.privacy is not None:
+            self._say_once(
+                "private",
+                "local risk: under secure aggregation or DP the replies carry updates, not the "
+                "clients' trained models; local_risk is not reported",
+            )
+            return channel
         if not self.prep.algorithm.replies_carry_local_models:
             self._say_once(
                 "no-models",

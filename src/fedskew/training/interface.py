@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -20,6 +20,9 @@ from fedskew.core.rng import torch_rng
 from fedskew.data.federated import ClientData
 from fedskew.training.protocol import ArraySpec, Channel, ClientState, Message, ScalarSpec
 from fedskew.training.state_spec import Spec, StatePart
+
+if TYPE_CHECKING:
+    from fedskew.training.privacy import Privacy
 
 
 def check_one_of(owner: str, name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -82,6 +85,22 @@ class ClientLogic:
             raise UsageError(f"{type(self).__name__} has no handler for message kind '{msg.kind}'")
         return handler(msg, ctx)
 
+    def summand(self, sent: Message, reply: Message) -> Message:
+        """What this client puts into a summed exchange (secure aggregation, DP:
+        ``fedskew.training.privacy``), from the message ``sent`` and the reply its handler
+        made: the arrays to sum and the numbers the server may see in clear. By default its
+        update, the reply's array minus the one sent, for every floating-point array sent
+        (the trained model's change), and its sample count. A method whose reply holds
+        something else under the model's names (FedNova's normalised update) overrides it."""
+        arrays = {
+            k: reply.arrays[k] - v
+            for k, v in sent.arrays.items()
+            if v.is_floating_point() and k in reply.arrays
+        }
+        return Message(
+            reply.kind, arrays=arrays, scalars={"num_samples": reply.scalars["num_samples"]}
+        )
+
     def personal_model(self, ctx: ClientContext) -> torch.nn.Module | None:
         """The model this client would predict with, for a method that keeps a personal part
         on the client (``ctx.model`` holds the global model's weights already), or None: no
@@ -103,6 +122,7 @@ class ServerSetup:
     train: LocalTrainConfig
     rounds: int = 1
     eval_every: int = 1
+    privacy: Privacy | None = None  # secure aggregation and DP, where the run asks for them
 
     def is_eval_round(self, rnd: int) -> bool:
         """Whether the experiment evaluates after round ``rnd`` (0-based)."""
@@ -193,6 +213,14 @@ class Algorithm:
     # carry arrays named like the model's that are something else (FedNova's normalised
     # updates).
     replies_carry_local_models: ClassVar[bool] = True
+    # Which privacy mechanisms (fedskew.training.privacy) the method's server supports: None
+    # where it does, else why not, in a few words after the method's name ("reads each
+    # client's anchors"). A server supports them when all it needs of the clients' models is
+    # their (weighted) mean, and implements the summed exchange (FedAvg's server).
+    privacy: ClassVar[dict[str, str | None]] = {
+        "secure_aggregation": "reads each client's reply, not only the sum of their updates",
+        "dp": "reads each client's reply, not only the mean of their updates",
+    }
 
     @classmethod
     def adapt_model(cls, params: Any, model: torch.nn.Module) -> torch.nn.Module:

@@ -122,11 +122,62 @@ class Channel(Protocol):
     that fails validation. Servers work with the clients that replied (see ``arrived``).
     ``expect`` says what the server reads from each reply (see ``Needs``); without it a
     reply that lacks something the server reads makes the round raise.
+
+    The run loop's channel also has ``exchange_summed(messages, expect, request)``: the
+    summed exchange of secure aggregation and DP, which gives the server only the mean of
+    the replies' summands (``SumRequest``, ``Summed``; ``fedskew.training.privacy``).
     """
 
     def exchange(
         self, messages: Mapping[int, Message], expect: Expected | None = None
     ) -> dict[int, Message]: ...
+
+
+@dataclass(frozen=True)
+class SumRequest:
+    """How the replies of a summed exchange are combined (``fedskew.training.privacy``): the
+    server gets the weighted mean of the clients' summands, never a summand itself.
+
+    ``shapes``: the summand arrays each reply holds, by name; they are summed in sorted
+    name order. ``uniform``: every client weighs 1 (central DP), else its ``num_samples``.
+    ``secure``: SecAgg+ (Flower's arithmetic: each value, times the client's weight over
+    ``max_weight``, clipped to [-clip_range, clip_range], quantised to ``quantization``
+    levels, masked and summed modulo ``modulus``). ``bound``: the L2 norm a summand may
+    have (central DP), which the server enforces where it sees the summands. ``seed`` and
+    ``round`` address the quantisation's random rounding, so that every engine rounds alike."""
+
+    shapes: Mapping[str, tuple[int, ...]]
+    uniform: bool
+    secure: bool
+    seed: int
+    round: int
+    clip_range: float = 8.0
+    quantization: int = 4194304
+    modulus: int = 2**32
+    max_weight: float = 1.0
+    bound: float | None = None
+
+    def names(self) -> list[str]:
+        return sorted(self.shapes)
+
+    def weight(self, reply: Message) -> float:
+        """A reply's weight in the mean."""
+        return 1.0 if self.uniform else float(reply.scalars["num_samples"])
+
+    def masked_nbytes(self) -> int:
+        """Bytes of one client's masked vector: an int64 per value, one more for its weight."""
+        return 8 * (1 + sum(math.prod(s) for s in self.shapes.values()))
+
+
+@dataclass
+class Summed:
+    """What a summed exchange gives the server: the weighted mean (float64) of the summands
+    of the clients in ``replies``, the sum of their weights, and what each of them sent in
+    clear (numbers only: the sample count, and what the algorithm reads besides)."""
+
+    mean: dict[str, torch.Tensor]
+    weight: float
+    replies: dict[int, Message]
 
 
 class NoReplies(FedskewError):

@@ -19,6 +19,7 @@ from fedskew.engines.flower_codec import (
     load_state,
     store_state,
 )
+from fedskew.engines.flower_secagg import is_secure_stage, secure_aggregation_mod, secure_reply
 from fedskew.training.protocol import Message
 
 _RUNTIMES: dict[str, ClientRuntime] = {}  # config JSON -> runtime; one process, many nodes
@@ -47,7 +48,8 @@ def _partition_id(context: Context) -> int:
 client_app = ClientApp()
 
 
-@client_app.train()
+# SecAgg+'s mod sees only the messages of a secure exchange (secure_aggregation_mod).
+@client_app.train(mods=[secure_aggregation_mod])
 def _client_main(message: FlowerMessage, context: Context) -> FlowerMessage:
     msg, envelope = decode(message.content)
     pid = _partition_id(context)
@@ -71,6 +73,9 @@ def _client_main(message: FlowerMessage, context: Context) -> FlowerMessage:
     if cid != pid:
         raise FedskewError(f"message for client {cid} reached the node of partition {pid}")
     state = load_state(context.state)
-    reply = runtime.handle(cid, int(envelope["round"]), msg, state)
+    rnd = int(envelope["round"])
+    reply = runtime.handle(cid, rnd, msg, state)
     store_state(state, context.state)
+    if is_secure_stage(message):  # SecAgg+'s mod masks the summand on its way out
+        return FlowerMessage(secure_reply(reply, msg, runtime.seed, rnd, cid), reply_to=message)
     return FlowerMessage(encode(reply, {}), reply_to=message)

@@ -35,6 +35,7 @@ from fedskew.engines.flower_codec import SETUP, decode, encode
 from fedskew.engines.flower_engine import MESSAGE_TYPE, FlowerEngine
 from fedskew.runs.loop import run
 from fedskew.training.interface import ClientLogic
+from fedskew.training.privacy import reply_arrays as privacy_reply_arrays
 from fedskew.training.protocol import Message
 
 log = logging.getLogger("fedskew")
@@ -262,6 +263,8 @@ def serve(
         prep: Prepared, client_logic: ClientLogic, model: torch.nn.Module
     ) -> FlowerEngine:
         declared = prep.algorithm.reply_arrays(prep.params, model, prep.dataset.num_classes)
+        if declared is not None:  # a summand's extra arrays, where the server sees summands
+            declared = {**declared, **privacy_reply_arrays(prep.privacy)}
         engine = FlowerEngine(
             grid, node_of, model.state_dict(), timeout=timeout, declared=declared,
             client_sizes=[len(p) for p in prep.partition],

@@ -17,7 +17,7 @@ import math
 import re
 import subprocess
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -842,7 +842,8 @@ def tuning_section() -> list[str]:
         f"`reproduction/fedfm-tuned.toml`: {budget} trials per method (the same budget for "
         f"each), tuning seeds {record['tuning_seeds']}, evaluation seeds "
         f"{record['evaluation_seeds']}; objective: {record['objective']}; sampler "
-        f"{record['sampler']} (seed {record['sampler_seed']}), pruner {record['pruner']}. "
+        f"{record['sampler']} (seed {record['sampler_seed']}), pruner {record['pruner']}"
+        f"{pruner_terms(record)}. "
         "The tuned values are then run on the evaluation seeds (`fedskew compare -c "
         'reproduction/runs/fedfm-tuned/tuned.json`); the claim row above with "both tuned" '
         "is judged on those runs.",
@@ -850,7 +851,13 @@ def tuning_section() -> list[str]:
     ]
     rows = []
     unfinished = []
+    stops = []
     for method, res in record["results"].items():
+        rounds = Counter(rnd for _seed, rnd in res.get("pruned_at", {}).values())
+        if rounds:
+            stops.append(f"{method}: " + ", ".join(
+                f"{n} after round {r}" for r, n in sorted(rounds.items())
+            ))  # fmt: skip
         counts = res["trials"]
         used = sum(counts.get(s, 0) for s in ("complete", "pruned", "fail"))
         if used < budget:
@@ -875,9 +882,23 @@ def tuning_section() -> list[str]:
             "and the tuned comparison waits for the study.",
             "",
         ]
-    return lines + table(
-        ["method", "search space", "trials", "best objective (%)", "best values"], rows
-    )
+    lines += table(["method", "search space", "trials", "best objective (%)", "best values"], rows)
+    if stops:
+        lines += [
+            "",
+            "Where the pruned trials stopped (from tune.json): " + "; ".join(stops) + ". "
+            "A trial stopped after its first rounds was judged on a curve that says little "
+            "about round 12; the study's warm-up (`pruner_warmup`) is recorded above.",
+        ]
+    return lines
+
+
+def pruner_terms(record: dict) -> str:
+    """The pruner's warm-up and start-up as tune.json records them ("" before they were)."""
+    if record.get("pruner") == "none" or "pruner_warmup" not in record:
+        return ""
+    return (f" (warm-up {record['pruner_warmup']} rounds, start-up "
+            f"{record['pruner_startup']} trials)")  # fmt: skip
 
 
 def launch_section(grids: dict[str, Grid]) -> list[str]:

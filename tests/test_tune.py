@@ -217,3 +217,42 @@ def test_compare_reads_past_the_tune_tables(tmp_path):
     file = tune_file(tmp_path, 2, TWO_METHODS)
     grid = grid_from(read_file(file), str(file), {}, None, {})
     assert grid.methods["prox"] == {"algorithm": "fedprox"} and grid.seeds == [0, 1]
+
+
+@pytest.mark.parametrize(("warmup", "startup"), [(0, 1), (2, 1), (2, 3)])
+def test_the_pruner_waits_for_its_warmup_rounds_and_startup_trials(warmup, startup):
+    """A trial far below the others is pruned at the first round after `pruner_warmup`
+    rounds, and only once `pruner_startup` trials have completed."""
+    from fedskew.grid.tune import make_pruner
+
+    s = optuna.create_study(direction="maximize", pruner=make_pruner("median", warmup, startup))
+    for _ in range(2):  # two good trials, complete
+        good = s.ask()
+        for rnd in range(1, 6):
+            good.report(50.0 + rnd, rnd)
+        s.tell(good, 55.0)
+    bad = s.ask()
+    stopped = None
+    for rnd in range(1, 6):
+        bad.report(10.0, rnd)
+        if bad.should_prune():
+            stopped = rnd
+            break
+    assert stopped == (warmup + 1 if startup <= 2 else None)
+
+
+def test_pruner_warmup_is_recorded_and_checked(tmp_path, capsys):
+    file = tune_file(tmp_path, 2, ONE_METHOD)
+    text = file.read_text().replace('pruner = "median"', 'pruner = "median"\npruner_warmup = 1')
+    file.write_text(text)
+    out = tmp_path / "tuned"
+    assert main(["tune", "-c", str(file), "-o", str(out)]) == 0
+    assert "pruner median (from round 2 of a trial, once 5 trials completed)" in (
+        capsys.readouterr().out
+    )
+    record = json.loads((out / "tune.json").read_text())
+    assert (record["pruner_warmup"], record["pruner_startup"]) == (1, 5)
+    file.write_text(text.replace("pruner_warmup = 1", "pruner_warmup = -1"))
+    assert main(["tune", "-c", str(file), "-o", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "pruner_warmup (rounds) must be an integer >= 0" in err and err.count("\n") == 1

@@ -38,8 +38,8 @@ from fedskew.report.runs import INCOMPLETE
 from fedskew.runs.folder import RunFolder, saved_config
 from fedskew.runs.loop import run
 
-TUNE_KEYS = ("trials", "seeds", "last", "pruner", "sampler", "sampler_seed", "storage", "study",
-             "out_dir")  # fmt: skip
+TUNE_KEYS = ("trials", "seeds", "last", "pruner", "pruner_warmup", "pruner_startup", "sampler",
+             "sampler_seed", "storage", "study", "out_dir")  # fmt: skip
 PRUNERS = ("median", "successive-halving", "none")
 SAMPLERS = ("tpe", "random")
 LOCKS = ".tune-locks"
@@ -65,6 +65,11 @@ class Tune:
     grid: Grid = field(repr=False)  # the evaluation grid (base, methods, [compare] options)
     raw_compare: dict[str, Any] = field(default_factory=dict)
     source: str = ""
+    # The pruner judges a trial from its (pruner_warmup + 1)-th evaluated round of the first
+    # tuning seed on, and the median pruner only once pruner_startup trials have completed:
+    # round 1 of a federated run says little about round 12 (Optuna's defaults: 0 and 5).
+    pruner_warmup: int = 0
+    pruner_startup: int = 5
 
     @property
     def trials_dir(self) -> Path:
@@ -130,6 +135,12 @@ def tune_from(
     pruner = conf.get("pruner", "median")
     if pruner not in PRUNERS:
         raise UsageError(f"[tune] pruner must be one of {', '.join(PRUNERS)}, got {pruner!r}")
+    warmup = conf.get("pruner_warmup", 0)
+    if not _is_int(warmup) or warmup < 0:
+        raise UsageError(f"[tune] pruner_warmup (rounds) must be an integer >= 0, got {warmup!r}")
+    startup = conf.get("pruner_startup", 5)
+    if not _is_int(startup) or startup < 0:
+        raise UsageError(f"[tune] pruner_startup (trials) must be an integer >= 0, got {startup!r}")
     sampler = conf.get("sampler", "tpe")
     if sampler not in SAMPLERS:
         raise UsageError(f"[tune] sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
@@ -160,7 +171,8 @@ def tune_from(
         check_space(spaces[name], runs[name][int(seeds[0])], where)
     return Tune(
         study=study, out_dir=out_dir, trials=int(trials), seeds=[int(s) for s in seeds],
-        eval_seeds=grid.seeds, last=int(last), pruner=pruner, sampler=sampler,
+        eval_seeds=grid.seeds, last=int(last), pruner=pruner, pruner_warmup=int(warmup),
+        pruner_startup=int(startup), sampler=sampler,
         sampler_seed=int(sampler_seed),
         storage=storage, spaces=spaces, runs=runs, grid=grid,
         raw_compare=dict(raw.get("compare", {})), source=source,
@@ -195,11 +207,13 @@ def redacted(url: str) -> str:
         return url
 
 
-def make_pruner(name: str) -> optuna.pruners.BasePruner:
+def make_pruner(name: str, warmup: int = 0, startup: int = 5) -> optuna.pruners.BasePruner:
+    """The pruner; none judges a trial before the round after its first ``warmup`` rounds
+    (steps are rounds, 1-based; Optuna may prune at step == n_warmup_steps)."""
     if name == "median":
-        return optuna.pruners.MedianPruner()
+        return optuna.pruners.MedianPruner(n_startup_trials=startup, n_warmup_steps=warmup + 1)
     if name == "successive-halving":
-        return optuna.pruners.SuccessiveHalvingPruner()
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=warmup + 1 if warmup else "auto")
     return optuna.pruners.NopPruner()
 
 
@@ -218,7 +232,7 @@ def load_study(tune: Tune, method: str, storage: optuna.storages.RDBStorage) -> 
         storage=storage,
         study_name=tune.study_name(method),
         direction="maximize",
-        pruner=make_pruner(tune.pruner),
+        pruner=make_pruner(tune.pruner, tune.pruner_warmup, tune.pruner_startup),
         load_if_exists=True,
     )
 

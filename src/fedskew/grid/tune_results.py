@@ -59,6 +59,14 @@ def record(tune: Tune, studies: dict[str, optuna.Study]) -> dict[str, Any]:
         results[method] = {
             "study": tune.study_name(method),
             "trials": {s: states.count(s) for s in sorted(set(states))},
+            # [tuning seed, round] where each pruned trial stopped, by trial number
+            "pruned_at": {
+                str(t.number): list(found)
+                for t in trials
+                if t.number not in again
+                and t.state == TrialState.PRUNED
+                and (found := last_round(tune, method, t)) is not None
+            },
             "best_value": None if best is None else best.value,
             "best_trial": None if best is None else best.number,
             "best_params": None if best is None else best.params,
@@ -79,6 +87,8 @@ def record(tune: Tune, studies: dict[str, optuna.Study]) -> dict[str, Any]:
         "sampler": tune.sampler,
         "sampler_seed": tune.sampler_seed,
         "pruner": tune.pruner,
+        "pruner_warmup": tune.pruner_warmup,
+        "pruner_startup": tune.pruner_startup,
         "search_space": {
             m: {k: v for d in dims for k, v in d.as_dict().items()}
             for m, dims in tune.spaces.items()
@@ -111,11 +121,40 @@ def budget_lines(tune: Tune) -> list[str]:
         f"study {tune.study} in {tune.out_dir} (storage {redacted(tune.storage)}): "
         f"{tune.trials} trials per method, tuning seeds {tune.seeds}, evaluation seeds "
         f"{tune.eval_seeds}; objective: mean accuracy of {objective_window(tune)}; "
-        f"{tune.sampler} sampler (seed {tune.sampler_seed}), pruner {tune.pruner}"
+        f"{tune.sampler} sampler (seed {tune.sampler_seed}), {pruner_text(tune)}"
     ]
     for method, dims in tune.spaces.items():
         lines.append(f"  {method}: " + "; ".join(d.describe() for d in dims))
     return lines
+
+
+def pruner_text(tune: Tune) -> str:
+    """The pruner and when it may first stop a trial."""
+    if tune.pruner == "none":
+        return "no pruner"
+    after = f"from round {tune.pruner_warmup + 1} of a trial"
+    if tune.pruner == "median":
+        after += f", once {tune.pruner_startup} trials completed"
+    return f"pruner {tune.pruner} ({after})"
+
+
+def last_round(tune: Tune, method: str, trial: optuna.trial.FrozenTrial) -> tuple[int, int] | None:
+    """(tuning seed, round) of a trial's last reported round; None without any."""
+    if not trial.intermediate_values:
+        return None
+    step = max(trial.intermediate_values)  # steps run on from one seed to the next
+    rounds = tune.runs[method][tune.seeds[0]].cfg.rounds
+    seed = tune.seeds[min((step - 1) // rounds, len(tune.seeds) - 1)]
+    return seed, (step - 1) % rounds + 1
+
+
+def stopped_at(tune: Tune, method: str, trial: optuna.trial.FrozenTrial) -> str:
+    """Where a pruned trial stopped: its last reported round (and seed, with several)."""
+    found = last_round(tune, method, trial)
+    if found is None:
+        return ""
+    seed, rnd = found
+    return f" (round {rnd}{f' of seed {seed}' if len(tune.seeds) > 1 else ''})"
 
 
 def importance(study: optuna.Study, params: int) -> dict[str, float] | None:
@@ -154,7 +193,10 @@ def report_blocks(tune: Tune, studies: dict[str, optuna.Study]) -> list[Block]:
             value = f"{t.value:.2f}" if t.value is not None else ""
             best_cell = "" if so_far is None else f"{so_far:.2f}"
             params = [_cell(t.params.get(k)) for k in keys]
-            rows.append([str(t.number), t.state.name.lower(), value, best_cell, *params])
+            state = t.state.name.lower()
+            if t.state == TrialState.PRUNED:
+                state += stopped_at(tune, method, t)
+            rows.append([str(t.number), state, value, best_cell, *params])
         blocks.append(Table(["trial", "state", "value (%)", "best so far (%)", *keys], rows))
         trials = [t for t in study.get_trials(deepcopy=False) if t.number not in again]
         history = history_png(trials, method)

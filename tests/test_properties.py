@@ -119,7 +119,8 @@ def check_finished_run(where: Path) -> Path:
 TRICKY = st.sampled_from(
     ["", " ", "nan", "NaN", "-nan", "inf", "-inf", "Infinity", "1e309", "-1e309", "1e308",
      "3.5e38", "-0", "0", "-1", "1.5", "0x10", "1_0", "\u0663", "\u00b2", "1e3", "true",
-     "None", "null", "=", "a=b", "--", "-", "\x00", "\n", "\u202e", "9" * 30]
+     "None", "null", "=", "a=b", "--", "-", "\x00", "\n", "\u202e", "9" * 30,
+     "x.incomplete"]
 )  # fmt: skip
 JUNK = st.one_of(
     TRICKY,
@@ -306,6 +307,10 @@ def _option_values() -> dict[str, st.SearchStrategy]:
         "--tf32": choice_values(["on", "off", "true", "false"], strict=False),
         "--deterministic": st.just(None),
         "--clients-together": choice_values(["auto", "off", "vmap"]),
+        "--clients-together-max": st.one_of(
+            st.just(("auto", False)),
+            int_values(pos).filter(lambda v: v[0].strip().lower() != "auto"),
+        ),
         "--engine": choice_values(["inprocess"], avoid=("flower-sim",)),
         "--reply-timeout": float_values(lambda x: x >= 0, 0.0, 10.0),
         # Two or more workers start processes (seconds): only 0, 1 and junk here.
@@ -373,9 +378,22 @@ def option_fragments(draw, command: str) -> tuple[list[str], bool, set[str]]:
                 any_bad = True
             continue
         text, bad = value
+        if name in NUMBER_OPTIONS and draw(st.integers(0, 3)) == 0:
+            # The option given twice, first with no number at all: the later value is the
+            # one used, and the earlier one must still be refused (not silently dropped).
+            earlier = draw(JUNK.filter(lambda t: _float(t) is None))
+            argv.append(f"{name}={earlier}")
+            any_bad = True
         argv.append(f"{name}={text}")  # '=' so that values like '-inf' reach the option
         any_bad = any_bad or bad
     return argv, any_bad, set(names)
+
+
+# Options whose value is a number (int_values and float_values above): given twice in the
+# fuzz, the earlier value junk.
+NUMBER_OPTIONS = {"--rounds", "--local-epochs", "--num-clients", "--seed", "--batch-size",
+                  "--lr", "--momentum", "--weight-decay", "--eval-every", "--grad-clip",
+                  "--min-size", "--beta"}  # fmt: skip
 
 
 def _setup_paths(where: Path) -> None:
@@ -503,8 +521,42 @@ def config_values(draw) -> dict:
                 st.dictionaries(st.one_of(st.sampled_from(keys), st.text(max_size=5)),
                                 JSONISH, max_size=3)
             )  # fmt: skip
+    if draw(st.integers(0, 3)) == 0:  # a well-formed value of the wrong kind
+        key = draw(st.sampled_from(sorted(k for k in FIELDS if kind_of(k) in ("int", "text"))))
+        values[key] = draw(WRONG_KIND[kind_of(key)])
     assume(not _too_slow(values))
     return values
+
+
+def kind_of(key: str) -> str:
+    """ "int" for integer options, "text" for text and path options, else "other"."""
+    kind = str(FIELDS[key].type)
+    if kind in ("int", "int | None"):
+        return "int"
+    if kind in ("str", "str | None"):
+        return "text"
+    return "other"
+
+
+# Values a file can hold that are not of the option's kind: a float where an integer
+# belongs (rounds = 1e3), a list or a table where text or a path belongs.
+WRONG_KIND = {
+    "int": st.sampled_from([1.0, 1.5, 2.0, 0.5, 1e3]),
+    "text": st.sampled_from([["a", "b"], ["runs"], {"a": 1}, [], {}]),
+}
+
+
+def wrong_kind(values: dict) -> list[str]:
+    """The keys of ``values`` whose value is not of the option's kind (WRONG_KIND)."""
+    out = []
+    for key, value in values.items():
+        if key not in FIELDS:
+            continue
+        if kind_of(key) == "int" and isinstance(value, float):
+            out.append(key)
+        if kind_of(key) == "text" and isinstance(value, (list, dict)):
+            out.append(key)
+    return out
 
 
 def _toml_string(text: str) -> str:
@@ -569,16 +621,50 @@ def test_config_files(tmp_path, capsys, values, suffix, damage):
         path.write_bytes(text)
         code, _, _ = clean_outcome(["run", "--quiet", "--config", str(path)], capsys)
         if code == 0:
+            if damage is None:
+                assert not wrong_kind(values), (values, "a value of the wrong kind was used")
             check_finished_run(where)
 
 
+def deep(opening: str, closing: str, inner: str = "1") -> st.SearchStrategy[bytes]:
+    """A value nested thousands deep (parsers recurse: a RecursionError must not escape)."""
+    return st.integers(100, 60_000).map(
+        lambda n: (opening * n + inner + closing * n).encode("utf-8")
+    )
+
+
+# Well-formed files that are hard to read: nesting thousands deep in each format, YAML
+# aliases expanding exponentially ("billion laughs"), duplicate keys, integers beyond int64.
+# Two values for one key: which one a run takes is a guess, so the file is refused.
+DUPLICATE_KEYS = [b"rounds: 1\nrounds: 2\n", b'{"rounds": 1, "rounds": 2}', b"a: 1\na: 1\n"]
+HOSTILE_CONFIG_TEXT = st.one_of(
+    deep('{"rounds": ', "}"),
+    deep("[", "]"),
+    st.integers(100, 60_000).map(lambda n: b"x = " + b"[" * n + b"1" + b"]" * n),  # TOML
+    st.integers(3, 12).map(
+        lambda n: (
+            "a0: &a0 [x, x]\n"
+            + "".join(f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}]\n" for i in range(1, n))
+            + f"rounds: *a{n - 1}\n"
+        ).encode()
+    ),
+    st.sampled_from(DUPLICATE_KEYS),
+    st.integers(2**63, 2**80).map(lambda n: f'{{"seed": {n}}}'.encode()),
+)
+
+
 @settings(max_examples=examples(40), **FUZZ)
-@given(st.binary(max_size=200), st.sampled_from([".toml", ".yaml", ".json", ".cfg", ""]))
+@given(
+    st.one_of(st.binary(max_size=200), HOSTILE_CONFIG_TEXT),
+    st.sampled_from([".toml", ".yaml", ".json", ".cfg", ""]),
+)
 def test_config_files_of_random_bytes(tmp_path, capsys, content, suffix):
     with fresh_folder(tmp_path) as where:
         path = where / f"experiment{suffix}"
         path.write_bytes(content)
         code, _, _ = clean_outcome(["run", "--quiet", "--rounds=1", "-c", str(path)], capsys)
+        if content in DUPLICATE_KEYS and suffix in (".yaml", ".json"):
+            assert code != 0, (content, "a file with a key given twice was used")
         if code == 0:
             check_finished_run(where)
 
@@ -594,6 +680,13 @@ def test_config_files_of_random_bytes(tmp_path, capsys, content, suffix):
         st.lists(st.lists(st.integers(-5, 1500), max_size=400), max_size=5).map(
             lambda v: json.dumps(v).encode()
         ),
+        # indices beyond int64, and lists nested thousands deep
+        st.lists(
+            st.lists(st.one_of(st.integers(0, 1500), st.integers(2**62, 2**80)), max_size=50),
+            min_size=1,
+            max_size=3,
+        ).map(lambda v: json.dumps(v).encode()),
+        deep("[", "]"),
     ),
     st.sampled_from([".json", ".npz"]),
 )

@@ -104,7 +104,9 @@ def add_field_options(p: argparse.ArgumentParser, command: str) -> None:
                 groups[group] = p.add_mutually_exclusive_group()
             target = groups[group]
         for key, (_, text) in f.metadata.get("shortcuts", {}).items():
-            target.add_argument("--" + key.replace("_", "-"), dest=key, help=text)
+            target.add_argument(
+                "--" + key.replace("_", "-"), dest=key, help=text, action=RepeatedStore
+            )
         _add(target, f)
 
 
@@ -124,9 +126,16 @@ def raw_cli_values(args: argparse.Namespace) -> dict[str, Any]:
     table's shortcut flags (``--beta``) count as values of the table. A value a later one of
     the same option overrode must still be one the option takes: a one-line UsageError
     otherwise (``--rounds abc -r 1`` would run with an error nobody saw)."""
+    shortcuts = {
+        name: kind
+        for table in TABLES
+        for name, (kind, _) in FIELDS[table].metadata.get("shortcuts", {}).items()
+    }
     for key, earlier in getattr(args, OVERRIDDEN, []):
         if key in FIELDS:
             parse_cli_value(key, earlier)
+        elif key in shortcuts:  # --beta x --beta 0.5
+            parse_number(key.replace("_", "-"), shortcuts[key], earlier)
     values: dict[str, Any] = {}
     for f in cli_fields():
         if hasattr(args, f.name):

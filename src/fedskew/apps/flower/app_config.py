@@ -79,7 +79,8 @@ HEADER = f"""\
 # The fedskew Flower app. `flwr run flower <connection> --stream` (or `fedskew deploy
 # <connection>`, which also exits non-zero when the run fails) bundles this folder into a
 # Flower App Bundle (`flwr build --app flower` writes it) and runs it on the SuperLink and its
-# SuperNodes. Its code is its one dependency, fedskew with the flower extra: the SuperLink
+# SuperNodes. Its code is its one dependency, fedskew with the flower extra (and the privacy
+# extra, whose accountant a DP run's ServerApp needs): the SuperLink
 # installs it per run (Flower's runtime dependency installation, on by default; uv must find
 # fedskew, see docs/flower.md), a SuperNode has it installed or installs it too
 # (flower-supernode --allow-runtime-dependency-installation).
@@ -94,7 +95,7 @@ version = "{__version__}"
 description = "fedskew's federated algorithms on a Flower federation"
 license = "Apache-2.0"
 requires-python = ">=3.11"
-dependencies = ["fedskew[flower]=={__version__}"]
+dependencies = ["fedskew[flower,privacy]=={__version__}"]
 
 [tool.hatch.build.targets.wheel]
 bypass-selection = true  # the app's code is its dependency: the bundle holds no module

@@ -187,3 +187,26 @@ def test_run_folder_records_provenance(tmp_path):
         assert key in process
     assert process["fedskew"] == fedskew.__version__ and process["device"] == "cpu"
     assert process["data_source"] == "scikit-learn (load_digits)"
+
+
+def test_fedskew_run_runs_the_engine_the_configuration_names(tmp_path, monkeypatch):
+    """fedskew.run(engine="flower-sim") goes to Flower's simulation as `fedskew run --engine
+    flower-sim` does (it once ran in-process and recorded flower-sim); engine "flower", a
+    deployment's, is refused in one line. The simulation itself is tests/test_flower.py's
+    (slow); here its entry point is replaced to see which one is called, and with what."""
+    pytest.importorskip("flwr")
+    import fedskew.apps.flower as flower_app
+    from fedskew.core.errors import UsageError
+
+    called = []
+
+    def simulation(cfg, on_round=None, on_start=None, resume=None):
+        called.append((cfg.engine, cfg.rounds, resume))
+        return tmp_path / "sim", {"rounds": cfg.rounds}
+
+    monkeypatch.setattr(flower_app, "run_simulation", simulation)
+    result = fedskew.run(engine="flower-sim", out_dir=str(tmp_path), **TINY)
+    assert called == [("flower-sim", 2, None)] and result.summary == {"rounds": 2}
+    with pytest.raises(UsageError, match="engine 'flower' is a deployment's"):
+        fedskew.run(engine="flower", out_dir=str(tmp_path), **TINY)
+    assert not list(tmp_path.glob("*/metrics.jsonl"))  # nothing ran in-process

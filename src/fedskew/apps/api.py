@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fedskew.algorithms import register_algorithm
+from fedskew.apps.engine_choice import run_on_its_engine as run_experiment
 from fedskew.config import ExperimentConfig, build_config, normalise_keys, read_config_file
 from fedskew.core.errors import UsageError
 from fedskew.core.references import reference_of
 from fedskew.data.user_datasets import register_dataset
 from fedskew.models import register_model
 from fedskew.runs.folder import RunFolder, saved_config
-from fedskew.runs.loop import run as run_experiment
 
 
 class RunResult(NamedTuple):

@@ -27,17 +27,12 @@ def load_config(args: argparse.Namespace):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from fedskew.apps.engine_choice import run_on_its_engine
     from fedskew.core.progress import RoundProgress
-    from fedskew.runs.loop import run
 
     resume = None
     if args.resume is not None:  # also --resume "": an error, never a new run
         cfg, resume = resume_config(args)
-        if cfg.engine == "flower":
-            raise UsageError(
-                "this run was deployed on a Flower federation: continue it there with "
-                f"flwr run flower <connection> --run-config 'resume=\"{resume}\"'"
-            )
     else:
         cfg = load_config(args)
     progress = RoundProgress(cfg.rounds, f"{cfg.algorithm} on {cfg.dataset}", disable=cfg.quiet)
@@ -48,15 +43,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         notes.addHandler(handler)
         notes.setLevel(logging.INFO)
     try:
-        if cfg.engine == "flower-sim":
-            run_flower = flower_simulation()
-            folder, summary = run_flower(
-                cfg, on_round=progress.update, on_start=progress.start, resume=resume
-            )
-        else:
-            folder, summary = run(
-                cfg, on_round=progress.update, resume=resume, on_start=progress.start
-            )
+        folder, summary = run_on_its_engine(
+            cfg, on_round=progress.update, resume=resume, on_start=progress.start
+        )
     finally:
         progress.close()
         notes.removeHandler(handler)
@@ -75,17 +64,6 @@ class NoteHandler(logging.Handler):
             print(f"fedskew: {one_line(record.getMessage())}", file=sys.stderr, flush=True)
         except Exception:
             self.handleError(record)
-
-
-def flower_simulation():
-    """The Flower simulation entry point, or a one-line error when Flower is missing."""
-    try:
-        from fedskew.apps.flower import run_simulation
-    except ImportError as exc:
-        raise UsageError(
-            f"--engine flower-sim needs Flower: pip install 'fedskew[flower]' ({exc})"
-        ) from None
-    return run_simulation
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:

@@ -232,6 +232,25 @@ def test_status_says_where_each_run_stands_and_changes_nothing(tmp_path, capsys)
     assert main(["compare", "-c", str(file), "--status"]) == 0
     assert "unfinished, 1 of 2 rounds" in capsys.readouterr().out  # the holder is gone
 
+    # A grid folder from elsewhere: damaged or planted files are named on their run's line,
+    # a FIFO log does not hang the status, and nothing outside the folder is read.
+    (out / "fedavg-s0" / "summary.json").write_text("{")
+    metrics = out / "prox-s0.incomplete" / "metrics.jsonl"
+    metrics.write_text('{"round": 1}\n[1, 2]\n{"round": 2}\n')
+    (out / "logs" / "dyn-s0.log").unlink()
+    os.mkfifo(out / "logs" / "dyn-s0.log")
+    secret = tmp_path / "secret.log"
+    secret.write_text("fedskew: error: a secret\n")
+    (out / "logs" / "nova-s0.log").symlink_to(secret)
+    assert main(["compare", "-c", str(file), "--status"]) == 0
+    printed = capsys.readouterr().out
+    states = {line.split()[0]: line.split(None, 1)[1] for line in printed.splitlines()[:4]}
+    damaged = "finished, but summary fedavg-s0/summary.json is not JSON"
+    assert states["fedavg-s0"].startswith(damaged)
+    assert "line 2 is [1, 2], not an object" in states["prox-s0"]
+    assert "dyn-s0.log is not a regular file; not read" in states["dyn-s0"]
+    assert "leads outside" in states["nova-s0"] and "a secret" not in printed
+
 
 def _wait_for_round(folder: Path, proc: subprocess.Popen, timeout: float = 300) -> str:
     """Who trains ``folder`` once its first round is on disk (the run is mid-way then)."""

@@ -3,13 +3,13 @@ folder without changing it."""
 
 from __future__ import annotations
 
-import json
-
-from fedskew.core.durable import read_jsonl
 from fedskew.core.errors import FedskewError
 from fedskew.core.locks import holder
 from fedskew.grid.launch import log_of, slot_of
 from fedskew.grid.plan import Grid, PlannedRun
+from fedskew.report.checks import check_metrics, check_summary
+from fedskew.report.document import one_line
+from fedskew.report.files import Damaged, FolderFiles
 from fedskew.report.runs import INCOMPLETE, estimated_seconds, find_runs
 from fedskew.runs.folder import running_elsewhere
 
@@ -18,6 +18,9 @@ def status_lines(grid: Grid, runs: list[PlannedRun]) -> list[str]:
     """Where each planned run stands, who is training it, and the CPU time left, judged from
     the grid's finished runs; reads the grid folder and changes nothing."""
     root = grid.out_dir
+    # A grid folder may come from elsewhere: its files are read as a report reads them
+    # (regular files inside it, checked), and a damaged one is named on its run's line.
+    files = FolderFiles(root)
     try:
         records = find_runs(root) if root.is_dir() else []
     except FedskewError:  # a grid folder without any run yet
@@ -30,27 +33,43 @@ def status_lines(grid: Grid, runs: list[PlannedRun]) -> list[str]:
         unfinished = finished.with_name(finished.name + INCOMPLETE)
         rounds = run.cfg.rounds
         done = 0
-        if (finished / "summary.json").is_file():
-            summary = json.loads((finished / "summary.json").read_text(encoding="utf-8"))
-            acc = summary.get("final_accuracy")
-            state = "finished" + ("" if acc is None else f", final accuracy {100 * acc:.2f} %")
+        if files.exists(finished / "summary.json"):
+            try:
+                summary = check_summary(
+                    files.json(finished / "summary.json", "summary"),
+                    files.name(finished / "summary.json"),
+                )
+                acc = summary.get("final_accuracy")
+                state = "finished" + ("" if acc is None else f", final accuracy {100 * acc:.2f} %")
+            except Damaged as exc:
+                state = f"finished, but {exc}"
             counts["finished"] += 1
             lines.append(f"{run.label:<{width}}  {state}")
             continue
+        damage = ""
         if unfinished.is_dir():
-            done = sum(1 for row in read_jsonl(unfinished / "metrics.jsonl") if "round" in row)
+            metrics = unfinished / "metrics.jsonl"
+            try:
+                rows = files.json_lines(metrics, "metrics") if files.exists(metrics) else []
+                done = len(check_metrics(rows, files.name(metrics)))
+            except Damaged as exc:
+                damage = f"; {exc}"
             who = running_elsewhere(unfinished)
             kind = "training" if who else "unfinished"
-            state = f"{kind}, {done} of {rounds} rounds" + (f" ({who})" if who else "")
+            state = f"{kind}, {done} of {rounds} rounds" + (f" ({who})" if who else "") + damage
         else:
             who = holder(slot_of(root, run))
             kind = "training" if who else "not run"
             state = f"starting ({who})" if who else "not run"
         counts[kind] += 1
         log = log_of(root / "logs", run.folder)
-        if not who and log.is_file():
-            tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()
-            last = tail[-1] if tail else "no message"
+        if not who and files.exists(log):
+            try:
+                text = files.read_bytes(log, "log").decode("utf-8", errors="replace")
+                tail = one_line(text.strip().splitlines()[-1]) if text.strip() else "no message"
+            except Damaged as exc:
+                tail = str(exc)
+            last = tail
             state += f"; last attempt failed: {last[:117] + '...' if len(last) > 120 else last}"
             failed += 1
         whole = estimated_seconds(records, run.setting, run.method)

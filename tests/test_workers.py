@@ -514,3 +514,31 @@ def test_run_says_what_it_chose_and_caps_a_count_no_round_can_use(tmp_path, caps
     assert facts["workers_reason"] == "--workers 1000 capped: 2 clients train per round"
     assert rows(tmp_path / "w")[0]["accuracy"] > 0
     assert live_workers() == []
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "moon"])
+def test_workers_train_their_clients_together(tmp_path, algorithm):
+    """With --clients-together vmap each worker gets its share of an exchange's clients at
+    once and trains them together where the algorithm allows it (else one after another in
+    the worker): the same curve as the in-process run within fp32 rounding, and
+    processes.jsonl says how the clients trained."""
+    common = ["run", "-a", algorithm, "-r", "2", *SMALL, "-o", str(tmp_path),
+              "--clients-together", "vmap"]  # fmt: skip
+    assert main([*common, "--name", "w0", "--workers", "0"]) == 0
+    assert main([*common, "--name", "w2", "--workers", "2"]) == 0
+    assert live_workers() == []
+    in_process, workers = rows(tmp_path / "w0"), rows(tmp_path / "w2")
+    ran = [json.loads(x) for x in (tmp_path / "w2" / "processes.jsonl").read_text().splitlines()]
+    assert [p["clients_together"] for p in ran] == ["vmap"]
+    for a, b in zip(in_process, workers, strict=True):
+        assert a["clients"] == b["clients"] and a["bytes_up"] == b["bytes_up"]
+        for key in ("train_loss", "loss", "accuracy"):
+            # Stacks of 2 clients against one of 4 (where the algorithm trains together):
+            # the last bits of fp32 differ (tests/test_together.py's tolerance).
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-3), key
+
+
+def test_a_batch_goes_to_the_worker_with_the_fewest_samples():
+    engine = types.SimpleNamespace(client_sizes=[50, 10, 40, 30, 20], processes=[0, 1])
+    batches = WorkerPoolEngine.batches(engine, [0, 1, 2, 3, 4])
+    assert batches == {0: [0, 4, 1], 1: [2, 3]}  # 50+20+10 and 40+30 samples

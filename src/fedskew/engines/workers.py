@@ -276,6 +276,7 @@ def worker_main(conn: Connection, config_json: str, setup_json: str = "{}") -> N
         "threads": torch.get_num_threads(),
         "data": data_kind(runtime, attached),
         "denormals": denormals,
+        "together": runtime.clients_together,
     }
     conn.send_bytes(encode_frame(ready))
     while True:
@@ -287,21 +288,47 @@ def worker_main(conn: Connection, config_json: str, setup_json: str = "{}") -> N
             meta, msg, state = decode_frame(data)
             if meta.get("stop"):
                 _leave()
-            if msg is None or state is None:
-                raise FedskewError("a task without a message or a state")
-            cid = int(meta["client"])
-            reply = runtime.handle(cid, int(meta["round"]), msg, state)
-            out = encode_frame({"client": cid}, reply, state)
+            if "batch" in meta:
+                # The frames of the batch's clients follow: read them all before anything can
+                # fail, so that none is left in the pipe to be taken for the next task.
+                tasks = [conn.recv_bytes() for _ in range(int(meta["batch"]))]
+                outs = handle_batch(runtime, int(meta["round"]), tasks)
+            else:
+                if msg is None or state is None:
+                    raise FedskewError("a task without a message or a state")
+                cid = int(meta["client"])
+                reply = runtime.handle(cid, int(meta["round"]), msg, state)
+                outs = [encode_frame({"client": cid}, reply, state)]
+        except (EOFError, OSError):  # the parent is gone mid-batch
+            return
         except Exception as exc:
             if not isinstance(exc, FedskewError):
                 # A bug, not a user error: its traceback goes to the terminal, the parent
                 # stops the run with the one line.
                 traceback.print_exc()
-            out = encode_frame({"error": one_line(exc)})
+            outs = [encode_frame({"error": one_line(exc)})]
         try:
-            conn.send_bytes(out)
+            for out in outs:
+                conn.send_bytes(out)
         except (EOFError, OSError):
             return
+
+
+def handle_batch(runtime: ClientRuntime, rnd: int, tasks: list[bytes]) -> list[bytes]:
+    """A batch of clients' tasks, trained together where the algorithm allows it (one after
+    another otherwise, as in-process); one reply frame per client, in the batch's order."""
+    messages: dict[int, Message] = {}
+    states: dict[int, ClientState] = {}
+    for task in tasks:
+        meta, msg, state = decode_frame(task)
+        if msg is None or state is None:
+            raise FedskewError("a task without a message or a state")
+        cid = int(meta["client"])
+        messages[cid], states[cid] = msg, state
+    replies = runtime.handle_together(rnd, messages, states) if len(messages) > 1 else None
+    if replies is None:
+        replies = {cid: runtime.handle(cid, rnd, messages[cid], states[cid]) for cid in messages}
+    return [encode_frame({"client": cid}, replies[cid], states[cid]) for cid in messages]
 
 
 def share(dataset: Dataset) -> SharedDataset | None:
@@ -433,11 +460,10 @@ class WorkerPoolEngine(ServerSideClientStates):
         self._busy: dict[int, int] = {}  # worker index -> client it is working on
         self._closed = False
         self._shared: SharedDataset | None = None
-        # A worker answers for one client at a time: nothing to train together.
-        config = {
-            **cfg.to_dict(), "workers": 0, "engine": "inprocess", "quiet": True,
-            "clients_together": "off",
-        }  # fmt: skip
+        # Each worker resolves --clients-together for its own device (auto: together on a
+        # GPU); where all of them train together, an exchange goes out as one batch of
+        # clients per worker (_exchange_batches).
+        config = {**cfg.to_dict(), "workers": 0, "engine": "inprocess", "quiet": True}
         devices = [worker_device(cfg.device, index) for index in range(count)]
         if any(d.startswith("cuda") for d in devices):
             self.worker_devices = tuple(devices)
@@ -479,6 +505,7 @@ class WorkerPoolEngine(ServerSideClientStates):
         waiting = set(range(len(self.processes)))
         threads: dict[int, int] = {}
         data: dict[int, str] = {}
+        together: dict[int, str] = {}
         while waiting:
             ready = self._wait_any(waiting)
             for index in ready:
@@ -487,11 +514,14 @@ class WorkerPoolEngine(ServerSideClientStates):
                     raise FedskewError(f"worker {index}: {meta['error']}")
                 threads[index] = int(meta.get("threads", 1))
                 data[index] = str(meta.get("data", "loaded"))
+                together[index] = str(meta.get("together", "off"))
                 state = str(meta.get("denormals", "unknown"))
                 self.client_denormals[state] = self.client_denormals.get(state, 0) + 1
                 waiting.discard(index)
         self.worker_threads = [threads[i] for i in range(len(self.processes))]
         self.worker_data = [data[i] for i in range(len(self.processes))]
+        if all(together[i] == "vmap" for i in range(len(self.processes))):
+            self.clients_together = "vmap"
 
     def _wait_any(self, indices: set[int] | list[int]) -> list[int]:
         """Workers among ``indices`` with a frame to read (or that died); never blocks
@@ -540,6 +570,8 @@ class WorkerPoolEngine(ServerSideClientStates):
 
     def _exchange(self, messages: Mapping[int, Message]) -> dict[int, Message]:
         self.traffic.exchanges += 1
+        if self.clients_together == "vmap" and len(messages) > 1:
+            return self._exchange_batches(messages)
         order = list(messages)
         if self.client_sizes is not None:
             sizes = self.client_sizes
@@ -570,6 +602,58 @@ class WorkerPoolEngine(ServerSideClientStates):
                 self.traffic.bytes_up += reply.nbytes()
                 replies[cid] = reply
                 idle.append(index)
+        return {cid: replies[cid] for cid in messages}
+
+    def batches(self, cids: list[int]) -> dict[int, list[int]]:
+        """The clients each worker trains together: largest first, each to the worker with
+        the fewest samples so far (the workers finish about together)."""
+        sizes = self.client_sizes
+
+        def size(cid: int) -> int:
+            return sizes[cid] if sizes is not None and 0 <= cid < len(sizes) else 1
+
+        load = [0] * len(self.processes)
+        groups: dict[int, list[int]] = {i: [] for i in range(len(self.processes))}
+        for cid in sorted(cids, key=lambda c: -size(c)):
+            index = min(range(len(load)), key=lambda i: (load[i], i))
+            groups[index].append(cid)
+            load[index] += size(cid)
+        return {i: g for i, g in groups.items() if g}
+
+    def _exchange_batches(self, messages: Mapping[int, Message]) -> dict[int, Message]:
+        """Each worker gets its batch of clients at once and trains them together."""
+        pending = self.batches(list(messages))
+        for index, cids in pending.items():
+            frames = [encode_frame({"batch": len(cids), "round": self.round})]
+            for cid in cids:
+                self.traffic.bytes_down += messages[cid].nbytes()
+                meta = {"client": cid, "round": self.round}
+                frames.append(encode_frame(meta, messages[cid], self.state_of(cid)))
+            self._busy[index] = cids[0]
+            try:
+                for frame in frames:
+                    self.conns[index].send_bytes(frame)
+            except OSError:
+                raise self._died(index, f"the tasks of clients {cids}") from None
+        replies: dict[int, Message] = {}
+        while pending:
+            for index in self._wait_any(list(pending)):
+                cid = pending[index][0]
+                meta, reply, state = self._receive(index, during=f"the task of client {cid}")
+                if "error" in meta:
+                    raise FedskewError(
+                        f"clients {pending[index]} failed in worker {index}: {meta['error']}"
+                    )
+                if reply is None or state is None or int(meta.get("client", -1)) != cid:
+                    raise FedskewError(f"worker {index} answered client {cid} out of turn")
+                self._states[cid] = state
+                self.traffic.bytes_up += reply.nbytes()
+                replies[cid] = reply
+                pending[index].pop(0)
+                if pending[index]:
+                    self._busy[index] = pending[index][0]
+                else:
+                    del pending[index], self._busy[index]
         return {cid: replies[cid] for cid in messages}
 
     def close(self) -> None:

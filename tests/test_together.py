@@ -108,6 +108,42 @@ def test_vmap_is_one_after_another_in_float64(case: str) -> None:
     _compare(expected, alone, got, together, {**F64, "metrics": 1e-6})
 
 
+# Algorithms whose loss, per-client tensors or gradient shift (PlainTraining) train together:
+# on the BatchNorm model with augmentation and clipping, so that ragged steps run one vmap per
+# batch size with BatchNorm buffers written back, and each client's generator matters.
+SEAMED = {"model": TINY_BN, "augment": True, "grad_clip": 0.5}
+SEAMS: dict[str, dict] = {
+    "fedprox": {"algorithm": "fedprox", "params": {"mu": 0.1}, **SEAMED},
+}
+
+
+def _max_difference(alone: RunState, together: RunState) -> float:
+    return max(
+        float((together.server.global_arrays[k].double() - v.double()).abs().max())
+        for k, v in alone.server.global_arrays.items()
+    )
+
+
+@pytest.mark.parametrize("case", sorted(SEAMS))
+def test_algorithm_trains_together_as_one_after_another_in_float64(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The algorithm's own loss (and gradient shift, state in and out) through the stacked
+    loop: the global models of two rounds equal one after another's to 1e-10 in float64."""
+    expected, alone = _rounds("off", dtype=torch.float64, **SEAMS[case])
+    sizes = _chunks_seen(monkeypatch)
+    got, together = _rounds("vmap", dtype=torch.float64, **SEAMS[case])
+    assert sizes == [4, 4]  # trained together, not fallen back
+    difference = _max_difference(alone, together)
+    print(f"{case}: max float64 weight difference {difference:.2e}")
+    assert difference < 1e-10
+    # train_loss is summed in a float32 accumulator by both loops: 1e-7 apart at most.
+    _compare(expected, alone, got, together, {"rtol": 0.0, "atol": 1e-10, "metrics": 1e-6})
+    for a, b in zip(expected, got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-10)
+        assert b["accuracy"] == a["accuracy"]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_vmap_matches_one_after_another_in_fp32(case: str, device: str) -> None:

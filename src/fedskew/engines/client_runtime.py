@@ -272,6 +272,14 @@ class ClientRuntime:
             assert split is not None
             plans[cid] = (split(msg, ctx), ctx, msg)
             starts[cid] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        loss = plans[chunk[0]][0].loss
+        # One function mapped over every client: a per-client closure would silently be
+        # the first client's for all (bound methods of one client logic compare equal).
+        if any(plans[c][0].loss != loss for c in chunk):
+            raise ValueError(
+                f"{type(self.client_logic).__name__}.plain_{messages[chunk[0]].kind} gives "
+                "each client its own loss function: per-client values belong in its tensors"
+            )
         results, finals = train_together(
             self.model,
             [plans[c][1].data for c in chunk],
@@ -282,6 +290,9 @@ class ClientRuntime:
                 self.train.epochs if plans[c][0].epochs is None else plans[c][0].epochs
                 for c in chunk
             ],
+            loss=loss,
+            tensors=[plans[c][0].tensors for c in chunk],
+            grad_shifts=[plans[c][0].grad_shift for c in chunk],
         )
         return plans, list(zip(results, finals, strict=True))
 

@@ -52,7 +52,12 @@ def context(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int
 
 
 def captured_loss_fn(monkeypatch, module, client, msg: Message, ctx: ClientContext):
-    """Run the client's handler with training replaced by a spy; return its loss_fn."""
+    """The loss_fn the client trains with: its ``plain_train`` split's, tensors bound (what
+    ``run_plain`` gives ``train_client``), or else, with training replaced by a spy, the one
+    its handler passes to ``train_client``."""
+    split = getattr(client, "plain_train", None)
+    if split is not None:
+        return split(msg, ctx).loss_fn()
     seen = {}
 
     def spy(ctx_, *, loss_fn, **_):

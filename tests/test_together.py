@@ -6,6 +6,7 @@ whose local step is not plain fall back with the reason logged."""
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -114,6 +115,10 @@ def test_vmap_is_one_after_another_in_float64(case: str) -> None:
 SEAMED = {"model": TINY_BN, "augment": True, "grad_clip": 0.5}
 SEAMS: dict[str, dict] = {
     "fedprox": {"algorithm": "fedprox", "params": {"mu": 0.1}, **SEAMED},
+    "fedlc": {"algorithm": "fedlc", **SEAMED},
+    "fedrs": {"algorithm": "fedrs", **SEAMED},
+    "feddecorr": {"algorithm": "feddecorr", **SEAMED},
+    "fedntd": {"algorithm": "fedntd", "params": {"tau": 2.0}, **SEAMED},
 }
 
 
@@ -132,8 +137,18 @@ def test_algorithm_trains_together_as_one_after_another_in_float64(
     loop: the global models of two rounds equal one after another's to 1e-10 in float64."""
     expected, alone = _rounds("off", dtype=torch.float64, **SEAMS[case])
     sizes = _chunks_seen(monkeypatch)
-    got, together = _rounds("vmap", dtype=torch.float64, **SEAMS[case])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, together = _rounds("vmap", dtype=torch.float64, **SEAMS[case])
     assert sizes == [4, 4]  # trained together, not fallen back
+    # An op without a batching rule runs client by client inside vmap. FedNTD's kl_div has
+    # none in torch 2.13 (writing it out would change one after another's arithmetic).
+    slow = {
+        str(w.message).split("rule for ")[1].split(".")[0]
+        for w in caught
+        if "performance drop" in str(w.message)
+    }
+    assert slow <= ({"aten::kl_div"} if case == "fedntd" else set()), slow
     difference = _max_difference(alone, together)
     print(f"{case}: max float64 weight difference {difference:.2e}")
     assert difference < 1e-10

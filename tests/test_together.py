@@ -121,6 +121,7 @@ SEAMS: dict[str, dict] = {
     "fedntd": {"algorithm": "fedntd", "params": {"tau": 2.0}, **SEAMED},
     # Three rounds: c_k from the client's state is nonzero for a client's second round.
     "scaffold": {"algorithm": "scaffold", "rounds": 3, **SEAMED},
+    "feddyn": {"algorithm": "feddyn", "rounds": 3, "params": {"alpha": 0.1}, **SEAMED},
 }
 
 

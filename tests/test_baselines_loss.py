@@ -214,10 +214,16 @@ def test_moon_with_mu_zero_trains_exactly_like_fedavg():
 def test_moon_client_sampled_again_finds_its_previous_model():
     seen: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
+    negatives: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
     class Spy(moon.MoonClient):
-        def on_train(self, msg, ctx):
+        def plain_train(self, msg, ctx):
             seen[(ctx.round, ctx.client_id)] = {k: v.clone() for k, v in ctx.state.arrays.items()}
-            return super().on_train(msg, ctx)
+            plan = super().plain_train(msg, ctx)
+            negatives[(ctx.round, ctx.client_id)] = {
+                k[len(moon.PREV_T) :]: v for k, v in plan.tensors.items() if k.startswith("prev/")
+            }
+            return plan
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(60, 1, 8, 8, generator=gen)
@@ -241,7 +247,8 @@ def test_moon_client_sampled_again_finds_its_previous_model():
     assert set(kept) == {moon.PREV + k for k in up0}
     assert all(torch.equal(kept[moon.PREV + k], v) for k, v in up0.items())
     # ... it was the negative model of that training, and is now replaced by the new upload.
-    assert all(torch.equal(v, up0[k]) for k, v in logic._prev.state_dict().items())
+    assert negatives[(0, 0)] == {}
+    assert all(torch.equal(negatives[(1, 0)][k], v) for k, v in up0.items())
     state = engine.client_states[0].arrays
     assert all(torch.equal(state[moon.PREV + k], v) for k, v in up1.items())
 

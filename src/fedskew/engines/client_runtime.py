@@ -280,21 +280,31 @@ class ClientRuntime:
                 f"{type(self.client_logic).__name__}.plain_{messages[chunk[0]].kind} gives "
                 "each client its own loss function: per-client values belong in its tensors"
             )
-        results, finals = train_together(
-            self.model,
-            [plans[c][1].data for c in chunk],
-            self.train,
-            [plans[c][1].rng(plans[c][0].purpose) for c in chunk],
-            [starts[c] for c in chunk],
-            [
-                self.train.epochs if plans[c][0].epochs is None else plans[c][0].epochs
-                for c in chunk
-            ],
-            loss=loss,
-            tensors=[plans[c][0].tensors for c in chunk],
-            grad_shifts=[plans[c][0].grad_shift for c in chunk],
-        )
-        return plans, list(zip(results, finals, strict=True))
+        # Tensors stack only where every client has them: clients that bring different ones
+        # (MOON's previous model, absent at a client's first participation) train in
+        # separate stacks, each client exactly as it would in one.
+        stacks: dict[tuple[tuple[str, ...], tuple[str, ...]], list[int]] = {}
+        for c in chunk:
+            plan = plans[c][0]
+            stacks.setdefault((tuple(plan.tensors), tuple(plan.grad_shift)), []).append(c)
+        trained: dict[int, tuple[TrainResult, dict[str, torch.Tensor]]] = {}
+        for members in stacks.values():
+            results, finals = train_together(
+                self.model,
+                [plans[c][1].data for c in members],
+                self.train,
+                [plans[c][1].rng(plans[c][0].purpose) for c in members],
+                [starts[c] for c in members],
+                [
+                    self.train.epochs if plans[c][0].epochs is None else plans[c][0].epochs
+                    for c in members
+                ],
+                loss=loss,
+                tensors=[plans[c][0].tensors for c in members],
+                grad_shifts=[plans[c][0].grad_shift for c in members],
+            )
+            trained.update(zip(members, zip(results, finals, strict=True), strict=True))
+        return plans, [trained[c] for c in chunk]
 
     def _chunk_size(self, cids: list[int]) -> int:
         """How many of these clients to train at once: --clients-together-max N, or for

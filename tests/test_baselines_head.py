@@ -22,6 +22,7 @@ from fedskew.data.federated import FederatedData
 from fedskew.engines.inprocess import InProcessEngine
 from fedskew.models import build_model
 from fedskew.runs.loop import run
+from fedskew.training import local
 from fedskew.training.interface import LocalTrainConfig, ServerSetup
 from fedskew.training.local import TrainResult, set_arrays
 from fedskew.training.protocol import Message
@@ -731,9 +732,10 @@ def test_resumed_run_equals_uninterrupted(tmp_path, name):
 def test_loss_functions_return_body_features_and_head_logits(monkeypatch):
     """Each client's loss hands the plug-ins body(x) and head(body(x))."""
     seen = {}
+    # FedProto trains through run_plain, which calls fedskew.training.local's train_client.
     for alg, module, params in [
         (fedrod.FedROD, fedrod, {}),
-        (fedproto.FedProto, fedproto, {}),
+        (fedproto.FedProto, local, {}),
     ]:
 
         def spy(ctx, *, loss_fn, **_):

@@ -124,6 +124,9 @@ SEAMS: dict[str, dict] = {
     "feddyn": {"algorithm": "feddyn", "rounds": 3, "params": {"alpha": 0.1}, **SEAMED},
     # Rounds 2 and 3 mix clients with a previous model and clients without (two stacks).
     "moon": {"algorithm": "moon", "rounds": 3, "params": {"mu": 1.0, "out_dim": 16}, **SEAMED},
+    "fednova": {"algorithm": "fednova", **SEAMED},
+    # Round 1 without prototypes, rounds 2 and 3 with the global ones as tensors.
+    "fedproto": {"algorithm": "fedproto", "rounds": 3, **SEAMED},
 }
 
 
@@ -209,7 +212,7 @@ def test_each_client_trains_as_alone() -> None:
 @pytest.mark.parametrize(
     "options, reason",
     [
-        ({"algorithm": "fedproto"}, "FedProtoClient's 'train' handler's local step is not plain"),
+        ({"algorithm": "fedrod"}, "FedRODClient's 'train' handler's local step is not plain"),
         (
             {"algorithm": "fedavg", "feature_matching": True, "params": {"start_round": 0}},
             "routes its messages itself",

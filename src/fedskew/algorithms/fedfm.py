@@ -61,6 +61,10 @@ is left after the round.
 The pieces here (parameters, anchors, losses, the two exchanges' client halves) are what
 ``fedskew.algorithms.feature_matching`` reuses to add feature matching to other algorithms, and
 what FedFM-Lite (``fedskew.algorithms.fedfm_lite``) is built from.
+
+Clients train one after another, not together (``fedskew.engines.together``): the matching term
+is installed on the context (``ctx.loss_terms``, shared with the feature-matching plug-in) as a
+closure over the received anchors, which the stacked loop does not see.
 """
 
 from __future__ import annotations

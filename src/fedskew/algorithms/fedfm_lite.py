@@ -28,6 +28,10 @@ Choices the paper leaves open, marked [PROPOSAL]:
 - A client whose reply does not arrive is left out of the anchor aggregation and of the model
   average. The server cannot tell whether it still holds a model (a dead node loses it), so it
   forgets what it sent it: the client gets the global model again when it is next sampled.
+
+Clients train one after another, not together (``fedskew.engines.together``): the matching term
+is installed on the context (``ctx.loss_terms``, FedFM's) as a closure over the received
+anchors, which the stacked loop does not see.
 """
 
 from __future__ import annotations

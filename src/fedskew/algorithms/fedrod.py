@@ -22,6 +22,10 @@ Choices the paper leaves open: p starts at zero, so the personalised logits star
 the generic ones (``phead_init=generic`` starts p as a copy of the generic head the client
 first receives, as FedNH's code base does); p shares the client's optimiser settings (lr,
 momentum, weight decay); the hypernetwork variant of p is not implemented.
+
+Clients train one after another, not together (``fedskew.engines.together``): the personal head
+is trained beside the model by the same optimiser, and the stacked loop trains the model's
+parameters only.
 """
 
 from __future__ import annotations

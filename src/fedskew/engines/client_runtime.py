@@ -271,6 +271,11 @@ class ClientRuntime:
             split, _ = plain_handler(self.client_logic, msg.kind)
             assert split is not None
             plans[cid] = (split(msg, ctx), ctx, msg)
+            if ctx.loss_terms:  # train_client would add them; the stacked loop cannot
+                raise ValueError(
+                    f"{type(self.client_logic).__name__}.plain_{msg.kind} installed loss terms "
+                    "on the context, which clients trained together do not see"
+                )
             starts[cid] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         loss = plans[chunk[0]][0].loss
         # One function mapped over every client: a per-client closure would silently be

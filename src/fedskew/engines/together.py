@@ -43,12 +43,14 @@ FedAvg, CReFF and FedNH (cross-entropy), FedProx, FedLC, FedRS, FedDecorr, FedNT
 global model as the teacher's per-client tensors; its ``kl_div`` has no batching rule, so
 that one op runs client by client), SCAFFOLD (its correction as the gradient shift) FedDyn
 (g_k and the server model as tensors), FedNova (cross-entropy; its normalised update in
-``finish``), FedProto (the global prototypes as tensors) and MOON (the frozen global and
-previous models' weights as tensors; clients with and without a previous model train in
-separate stacks). Every other exchange, a client logic that wraps the handlers (the feature-
-matching plug-in), a model with dropout or with a BatchNorm without running statistics, and
-``--precision bf16`` (autocast does not reach the kernels inside ``vmap``: they would run in
-fp32) are trained one after another, and the reason is logged once.
+``finish``), FedProto (the global prototypes as tensors), FedCME (train, train_first and
+train_rest; the global class features as tensors; its evaluate exchange trains nothing) and
+MOON (the frozen global and previous models' weights as tensors; clients with and without a
+previous model train in separate stacks). Every other exchange, a client logic that wraps
+the handlers (the feature-matching plug-in), a model with dropout or with a BatchNorm
+without running statistics, and ``--precision bf16`` (autocast does not reach the kernels
+inside ``vmap``: they would run in fp32) are trained one after another, and the reason is
+logged once.
 """
 
 from __future__ import annotations

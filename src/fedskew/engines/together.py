@@ -41,16 +41,19 @@ Which algorithms. A handler split into ``plain_<kind>`` (``PlainTraining``: the 
 and optimiser, the algorithm's loss and gradient shift given as data) trains together:
 FedAvg, CReFF and FedNH (cross-entropy), FedProx, FedLC, FedRS, FedDecorr, FedNTD (the
 global model as the teacher's per-client tensors; its ``kl_div`` has no batching rule, so
-that one op runs client by client), SCAFFOLD (its correction as the gradient shift) FedDyn
+that one op runs client by client), SCAFFOLD (its correction as the gradient shift), FedDyn
 (g_k and the server model as tensors), FedNova (cross-entropy; its normalised update in
 ``finish``), FedProto (the global prototypes as tensors), FedCME (train, train_first and
 train_rest; the global class features as tensors; its evaluate exchange trains nothing) and
 MOON (the frozen global and previous models' weights as tensors; clients with and without a
-previous model train in separate stacks). Every other exchange, a client logic that wraps
-the handlers (the feature-matching plug-in), a model with dropout or with a BatchNorm
-without running statistics, and ``--precision bf16`` (autocast does not reach the kernels
-inside ``vmap``: they would run in fp32) are trained one after another, and the reason is
-logged once.
+previous model train in separate stacks). FedROD, FedACD, FedFM and FedFM-Lite do not (each
+says why in its docstring). Every other exchange, a client logic that wraps the handlers
+(the feature-matching plug-in), a model with dropout or with a BatchNorm without running
+statistics, and ``--precision bf16`` (autocast does not reach the kernels inside ``vmap``:
+they would run in fp32) are trained one after another, and the reason is logged once. The
+memory estimate (``together_memory``) counts the model's copies, not an algorithm's per-
+client tensors (MOON's two frozen models, FedDyn's two tensors per parameter); a chunk that
+runs out of GPU memory is halved.
 """
 
 from __future__ import annotations

@@ -130,14 +130,22 @@ SEAMS: dict[str, dict] = {
     # Two training exchanges a round (train_first, train_rest; the evaluate exchange trains
     # nothing and goes one after another); global class features from round 2 on.
     "fedcme": {"algorithm": "fedcme", "rounds": 3, "params": {"mu": 1.0}, **SEAMED},
+    # The personal head, trained beside the model, from the client's state in rounds 2 and 3
+    # (a copy of the generic head: "zeros" makes it in the default dtype, not float64).
+    "fedrod": {"algorithm": "fedrod", "rounds": 3, "params": {"phead_init": "generic"}, **SEAMED},
 }
 
 
 def _max_difference(alone: RunState, together: RunState) -> float:
-    return max(
-        float((together.server.global_arrays[k].double() - v.double()).abs().max())
-        for k, v in alone.server.global_arrays.items()
-    )
+    """Over the global model and every client's state (control variates, previous models,
+    personal heads), which must hold the same entries."""
+    pairs = [(together.server.global_arrays[k], v) for k, v in alone.server.global_arrays.items()]
+    states, other = alone.engine.client_states, together.engine.client_states
+    assert sorted(states) == sorted(other)
+    for cid, state in states.items():
+        assert sorted(state.arrays) == sorted(other[cid].arrays), cid
+        pairs += [(other[cid].arrays[k], v) for k, v in state.arrays.items()]
+    return max(float((b.double() - a.double()).abs().max()) for b, a in pairs)
 
 
 @pytest.mark.parametrize("case", sorted(SEAMS))
@@ -167,7 +175,7 @@ def test_algorithm_trains_together_as_one_after_another_in_float64(
     }
     assert slow <= ({"aten::kl_div"} if case == "fedntd" else set()), slow
     difference = _max_difference(alone, together)
-    print(f"{case}: max float64 weight difference {difference:.2e}")
+    print(f"{case}: max float64 difference of weights and states {difference:.2e}")
     assert difference < 1e-10
     # train_loss is summed in a float32 accumulator by both loops: 1e-7 apart at most.
     _compare(expected, alone, got, together, {"rtol": 0.0, "atol": 1e-10, "metrics": 1e-6})
@@ -218,7 +226,7 @@ def test_each_client_trains_as_alone() -> None:
 @pytest.mark.parametrize(
     "options, reason",
     [
-        ({"algorithm": "fedrod"}, "FedRODClient's 'train' handler's local step is not plain"),
+        ({"algorithm": "fedacd"}, "FedACDClient's 'train' handler's local step is not plain"),
         (
             {"algorithm": "fedavg", "feature_matching": True, "params": {"start_round": 0}},
             "routes its messages itself",

@@ -288,10 +288,11 @@ class ClientRuntime:
         # Tensors stack only where every client has them: clients that bring different ones
         # (MOON's previous model, absent at a client's first participation) train in
         # separate stacks, each client exactly as it would in one.
-        stacks: dict[tuple[tuple[str, ...], tuple[str, ...]], list[int]] = {}
+        stacks: dict[tuple[tuple[str, ...], ...], list[int]] = {}
         for c in chunk:
             plan = plans[c][0]
-            stacks.setdefault((tuple(plan.tensors), tuple(plan.grad_shift)), []).append(c)
+            names = (tuple(plan.tensors), tuple(plan.grad_shift), tuple(plan.trained))
+            stacks.setdefault(names, []).append(c)
         trained: dict[int, tuple[TrainResult, dict[str, torch.Tensor]]] = {}
         for members in stacks.values():
             results, finals = train_together(
@@ -307,6 +308,7 @@ class ClientRuntime:
                 loss=loss,
                 tensors=[plans[c][0].tensors for c in members],
                 grad_shifts=[plans[c][0].grad_shift for c in members],
+                trained=[plans[c][0].trained for c in members],
             )
             trained.update(zip(members, zip(results, finals, strict=True), strict=True))
         return plans, [trained[c] for c in chunk]

@@ -38,22 +38,23 @@ before the step; and ``ctx.state``, read by ``plain_<kind>`` before training and
 ``finish`` after it, as one after another.
 
 Which algorithms. A handler split into ``plain_<kind>`` (``PlainTraining``: the shared loop
-and optimiser, the algorithm's loss and gradient shift given as data) trains together:
-FedAvg, CReFF and FedNH (cross-entropy), FedProx, FedLC, FedRS, FedDecorr, FedNTD (the
-global model as the teacher's per-client tensors; its ``kl_div`` has no batching rule, so
-that one op runs client by client), SCAFFOLD (its correction as the gradient shift), FedDyn
-(g_k and the server model as tensors), FedNova (cross-entropy; its normalised update in
-``finish``), FedProto (the global prototypes as tensors), FedCME (train, train_first and
-train_rest; the global class features as tensors; its evaluate exchange trains nothing) and
-MOON (the frozen global and previous models' weights as tensors; clients with and without a
-previous model train in separate stacks). FedROD, FedACD, FedFM and FedFM-Lite do not (each
-says why in its docstring). Every other exchange, a client logic that wraps the handlers
-(the feature-matching plug-in), a model with dropout or with a BatchNorm without running
-statistics, and ``--precision bf16`` (autocast does not reach the kernels inside ``vmap``:
-they would run in fp32) are trained one after another, and the reason is logged once. The
-memory estimate (``together_memory``) counts the model's copies, not an algorithm's per-
-client tensors (MOON's two frozen models, FedDyn's two tensors per parameter); a chunk that
-runs out of GPU memory is halved.
+and optimiser, the algorithm's loss, per-client tensors, gradient shift and tensors trained
+beside the model given as data) trains together: FedAvg, CReFF and FedNH (cross-entropy),
+FedProx, FedLC, FedRS, FedDecorr, FedNTD (the global model as the teacher's per-client
+tensors; its ``kl_div`` has no batching rule, so that one op runs client by client),
+SCAFFOLD (its correction as the gradient shift), FedDyn (g_k and the server model as
+tensors), FedNova (cross-entropy; its normalised update in ``finish``), FedProto (the global
+prototypes as tensors), FedCME (train, train_first and train_rest; the global class features
+as tensors; its evaluate exchange trains nothing), MOON (the frozen global and previous
+models' weights as tensors; clients with and without a previous model train in separate
+stacks) and FedROD (its personal head trained beside the model). FedACD, FedFM and FedFM-
+Lite do not (each says why in its docstring). Every other exchange, a client logic that
+wraps the handlers (the feature-matching plug-in), a model with dropout or with a BatchNorm
+without running statistics, and ``--precision bf16`` (autocast does not reach the kernels
+inside ``vmap``: they would run in fp32) are trained one after another, and the reason is
+logged once. The memory estimate (``together_memory``) counts the model's copies, not an
+algorithm's per-client tensors (MOON's two frozen models, FedDyn's two tensors per
+parameter); a chunk that runs out of GPU memory is halved.
 """
 
 from __future__ import annotations
@@ -219,6 +220,9 @@ class _Client:
         return self.draws[:, start:stop]
 
 
+_BESIDE = "\0beside/"  # names of tensors trained beside the model among the stacked weights
+
+
 class _LossModule(nn.Module):
     """An algorithm's loss as a module holding the model, so that ``functional_call`` swaps
     the stacked weights in for the whole loss: the model's forward and any
@@ -247,12 +251,14 @@ def train_together(
     loss: ClientLoss | None = None,
     tensors: Sequence[Mapping[str, torch.Tensor]] = (),
     grad_shifts: Sequence[Mapping[str, torch.Tensor]] = (),
+    trained: Sequence[Mapping[str, torch.Tensor]] = (),
 ) -> tuple[list[TrainResult], list[dict[str, torch.Tensor]]]:
     """Train client k from ``starts[k]`` (a state dict) on ``datas[k]`` for ``epochs[k]``
     epochs with generator ``gens[k]``, all clients at once; ``model`` gives the architecture
     (its own weights are not used). ``loss``, ``tensors[k]`` and ``grad_shifts[k]`` are
-    ``PlainTraining``'s (None: cross-entropy; empty: none). Returns each client's TrainResult
-    and trained state."""
+    ``PlainTraining``'s (None: cross-entropy; empty: none), and so is ``trained[k]``, whose
+    tensors hold client k's trained values afterwards. Returns each client's TrainResult and
+    trained state."""
     augment = cfg.augment and bool(datas) and datas[0].x.dim() == 4
     clients = [
         _Client(d, g, e, cfg.batch_size, augment)
@@ -270,6 +276,15 @@ def train_together(
     }
     extra = _stacked(tensors, order)
     shifts = _stacked(grad_shifts, order)
+    beside = {
+        name: t.detach().clone().requires_grad_(True)
+        for name, t in _stacked(trained, order).items()
+    }
+    if beside and loss is None:
+        raise ValueError("tensors trained beside the model need the loss that uses them")
+    clipped = set(params)  # the model's parameters, as train_client clips them
+    params.update({_BESIDE + name: t for name, t in beside.items()})
+    extra.update(beside)
     momentum = {name: torch.zeros_like(p) for name, p in params.items()}
     first = clients[order[0]] if clients else None
     device = first.data.device if first is not None else torch.device("cpu")
@@ -297,7 +312,7 @@ def train_together(
                 )
         losses.sum().backward()
         with torch.no_grad():
-            _sgd_step(params, momentum, active, cfg, first_step=step == 0, shifts=shifts)
+            _sgd_step(params, momentum, active, cfg, step == 0, shifts, clipped)
             if positions is None:
                 loss_sums[:active] += losses.detach().float()
             else:
@@ -310,9 +325,12 @@ def train_together(
         steps = clients[k].steps
         mean = loss_host[position] / steps if steps else 0.0
         results[k] = TrainResult(steps=steps, samples=len(datas[k]) * epochs[k], mean_loss=mean)
-        state = {name: p[position].detach() for name, p in params.items()}
+        state = {name: p[position].detach() for name, p in params.items() if name in clipped}
         state.update({name: b[position] for name, b in buffers.items()})
         finals[k] = state
+        with torch.no_grad():
+            for name, t in beside.items():
+                trained[k][name].copy_(t[position])
     return results, finals  # type: ignore[return-value]
 
 
@@ -383,6 +401,8 @@ def _loss_step(
     for position, r in enumerate(rows):
         by_size.setdefault(len(r), []).append(position)
 
+    # The model's weights go to functional_call; tensors trained beside it (``_BESIDE``, in
+    # ``extra`` too) reach the loss among its tensors.
     def one(p: dict, b: dict, t: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         state = {"model." + k: v for k, v in {**p, **b}.items()}
         return functional_call(bound, state, (x, y, t))
@@ -390,7 +410,7 @@ def _loss_step(
     mapped = vmap(one)
     if len(by_size) == 1:
         xb, yb, _ = _stack_batches(clients, rows, step, x_all, y_all)
-        p_now = {name: p[:active] for name, p in params.items()}
+        p_now = {name: p[:active] for name, p in params.items() if name[0] != "\0"}
         b_now = {name: b[:active] for name, b in buffers.items()}
         t_now = {name: t[:active] for name, t in extra.items()}
         return mapped(p_now, b_now, t_now, xb, yb), None
@@ -400,7 +420,7 @@ def _loss_step(
         xb, yb, _ = _stack_batches(
             [clients[i] for i in positions], [rows[i] for i in positions], step, x_all, y_all
         )
-        p_now = {name: p.index_select(0, index) for name, p in params.items()}
+        p_now = {name: p.index_select(0, index) for name, p in params.items() if name[0] != "\0"}
         # Copies: BatchNorm's running statistics go back to the stack after the forward.
         b_now = {name: b.index_select(0, index) for name, b in buffers.items()}
         t_now = {name: t.index_select(0, index) for name, t in extra.items()}
@@ -464,6 +484,7 @@ def _sgd_step(
     cfg: LocalTrainConfig,
     first_step: bool,
     shifts: Mapping[str, torch.Tensor],
+    clipped: set[str],
 ) -> None:
     """``torch.optim.SGD`` (momentum, weight decay, no dampening or Nesterov) on the first
     ``active`` clients of the stack, after clipping each client's gradient by its own norm
@@ -477,10 +498,11 @@ def _sgd_step(
     grads = [params[name].grad[:active] for name in names]  # type: ignore[index]
     if cfg.grad_clip > 0:
         # clip_grad_norm_: the norm of the per-tensor norms, coefficient clamped at 1.
-        norms = torch.stack([torch.linalg.vector_norm(g.reshape(active, -1), dim=1) for g in grads])
+        own = [g for name, g in zip(names, grads, strict=True) if name in clipped]
+        norms = torch.stack([torch.linalg.vector_norm(g.reshape(active, -1), dim=1) for g in own])
         total = torch.linalg.vector_norm(norms, dim=0)
         coef = torch.clamp(cfg.grad_clip / (total + 1e-6), max=1.0)
-        for g in grads:
+        for g in own:
             g.mul_(coef.reshape(-1, *([1] * (g.dim() - 1))))
     for name, g in zip(names, grads, strict=True):
         if name in shifts:

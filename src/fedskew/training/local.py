@@ -224,7 +224,10 @@ class PlainTraining:
     differs from client to client (a global model, class counts, a control variate) is in
     ``tensors``, which the loss receives as its last argument. ``grad_shift`` maps parameter
     names to tensors added to their gradients after clipping and before the optimiser step
-    (SCAFFOLD's correction). Inside ``loss``, ``model.parameters()`` and the model's forward
+    (SCAFFOLD's correction). ``trained`` holds leaf tensors outside the model that the same
+    optimiser trains with it (FedROD's personal head; not clipped, as ``train_client`` clips
+    the model's parameters only): the loss finds them among its tensors, and after training
+    they hold the trained values. Inside ``loss``, ``model.parameters()`` and the model's forward
     see the weights being trained, whichever way the engine trains.
 
     An algorithm whose handler ``on_<kind>`` is ``run_plain(self.plain_<kind>(msg, ctx), ctx)``
@@ -240,13 +243,26 @@ class PlainTraining:
     loss: ClientLoss | None = None
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     grad_shift: dict[str, torch.Tensor] = field(default_factory=dict)
+    trained: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def loss_fn(self) -> LossFn:
-        """The loss as ``train_client`` takes it, ``tensors`` bound."""
+        """The loss as ``train_client`` takes it, ``tensors`` and ``trained`` bound."""
         if self.loss is None:
             return cross_entropy_loss
-        loss, tensors = self.loss, self.tensors
+        loss, tensors = self.loss, {**self.tensors, **self.trained}
         return lambda model, x, y: loss(model, x, y, tensors)
+
+    def optimizer(self, model: torch.nn.Module, cfg: LocalTrainConfig) -> torch.optim.SGD | None:
+        """The shared optimiser over the model's parameters and ``trained`` (None when there
+        is nothing beside the model: ``train_client`` makes its own)."""
+        if not self.trained:
+            return None
+        return torch.optim.SGD(
+            [*model.parameters(), *self.trained.values()],
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+        )
 
     def before_step(self) -> StepHook | None:
         """``grad_shift`` as a hook of ``train_client`` (None when there is none)."""
@@ -270,6 +286,7 @@ def run_plain(plan: PlainTraining, ctx: ClientContext) -> Message:
         loss_fn=plan.loss_fn(),
         epochs=plan.epochs,
         before_step=plan.before_step(),
+        optimizer=plan.optimizer(ctx.model, ctx.train),
         purpose=plan.purpose,
     )
     return plan.finish(result)

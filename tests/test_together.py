@@ -30,7 +30,7 @@ from fedskew.engines.together_memory import (
 )
 from fedskew.runs.loop import RunState, evaluate_global_model, play_round, server_setup
 from fedskew.training.interface import ClientContext, LocalTrainConfig
-from fedskew.training.local import local_train, set_arrays
+from fedskew.training.local import cross_entropy_loss, local_train, set_arrays
 from fedskew.training.protocol import Message
 
 NO_CUDA = "no CUDA device here (CPU-only torch or no GPU): benchmarks/gpu_check.sh runs these"
@@ -253,6 +253,33 @@ def test_a_subclass_overriding_the_handler_is_not_bypassed() -> None:
     assert split is None and "overrides on_train" in reason
     split, _ = plain_handler(FedAvgClient(None), "train")
     assert split is not None
+
+
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        ("closure", "gives each client its own loss function"),
+        ("loss_terms", "installed loss terms on the context"),
+    ],
+)
+def test_a_split_the_stack_cannot_honour_is_refused(
+    spoil: str, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loss closing over each client (the first client's would be mapped over all) and
+    loss terms on the context (the stacked loop does not add them) fail, not train wrongly."""
+    real = FedAvgClient.plain_train
+
+    def spoilt(self, msg, ctx):  # type: ignore[no-untyped-def]
+        plan = real(self, msg, ctx)
+        if spoil == "closure":
+            plan.loss = lambda model, x, y, tensors: cross_entropy_loss(model, x, y)
+        else:
+            ctx.loss_terms.append(lambda features, logits, y: logits.sum() * 0.0)
+        return plan
+
+    monkeypatch.setattr(FedAvgClient, "plain_train", spoilt)
+    with pytest.raises(ValueError, match=message):
+        _rounds("vmap", rounds=1)
 
 
 def test_auto_is_one_after_another_on_the_cpu() -> None:

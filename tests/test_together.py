@@ -130,6 +130,13 @@ SEAMS: dict[str, dict] = {
     # Two training exchanges a round (train_first, train_rest; the evaluate exchange trains
     # nothing and goes one after another); global class features from round 2 on.
     "fedcme": {"algorithm": "fedcme", "rounds": 3, "params": {"mu": 1.0}, **SEAMED},
+    # The anchor exchange trains nothing (one after another); the training has the anchors.
+    "fedfm": {"algorithm": "fedfm", "params": {"start_round": 0}, **SEAMED},
+    "fedfm-l2-pre-relu": {
+        "algorithm": "fedfm",
+        "params": {"start_round": 0, "fm_loss": "l2", "match_on": "pre_relu", "lam_warmup": 2},
+        **SEAMED,
+    },
     # The personal head, trained beside the model, from the client's state in rounds 2 and 3
     # (a copy of the generic head: "zeros" makes it in the default dtype, not float64).
     "fedrod": {"algorithm": "fedrod", "rounds": 3, "params": {"phead_init": "generic"}, **SEAMED},

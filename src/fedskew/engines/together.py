@@ -47,14 +47,15 @@ tensors), FedNova (cross-entropy; its normalised update in ``finish``), FedProto
 prototypes as tensors), FedCME (train, train_first and train_rest; the global class features
 as tensors; its evaluate exchange trains nothing), MOON (the frozen global and previous
 models' weights as tensors; clients with and without a previous model train in separate
-stacks) and FedROD (its personal head trained beside the model). FedACD, FedFM and FedFM-
-Lite do not (each says why in its docstring). Every other exchange, a client logic that
-wraps the handlers (the feature-matching plug-in), a model with dropout or with a BatchNorm
-without running statistics, and ``--precision bf16`` (autocast does not reach the kernels
-inside ``vmap``: they would run in fp32) are trained one after another, and the reason is
-logged once. The memory estimate (``together_memory``) counts the model's copies, not an
-algorithm's per-client tensors (MOON's two frozen models, FedDyn's two tensors per
-parameter); a chunk that runs out of GPU memory is halved.
+stacks), FedROD (its personal head trained beside the model) and FedFM (its matching term in
+``AnchorMatchingLoss``, the global anchors as tensors; its anchor exchange trains nothing).
+FedACD and FedFM-Lite do not (each says why in its docstring). Every other exchange, a
+client logic that wraps the handlers (the feature-matching plug-in), a model with dropout or
+with a BatchNorm without running statistics, and ``--precision bf16`` (autocast does not
+reach the kernels inside ``vmap``: they would run in fp32) are trained one after another,
+and the reason is logged once. The memory estimate (``together_memory``) counts the model's
+copies, not an algorithm's per-client tensors (MOON's two frozen models, FedDyn's two
+tensors per parameter); a chunk that runs out of GPU memory is halved.
 """
 
 from __future__ import annotations

@@ -137,6 +137,13 @@ SEAMS: dict[str, dict] = {
         "params": {"start_round": 0, "fm_loss": "l2", "match_on": "pre_relu", "lam_warmup": 2},
         **SEAMED,
     },
+    # Models kept in the clients' states between model rounds (every 2nd round here).
+    "fedfm-lite": {
+        "algorithm": "fedfm-lite",
+        "rounds": 3,
+        "params": {"start_round": 0, "a": 2},
+        **SEAMED,
+    },
     # The personal head, trained beside the model, from the client's state in rounds 2 and 3
     # (a copy of the generic head: "zeros" makes it in the default dtype, not float64).
     "fedrod": {"algorithm": "fedrod", "rounds": 3, "params": {"phead_init": "generic"}, **SEAMED},

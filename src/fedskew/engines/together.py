@@ -41,15 +41,15 @@ Which algorithms. A handler split into ``plain_<kind>`` (``PlainTraining``: the 
 and optimiser, the algorithm's loss, per-client tensors, gradient shift and tensors trained
 beside the model given as data) trains together: FedAvg, CReFF and FedNH (cross-entropy),
 FedProx, FedLC, FedRS, FedDecorr, FedNTD (the global model as the teacher's per-client
-tensors; its ``kl_div`` has no batching rule, so that one op runs client by client),
-SCAFFOLD (its correction as the gradient shift), FedDyn (g_k and the server model as
-tensors), FedNova (cross-entropy; its normalised update in ``finish``), FedProto (the global
+tensors; its kl_div has no batching rule, so that one op runs client by client), SCAFFOLD
+(its correction as the gradient shift), FedDyn (g_k and the server model as tensors),
+FedNova (cross-entropy; its normalised update in ``finish``), FedProto (the global
 prototypes as tensors), FedCME (train, train_first and train_rest; the global class features
 as tensors; its evaluate exchange trains nothing), MOON (the frozen global and previous
 models' weights as tensors; clients with and without a previous model train in separate
-stacks), FedROD (its personal head trained beside the model) and FedFM (its matching term in
-``AnchorMatchingLoss``, the global anchors as tensors; its anchor exchange trains nothing).
-FedACD and FedFM-Lite do not (each says why in its docstring). Every other exchange, a
+stacks), FedROD (its personal head trained beside the model), FedFM and FedFM-Lite (the
+matching term in ``AnchorMatchingLoss``, the global anchors as tensors; FedFM's anchor
+exchange trains nothing). FedACD does not (its docstring says why). Every other exchange, a
 client logic that wraps the handlers (the feature-matching plug-in), a model with dropout or
 with a BatchNorm without running statistics, and ``--precision bf16`` (autocast does not
 reach the kernels inside ``vmap``: they would run in fp32) are trained one after another,

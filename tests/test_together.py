@@ -377,6 +377,20 @@ def test_a_chunk_out_of_memory_is_halved_once_said(whole_f64, monkeypatch, caplo
     ]
 
 
+@pytest.mark.parametrize("fail_above", [2, 0])
+def test_out_of_memory_leaves_the_states_plain_took_from(monkeypatch, fail_above: int) -> None:
+    """FedCME's train_rest takes the half-trained model out of the client's state before
+    training: a chunk that ran out of memory is tried again (halved, or one after another)
+    from the states as they were, and trains as the whole exchange at once."""
+    case = SEAMS["fedcme"]
+    expected, whole = _rounds("vmap", dtype=torch.float64, **case)
+    sizes = _chunks_seen(monkeypatch, fail_above=fail_above)
+    got, retried = _rounds("vmap", dtype=torch.float64, **case)
+    assert sizes[:3] == ([4, 2, 2] if fail_above else [4, 2, 1])
+    _compare(expected, whole, got, retried, {**F64, "metrics": 1e-6})
+    assert _max_difference(whole, retried) < 1e-10
+
+
 def test_one_client_out_of_memory_goes_on_one_after_another(monkeypatch, caplog) -> None:
     expected, _ = _rounds("off", **CHUNKED)
     sizes = _chunks_seen(monkeypatch, fail_above=0)

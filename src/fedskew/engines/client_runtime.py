@@ -237,11 +237,20 @@ class ClientRuntime:
         """Train the clients of ``chunk`` together and add their replies; False, with nothing
         added, when the GPU ran out of memory (the chunk may then be tried smaller: its
         clients' messages, states and generators are as they were)."""
+        # plain_<kind> may take from a client's state before training (FedFM's model kept from
+        # its anchor exchange, FedCME's half-trained one): a chunk tried again, smaller or one
+        # after another, starts from the states as they were.
+        saved = {cid: (dict(states[cid].arrays), dict(states[cid].scalars)) for cid in chunk}
         try:
             plans, trained = self._train_stacked(rnd, chunk, messages, states)
         except torch.cuda.OutOfMemoryError:
             trained = None
         if trained is None:
+            for cid, (arrays, scalars) in saved.items():
+                states[cid].arrays.clear()
+                states[cid].arrays.update(arrays)
+                states[cid].scalars.clear()
+                states[cid].scalars.update(scalars)
             # Outside the except clause: its traceback no longer holds the chunk's tensors.
             torch.cuda.empty_cache()
             return False

@@ -237,8 +237,11 @@ def trains_together(algorithm: str) -> bool:
     )
     prep = prepare(cfg)
     model = new_model(prep)
-    handler, _ = plain_handler(prep.algorithm.Client(prep.params), "train")
-    return handler is not None and not model_obstacle(model)
+    client = prep.algorithm.Client(prep.params)
+    # Any message kind that trains (train, lite_train, FedCME's train_first and train_rest).
+    kinds = [name[len("plain_") :] for name in dir(client) if name.startswith("plain_")]
+    split = any(plain_handler(client, kind)[0] is not None for kind in kinds)
+    return split and not model_obstacle(model)
 
 
 def raw_gaps(cpu: list[dict[str, Any]], dev: list[dict[str, Any]]) -> dict[str, float]:

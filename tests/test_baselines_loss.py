@@ -52,7 +52,12 @@ def context(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int
 
 
 def captured_loss_fn(monkeypatch, module, client, msg: Message, ctx: ClientContext):
-    """Run the client's handler with training replaced by a spy; return its loss_fn."""
+    """The loss_fn the client trains with: its ``plain_train`` split's, tensors bound (what
+    ``run_plain`` gives ``train_client``), or else, with training replaced by a spy, the one
+    its handler passes to ``train_client``."""
+    split = getattr(client, "plain_train", None)
+    if split is not None:
+        return split(msg, ctx).loss_fn()
     seen = {}
 
     def spy(ctx_, *, loss_fn, **_):
@@ -209,10 +214,16 @@ def test_moon_with_mu_zero_trains_exactly_like_fedavg():
 def test_moon_client_sampled_again_finds_its_previous_model():
     seen: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
+    negatives: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
     class Spy(moon.MoonClient):
-        def on_train(self, msg, ctx):
+        def plain_train(self, msg, ctx):
             seen[(ctx.round, ctx.client_id)] = {k: v.clone() for k, v in ctx.state.arrays.items()}
-            return super().on_train(msg, ctx)
+            plan = super().plain_train(msg, ctx)
+            negatives[(ctx.round, ctx.client_id)] = {
+                k[len(moon.PREV_T) :]: v for k, v in plan.tensors.items() if k.startswith("prev/")
+            }
+            return plan
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(60, 1, 8, 8, generator=gen)
@@ -236,7 +247,8 @@ def test_moon_client_sampled_again_finds_its_previous_model():
     assert set(kept) == {moon.PREV + k for k in up0}
     assert all(torch.equal(kept[moon.PREV + k], v) for k, v in up0.items())
     # ... it was the negative model of that training, and is now replaced by the new upload.
-    assert all(torch.equal(v, up0[k]) for k, v in logic._prev.state_dict().items())
+    assert negatives[(0, 0)] == {}
+    assert all(torch.equal(negatives[(1, 0)][k], v) for k, v in up0.items())
     state = engine.client_states[0].arrays
     assert all(torch.equal(state[moon.PREV + k], v) for k, v in up1.items())
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedskew.algorithms import fedcme, get_algorithm
+from fedskew.algorithms import get_algorithm
 from fedskew.algorithms.fedcme import (
     EVAL_VECTOR,
     HALF,
@@ -36,6 +36,7 @@ from fedskew.engines.inprocess import InProcessEngine
 from fedskew.models import build_model
 from fedskew.models.base import BodyHeadModel
 from fedskew.runs.loop import run
+from fedskew.training import local
 from fedskew.training.interface import ClientContext, LocalTrainConfig, ServerSetup
 from fedskew.training.local import get_arrays
 from fedskew.training.protocol import ClientState, Message
@@ -271,13 +272,13 @@ def test_exchange_crosses_the_part_and_keeps_the_rest(monkeypatch, exchange, pre
     params = FedCMEParams(exchange=exchange)
     train = LocalTrainConfig(epochs=3, batch_size=8, lr=0.1, momentum=0.9, weight_decay=0.0)
     starts: list[tuple[int, str, int, dict[str, torch.Tensor]]] = []
-    real = fedcme.train_client
+    real = local.train_client  # what run_plain calls
 
     def spy(ctx, **kw):
         starts.append((ctx.client_id, kw["purpose"], kw["epochs"], get_arrays(ctx.model)))
         return real(ctx, **kw)
 
-    monkeypatch.setattr(fedcme, "train_client", spy)
+    monkeypatch.setattr(local, "train_client", spy)
     client = FedCMEClient(params)
     ctxs = {c: ClientContext(c, 0, 0, fed.client(c), model, ClientState(), train) for c in (0, 1)}
     initial = get_arrays(model)
@@ -423,13 +424,13 @@ def test_cold_start_evaluates_the_global_model_on_never_seen_clients_only(monkey
     global_model = {k: v.clone() for k, v in server.global_arrays.items()}
     server.vectors = {0: torch.tensor([0.0, 1.0, 0.0])}
     starts = {}
-    real = fedcme.train_client
+    real = local.train_client  # what run_plain calls
 
     def spy(ctx, **kw):
         starts.setdefault(ctx.client_id, get_arrays(ctx.model))
         return real(ctx, **kw)
 
-    monkeypatch.setattr(fedcme, "train_client", spy)
+    monkeypatch.setattr(local, "train_client", spy)
     engine.begin_round(0)
     metrics = server.round(0, [0, 1, 2], engine)
     evaluate, evaluated = engine.log[0]

@@ -6,6 +6,7 @@ whose local step is not plain fall back with the reason logged."""
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ from fedskew.engines.together_memory import (
 )
 from fedskew.runs.loop import RunState, evaluate_global_model, play_round, server_setup
 from fedskew.training.interface import ClientContext, LocalTrainConfig
-from fedskew.training.local import local_train, set_arrays
+from fedskew.training.local import cross_entropy_loss, local_train, set_arrays
 from fedskew.training.protocol import Message
 
 NO_CUDA = "no CUDA device here (CPU-only torch or no GPU): benchmarks/gpu_check.sh runs these"
@@ -108,6 +109,95 @@ def test_vmap_is_one_after_another_in_float64(case: str) -> None:
     _compare(expected, alone, got, together, {**F64, "metrics": 1e-6})
 
 
+# Algorithms whose loss, per-client tensors or gradient shift (PlainTraining) train together:
+# on the BatchNorm model with augmentation and clipping, so that ragged steps run one vmap per
+# batch size with BatchNorm buffers written back, and each client's generator matters.
+SEAMED = {"model": TINY_BN, "augment": True, "grad_clip": 0.5}
+SEAMS: dict[str, dict] = {
+    "fedprox": {"algorithm": "fedprox", "params": {"mu": 0.1}, **SEAMED},
+    "fedlc": {"algorithm": "fedlc", **SEAMED},
+    "fedrs": {"algorithm": "fedrs", **SEAMED},
+    "feddecorr": {"algorithm": "feddecorr", **SEAMED},
+    "fedntd": {"algorithm": "fedntd", "params": {"tau": 2.0}, **SEAMED},
+    # Three rounds: c_k from the client's state is nonzero for a client's second round.
+    "scaffold": {"algorithm": "scaffold", "rounds": 3, **SEAMED},
+    "feddyn": {"algorithm": "feddyn", "rounds": 3, "params": {"alpha": 0.1}, **SEAMED},
+    # Rounds 2 and 3 mix clients with a previous model and clients without (two stacks).
+    "moon": {"algorithm": "moon", "rounds": 3, "params": {"mu": 1.0, "out_dim": 16}, **SEAMED},
+    "fednova": {"algorithm": "fednova", **SEAMED},
+    # Round 1 without prototypes, rounds 2 and 3 with the global ones as tensors.
+    "fedproto": {"algorithm": "fedproto", "rounds": 3, **SEAMED},
+    # Two training exchanges a round (train_first, train_rest; the evaluate exchange trains
+    # nothing and goes one after another); global class features from round 2 on.
+    "fedcme": {"algorithm": "fedcme", "rounds": 3, "params": {"mu": 1.0}, **SEAMED},
+    # The anchor exchange trains nothing (one after another); the training has the anchors.
+    "fedfm": {"algorithm": "fedfm", "params": {"start_round": 0}, **SEAMED},
+    "fedfm-l2-pre-relu": {
+        "algorithm": "fedfm",
+        "params": {"start_round": 0, "fm_loss": "l2", "match_on": "pre_relu", "lam_warmup": 2},
+        **SEAMED,
+    },
+    # Models kept in the clients' states between model rounds (every 2nd round here).
+    "fedfm-lite": {
+        "algorithm": "fedfm-lite",
+        "rounds": 3,
+        "params": {"start_round": 0, "a": 2},
+        **SEAMED,
+    },
+    # The personal head, trained beside the model, from the client's state in rounds 2 and 3
+    # (a copy of the generic head: "zeros" makes it in the default dtype, not float64).
+    "fedrod": {"algorithm": "fedrod", "rounds": 3, "params": {"phead_init": "generic"}, **SEAMED},
+}
+
+
+def _max_difference(alone: RunState, together: RunState) -> float:
+    """Over the global model and every client's state (control variates, previous models,
+    personal heads), which must hold the same entries."""
+    pairs = [(together.server.global_arrays[k], v) for k, v in alone.server.global_arrays.items()]
+    states, other = alone.engine.client_states, together.engine.client_states
+    assert sorted(states) == sorted(other)
+    for cid, state in states.items():
+        assert sorted(state.arrays) == sorted(other[cid].arrays), cid
+        pairs += [(other[cid].arrays[k], v) for k, v in state.arrays.items()]
+    return max(float((b.double() - a.double()).abs().max()) for b, a in pairs)
+
+
+@pytest.mark.parametrize("case", sorted(SEAMS))
+def test_algorithm_trains_together_as_one_after_another_in_float64(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The algorithm's own loss (and gradient shift, state in and out) through the stacked
+    loop: the global models of two rounds equal one after another's to 1e-10 in float64."""
+    expected, alone = _rounds("off", dtype=torch.float64, **SEAMS[case])
+    sizes = _chunks_seen(monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, together = _rounds("vmap", dtype=torch.float64, **SEAMS[case])
+    # Every client trained together, not fallen back (in more than one stack a round where
+    # clients bring different tensors: MOON's, with and without a previous model).
+    if case == "fedcme":  # train_first, then train_rest (here every client has a partner)
+        assert sizes == [4] * 2 * len(expected)
+    else:
+        assert sum(sizes) == 4 * len(expected)
+        assert len(sizes) > len(expected) if case == "moon" else len(sizes) == len(expected)
+    # An op without a batching rule runs client by client inside vmap. FedNTD's kl_div has
+    # none in torch 2.13 (writing it out would change one after another's arithmetic).
+    slow = {
+        str(w.message).split("rule for ")[1].split(".")[0]
+        for w in caught
+        if "performance drop" in str(w.message)
+    }
+    assert slow <= ({"aten::kl_div"} if case == "fedntd" else set()), slow
+    difference = _max_difference(alone, together)
+    print(f"{case}: max float64 difference of weights and states {difference:.2e}")
+    assert difference < 1e-10
+    # train_loss is summed in a float32 accumulator by both loops: 1e-7 apart at most.
+    _compare(expected, alone, got, together, {"rtol": 0.0, "atol": 1e-10, "metrics": 1e-6})
+    for a, b in zip(expected, got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-10)
+        assert b["accuracy"] == a["accuracy"]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_vmap_matches_one_after_another_in_fp32(case: str, device: str) -> None:
@@ -150,7 +240,7 @@ def test_each_client_trains_as_alone() -> None:
 @pytest.mark.parametrize(
     "options, reason",
     [
-        ({"algorithm": "moon"}, "MoonClient's 'train' handler's local step is not plain"),
+        ({"algorithm": "fedacd"}, "FedACDClient's 'train' handler's local step is not plain"),
         (
             {"algorithm": "fedavg", "feature_matching": True, "params": {"start_round": 0}},
             "routes its messages itself",
@@ -177,6 +267,33 @@ def test_a_subclass_overriding_the_handler_is_not_bypassed() -> None:
     assert split is None and "overrides on_train" in reason
     split, _ = plain_handler(FedAvgClient(None), "train")
     assert split is not None
+
+
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        ("closure", "gives each client its own loss function"),
+        ("loss_terms", "installed loss terms on the context"),
+    ],
+)
+def test_a_split_the_stack_cannot_honour_is_refused(
+    spoil: str, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loss closing over each client (the first client's would be mapped over all) and
+    loss terms on the context (the stacked loop does not add them) fail, not train wrongly."""
+    real = FedAvgClient.plain_train
+
+    def spoilt(self, msg, ctx):  # type: ignore[no-untyped-def]
+        plan = real(self, msg, ctx)
+        if spoil == "closure":
+            plan.loss = lambda model, x, y, tensors: cross_entropy_loss(model, x, y)
+        else:
+            ctx.loss_terms.append(lambda features, logits, y: logits.sum() * 0.0)
+        return plan
+
+    monkeypatch.setattr(FedAvgClient, "plain_train", spoilt)
+    with pytest.raises(ValueError, match=message):
+        _rounds("vmap", rounds=1)
 
 
 def test_auto_is_one_after_another_on_the_cpu() -> None:
@@ -258,6 +375,20 @@ def test_a_chunk_out_of_memory_is_halved_once_said(whole_f64, monkeypatch, caplo
         "clients trained together ran out of GPU memory with 4 at once: 2 at a time from now "
         "on (--clients-together-max N sets the number)"
     ]
+
+
+@pytest.mark.parametrize("fail_above", [2, 0])
+def test_out_of_memory_leaves_the_states_plain_took_from(monkeypatch, fail_above: int) -> None:
+    """FedCME's train_rest takes the half-trained model out of the client's state before
+    training: a chunk that ran out of memory is tried again (halved, or one after another)
+    from the states as they were, and trains as the whole exchange at once."""
+    case = SEAMS["fedcme"]
+    expected, whole = _rounds("vmap", dtype=torch.float64, **case)
+    sizes = _chunks_seen(monkeypatch, fail_above=fail_above)
+    got, retried = _rounds("vmap", dtype=torch.float64, **case)
+    assert sizes[:3] == ([4, 2, 2] if fail_above else [4, 2, 1])
+    _compare(expected, whole, got, retried, {**F64, "metrics": 1e-6})
+    assert _max_difference(whole, retried) < 1e-10
 
 
 def test_one_client_out_of_memory_goes_on_one_after_another(monkeypatch, caplog) -> None:

@@ -163,14 +163,16 @@ class ExperimentConfig:
         "metrics on every repeat of a CUDA run, somewhat slower",
     )
     # Train a round's clients together: "vmap" stacks their parameters (torch.func) where the
-    # algorithm's local step is plain cross-entropy; "off": one after another; "auto": vmap on
+    # algorithm's handler splits around the shared loop (PlainTraining; engines/together.py
+    # lists which); "off": one after another; "auto": vmap on
     # CUDA, one after another on the CPU (measured: benchmarks/clients_together.py).
     clients_together: str = option(
         "auto", metavar="auto|off|vmap", execution=True, resumable=True, flower=False,
         flower_reason="a SuperNode answers for one client at a time",
         default_text="auto: vmap on CUDA, off on the CPU",
         help="train a round's clients together with stacked parameters (vmap) where the "
-        "algorithm's local step is plain cross-entropy; off: one after another",
+        "algorithm allows it (FedAvg, FedProx, SCAFFOLD, MOON and others: docs/gpu.md); "
+        "off: one after another",
     )
     # How many clients one stacked step trains at most: "auto" estimates what the GPU's free
     # memory holds before the first step (fedskew.engines.together_memory; all of them on

@@ -32,6 +32,10 @@ message has restored them. The global anchors of the round are kept with their r
 so that an inner algorithm that trains in a later exchange of its round still sees them; as a
 client cannot tell when a multi-exchange round is over, they are removed at its next anchor
 exchange.
+
+Clients of ``<inner>+fm`` train one after another, not together (``fedskew.engines.together``):
+the plug-in wraps the inner handlers and installs its term on the context (``ctx.loss_terms``),
+which the stacked loop does not see.
 """
 
 from __future__ import annotations

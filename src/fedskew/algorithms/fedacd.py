@@ -38,6 +38,11 @@ Choices the paper leaves open ([PROPOSAL] in docs/ALGORITHMS.md section 3), defa
 
 Ablation switches: ``lam=0`` drops L_flat, ``margin=false`` turns L_LA into plain CE,
 ``mixup=false``, ``weighting=uniform``. The paper's CIFAR model is ``-m cnn-cifar``.
+
+Clients train one after another, not together (``fedskew.engines.together``): the loss keeps
+per-client state that changes from step to step (the confusion matrix behind the next epoch's
+margins, mixup drawn from the client's own generator), which one loss mapped over stacked
+clients does not carry.
 """
 
 from __future__ import annotations

@@ -110,10 +110,12 @@ from fedskew.training.interface import (
 from fedskew.training.local import (
     LossFn,
     LossOutput,
+    PlainTraining,
+    TrainResult,
     class_feature_means,
     get_arrays,
+    run_plain,
     set_arrays,
-    train_client,
     trained_needs,
     trained_reply,
 )
@@ -519,29 +521,55 @@ class FedCMEClient(ClientLogic):
         )
 
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_train(msg, ctx), ctx)
+
+    def plain_train(self, msg: Message, ctx: ClientContext) -> PlainTraining:
         """A round without exchange: E epochs with alignment, then the final upload."""
         self.load_round_start(msg, ctx)
-        result = train_client(ctx, loss_fn=self.loss_fn(ctx))
-        return self.final_upload(ctx, result.mean_loss * result.steps, result.steps)
+        return PlainTraining(
+            lambda result: self.final_upload(ctx, result.mean_loss * result.steps, result.steps),
+            loss=self.loss,
+            tensors=self.alignment(ctx),
+        )
 
     def on_train_first(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_train_first(msg, ctx), ctx)
+
+    def plain_train_first(self, msg: Message, ctx: ClientContext) -> PlainTraining:
         self.load_round_start(msg, ctx)
         partner = int(msg.scalars["partner"])
         share = bool(msg.scalars.get("share", float(partner >= 0)))
         if partner < 0 and not share:
-            result = train_client(ctx, loss_fn=self.loss_fn(ctx))
-            return self.final_upload(ctx, result.mean_loss * result.steps, result.steps)
-        result = train_client(
-            ctx, loss_fn=self.loss_fn(ctx), epochs=ctx.train.epochs // 2, purpose="train-first"
+            return self.plain_train_alone(ctx)
+
+        def finish(result: TrainResult) -> Message:
+            ctx.state.scalars[LOSS_SUM] = result.mean_loss * result.steps
+            ctx.state.scalars[STEPS] = float(result.steps)
+            for k, v in get_arrays(ctx.model).items():
+                ctx.state.arrays[HALF + k] = v
+            part = get_arrays(ctx.model, part_prefix(self.params.exchange)) if share else {}
+            return Message("half", arrays=part)
+
+        return PlainTraining(
+            finish,
+            epochs=ctx.train.epochs // 2,
+            purpose="train-first",
+            loss=self.loss,
+            tensors=self.alignment(ctx),
         )
-        ctx.state.scalars[LOSS_SUM] = result.mean_loss * result.steps
-        ctx.state.scalars[STEPS] = float(result.steps)
-        for k, v in get_arrays(ctx.model).items():
-            ctx.state.arrays[HALF + k] = v
-        part = get_arrays(ctx.model, part_prefix(self.params.exchange)) if share else {}
-        return Message("half", arrays=part)
+
+    def plain_train_alone(self, ctx: ClientContext) -> PlainTraining:
+        """All E epochs at once and the final upload: a client without a partner."""
+        return PlainTraining(
+            lambda result: self.final_upload(ctx, result.mean_loss * result.steps, result.steps),
+            loss=self.loss,
+            tensors=self.alignment(ctx),
+        )
 
     def on_train_rest(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_train_rest(msg, ctx), ctx)
+
+    def plain_train_rest(self, msg: Message, ctx: ClientContext) -> PlainTraining:
         half = {
             k[len(HALF) :]: ctx.state.arrays.pop(k)
             for k in list(ctx.state.arrays)
@@ -551,16 +579,20 @@ class FedCMEClient(ClientLogic):
             raise UsageError("fedcme: train_rest reached a client that holds no half-trained model")
         set_arrays(ctx.model, half)
         set_arrays(ctx.model, msg.arrays)  # the partner's part over our own
+
+        def finish(result: TrainResult) -> Message:
+            loss_sum = ctx.state.scalars.pop(LOSS_SUM) + result.mean_loss * result.steps
+            steps = ctx.state.scalars.pop(STEPS) + result.steps
+            return self.final_upload(ctx, loss_sum, steps)
+
         # A fresh optimiser: momentum built on our own part would push the partner's part.
-        result = train_client(
-            ctx,
-            loss_fn=self.loss_fn(ctx),
+        return PlainTraining(
+            finish,
             epochs=ctx.train.epochs - ctx.train.epochs // 2,
             purpose="train-rest",
+            loss=self.loss,
+            tensors=self.alignment(ctx),
         )
-        loss_sum = ctx.state.scalars.pop(LOSS_SUM) + result.mean_loss * result.steps
-        steps = ctx.state.scalars.pop(STEPS) + result.steps
-        return self.final_upload(ctx, loss_sum, steps)
 
     def load_round_start(self, msg: Message, ctx: ClientContext) -> None:
         """Load the global model (from the message, or kept from the cold start) and keep the
@@ -586,10 +618,24 @@ class FedCMEClient(ClientLogic):
             ctx.state.arrays[STATE_FEATURES] = full
             ctx.state.arrays[STATE_KNOWN] = known.clone()
 
-    def loss_fn(self, ctx: ClientContext) -> LossFn:
-        return fedcme_loss(
-            self.params.mu, ctx.state.arrays.get(STATE_FEATURES), ctx.state.arrays.get(STATE_KNOWN)
-        )
+    def alignment(self, ctx: ClientContext) -> dict[str, torch.Tensor]:
+        """The global class features and which are known, from the client's state, as the
+        loss's tensors (none before any is known, or with ``mu`` 0)."""
+        features = ctx.state.arrays.get(STATE_FEATURES)
+        known = ctx.state.arrays.get(STATE_KNOWN)
+        if features is None or known is None:
+            return {}
+        return {"features": features, "known": known}
+
+    def loss(
+        self,
+        model: torch.nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        alignment: Mapping[str, torch.Tensor],
+    ) -> LossOutput | torch.Tensor:
+        loss_fn = fedcme_loss(self.params.mu, alignment.get("features"), alignment.get("known"))
+        return loss_fn(model, x, y)
 
     def final_upload(self, ctx: ClientContext, loss_sum: float, steps: float) -> Message:
         """The final upload; the round's state entries are dropped."""

@@ -18,6 +18,7 @@ Messages and server are FedAvg's. Default beta = 0.1; ``server_lr`` is FedAvg's
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -29,7 +30,13 @@ from fedskew.algorithms.fedavg import AVERAGED_UPDATES, FedAvgParams, FedAvgServ
 from fedskew.core.errors import UsageError
 from fedskew.core.precision import in_fp32
 from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, keeps_nothing
-from fedskew.training.local import LossOutput, set_arrays, train_client, trained_reply
+from fedskew.training.local import (
+    LossOutput,
+    PlainTraining,
+    run_plain,
+    set_arrays,
+    trained_reply,
+)
 from fedskew.training.protocol import Message
 
 EPS = 1e-8
@@ -65,17 +72,20 @@ def decorrelation_loss(z: torch.Tensor) -> torch.Tensor:
 
 class FedDecorrClient(ClientLogic):
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_train(msg, ctx), ctx)
+
+    def plain_train(self, msg: Message, ctx: ClientContext) -> PlainTraining:
+        """Load the global model; nothing of the client's goes with its training."""
         set_arrays(ctx.model, msg.arrays)
-        beta = self.params.beta
+        return PlainTraining(lambda result: trained_reply(ctx, result.mean_loss), loss=self.loss)
 
-        def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
-            features = model.body(x)
-            logits = model.head(features)
-            loss = F.cross_entropy(logits, y) + beta * decorrelation_loss(features)
-            return LossOutput(loss, features, logits)
-
-        result = train_client(ctx, loss_fn=loss_fn)
-        return trained_reply(ctx, result.mean_loss)
+    def loss(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, t: Mapping[str, torch.Tensor]
+    ) -> LossOutput:
+        features = model.body(x)
+        logits = model.head(features)
+        loss = F.cross_entropy(logits, y) + self.params.beta * decorrelation_loss(features)
+        return LossOutput(loss, features, logits)
 
 
 class FedDecorr(Algorithm):

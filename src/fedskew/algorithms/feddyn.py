@@ -26,7 +26,7 @@ the update then attributes to ``g_k`` (the paper's own code trains with weight d
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +43,15 @@ from fedskew.training.interface import (
     ServerLogic,
     ServerSetup,
 )
-from fedskew.training.local import LossOutput, get_arrays, set_arrays, train_client, trained_needs
+from fedskew.training.local import (
+    LossOutput,
+    PlainTraining,
+    TrainResult,
+    get_arrays,
+    run_plain,
+    set_arrays,
+    trained_needs,
+)
 from fedskew.training.protocol import Channel, Message, arrived
 from fedskew.training.state_spec import StatePart, after_training, model_part
 
@@ -114,23 +122,47 @@ class FedDynServer(ServerLogic):
         return {"train_loss": self.mean_train_loss(replies, clients)}
 
 
+GRAD, SERVER = "grad/", "server/"  # PlainTraining.tensors: g_k and theta per parameter
+
+
 class FedDynClient(ClientLogic):
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_train(msg, ctx), ctx)
+
+    def plain_train(self, msg: Message, ctx: ClientContext) -> PlainTraining:
+        """Load the server model; train with ``g_k`` (from the client's state) and ``theta``
+        as the loss's tensors; then update ``g_k`` and reply ``theta_k``."""
         set_arrays(ctx.model, msg.arrays)
         params = dict(ctx.model.named_parameters())
         keys = [k for k in trained_keys(msg.arrays) if k in params]
         grads = {
             k: ctx.state.arrays.get(STATE_PREFIX + k, torch.zeros_like(msg.arrays[k])) for k in keys
         }
-        variables = [(params[k], grads[k], msg.arrays[k]) for k in keys]
-        alpha = self.params.alpha
-        result = train_client(
-            ctx, loss_fn=lambda mdl, x, y: dynamic_loss(mdl, x, y, variables, alpha)
-        )
-        theta_k = get_arrays(ctx.model)
-        for k in keys:
-            ctx.state.arrays[STATE_PREFIX + k] = grads[k] - alpha * (theta_k[k] - msg.arrays[k])
-        return Message("trained", arrays=theta_k, scalars={"loss": result.mean_loss})
+        tensors = {
+            **{GRAD + k: grads[k] for k in keys},
+            **{SERVER + k: msg.arrays[k] for k in keys},
+        }
+
+        def finish(result: TrainResult) -> Message:
+            theta_k = get_arrays(ctx.model)
+            alpha = self.params.alpha
+            for k in keys:
+                ctx.state.arrays[STATE_PREFIX + k] = grads[k] - alpha * (theta_k[k] - msg.arrays[k])
+            return Message("trained", arrays=theta_k, scalars={"loss": result.mean_loss})
+
+        return PlainTraining(finish, loss=self.loss, tensors=tensors)
+
+    def loss(
+        self,
+        model: torch.nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        tensors: Mapping[str, torch.Tensor],
+    ) -> LossOutput:
+        params = dict(model.named_parameters())
+        keys = [name[len(GRAD) :] for name in tensors if name.startswith(GRAD)]
+        variables = [(params[k], tensors[GRAD + k], tensors[SERVER + k]) for k in keys]
+        return dynamic_loss(model, x, y, variables, self.params.alpha)
 
 
 class FedDyn(Algorithm):

@@ -92,10 +92,13 @@ from fedskew.training.interface import (
 )
 from fedskew.training.local import (
     FeatureFn,
+    LossFn,
+    LossOutput,
     LossTerm,
+    PlainTraining,
     class_feature_means,
+    run_plain,
     set_arrays,
-    train_client,
     trained_needs,
     trained_reply,
 )
@@ -386,6 +389,49 @@ def loss_term_installed(ctx: ClientContext, term: LossTerm | None) -> Iterator[N
         ctx.loss_terms.remove(term)
 
 
+@dataclass(frozen=True)
+class AnchorMatchingLoss:
+    """A ``PlainTraining`` loss: ``base`` (the local loss, whose features the term sees) plus
+    ``lam * l_FM`` against the anchors among the loss's tensors, where they are (no anchors:
+    ``base`` alone). The same term as ``matching_term``'s, added as ``train_client`` adds a
+    context's loss terms. Equal for every client of an exchange (one base, one round's lam),
+    which training clients together needs."""
+
+    base: LossFn
+    lam: float
+    settings: FMSettings
+
+    def __call__(
+        self,
+        model: torch.nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        tensors: Mapping[str, torch.Tensor],
+    ) -> LossOutput:
+        out = self.base(model, x, y)
+        assert isinstance(out, LossOutput) and out.features is not None
+        if ANCHORS not in tensors:
+            return out
+        target = tensors[ANCHORS].to(out.features.dtype)
+        if self.settings.loss == "cg":
+            term = self.lam * cg_loss(out.features, y, target, self.settings.tau)
+        else:
+            term = self.lam * l2_loss(out.features, y, target)
+        return LossOutput(out.loss + term, out.features, out.logits)
+
+
+def received_anchors(msg: Message, params: Any, rnd: int) -> dict[str, torch.Tensor]:
+    """The global anchors ``msg`` carries as an ``AnchorMatchingLoss``'s tensors; none where
+    ``received_anchor_term`` gives no term (before the launching round, lam 0, no anchor
+    defined)."""
+    if ANCHORS not in msg.arrays:
+        return {}
+    anchors = msg.arrays[ANCHORS]
+    if settings_of(params).lam_in(rnd) == 0 or not bool(defined_rows(anchors).any()):
+        return {}
+    return {ANCHORS: anchors.detach()}
+
+
 def received_anchor_term(msg: Message, params: Any, rnd: int) -> LossTerm | None:
     """The matching term for the global anchors ``msg`` carries (None without anchors)."""
     if ANCHORS not in msg.arrays:
@@ -481,7 +527,14 @@ class FedFMClient(ClientLogic):
         features = remedies.anchor_features(self.params, ctx.model)
         return reply_local_anchors(msg, ctx, self.params.anchor_agg, features)
 
+    def __init__(self, params: FedFMParams) -> None:
+        super().__init__(params)
+        self._base: LossFn | None = None
+
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_train(msg, ctx), ctx)
+
+    def plain_train(self, msg: Message, ctx: ClientContext) -> PlainTraining:
         """Step 2: E epochs of CE + lam * l_FM from the model of step 1; FedAvg's reply."""
         model = take_received(ctx.state)
         if msg.strings.get(REUSED) != "*" or not model:
@@ -490,10 +543,16 @@ class FedFMClient(ClientLogic):
                 "round's anchor exchange"
             )
         set_arrays(ctx.model, model)
-        loss_fn = remedies.matching_loss(self.params, ctx.model)
-        with loss_term_installed(ctx, received_anchor_term(msg, self.params, ctx.round)):
-            result = train_client(ctx, loss_fn=loss_fn)
-        return trained_reply(ctx, result.mean_loss)
+        if self._base is None:  # one per client logic: the same function for every client
+            self._base = remedies.matching_loss(self.params, ctx.model)
+        loss = AnchorMatchingLoss(
+            self._base, settings_of(self.params).lam_in(ctx.round), settings_of(self.params)
+        )
+        return PlainTraining(
+            lambda result: trained_reply(ctx, result.mean_loss),
+            loss=loss,
+            tensors=received_anchors(msg, self.params, ctx.round),
+        )
 
 
 class FedFM(Algorithm):

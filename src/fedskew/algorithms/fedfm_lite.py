@@ -39,6 +39,7 @@ import torch
 from fedskew.algorithms.fedfm import (
     ANCHORS,
     COUNTS,
+    AnchorMatchingLoss,
     FeatureMatchingParams,
     aggregate_anchors,
     anchor_fields,
@@ -47,9 +48,8 @@ from fedskew.algorithms.fedfm import (
     anchor_reply_arrays,
     defined_rows,
     local_anchor_arrays,
-    loss_term_installed,
     matching_inactive,
-    received_anchor_term,
+    received_anchors,
     settings_of,
 )
 from fedskew.core.errors import UsageError
@@ -63,7 +63,14 @@ from fedskew.training.interface import (
     ServerLogic,
     ServerSetup,
 )
-from fedskew.training.local import get_arrays, set_arrays, train_client
+from fedskew.training.local import (
+    PlainTraining,
+    TrainResult,
+    cross_entropy_loss,
+    get_arrays,
+    run_plain,
+    set_arrays,
+)
 from fedskew.training.protocol import ArraySpec, Channel, Message, arrived, needs
 from fedskew.training.state_spec import (
     Number,
@@ -148,6 +155,11 @@ class FedFMLiteServer(ServerLogic):
 
 class FedFMLiteClient(ClientLogic):
     def on_lite_train(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_lite_train(msg, ctx), ctx)
+
+    def plain_lite_train(self, msg: Message, ctx: ClientContext) -> PlainTraining:
+        """Load the model (sent, or kept); train with CE + lam * l_FM against the anchors
+        sent; then reply with the local anchors, and the model or keep it."""
         s = settings_of(self.params)
         state = ctx.state
         model = {k: v for k, v in msg.arrays.items() if k != ANCHORS}
@@ -160,17 +172,23 @@ class FedFMLiteClient(ClientLogic):
         set_arrays(ctx.model, model)
         for key in [k for k in state.arrays if k.startswith(_KEPT)]:
             del state.arrays[key]
-        with loss_term_installed(ctx, received_anchor_term(msg, self.params, ctx.round)):
-            result = train_client(ctx)
-        arrays = local_anchor_arrays(ctx.model, ctx, s.agg)
-        scalars = {"loss": result.mean_loss}
-        if msg.scalars["upload_model"]:
-            arrays.update(get_arrays(ctx.model))
-            scalars["num_samples"] = float(len(ctx.data))
-        else:
-            for key, value in get_arrays(ctx.model).items():
-                state.arrays[_KEPT + key] = value
-        return Message("lite_trained", arrays=arrays, scalars=scalars)
+
+        def finish(result: TrainResult) -> Message:
+            arrays = local_anchor_arrays(ctx.model, ctx, s.agg)
+            scalars = {"loss": result.mean_loss}
+            if msg.scalars["upload_model"]:
+                arrays.update(get_arrays(ctx.model))
+                scalars["num_samples"] = float(len(ctx.data))
+            else:
+                for key, value in get_arrays(ctx.model).items():
+                    state.arrays[_KEPT + key] = value
+            return Message("lite_trained", arrays=arrays, scalars=scalars)
+
+        return PlainTraining(
+            finish,
+            loss=AnchorMatchingLoss(cross_entropy_loss, s.lam_in(ctx.round), s),
+            tensors=received_anchors(msg, self.params, ctx.round),
+        )
 
 
 def holds_current_model(server: FedFMLiteServer, client: int, trained: bool | None) -> bool | None:

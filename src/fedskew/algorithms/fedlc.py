@@ -19,6 +19,7 @@ The counts never leave the client: messages and server are FedAvg's. Default tau
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -29,7 +30,13 @@ from torch import nn
 from fedskew.algorithms.fedavg import AVERAGED_UPDATES, FedAvgParams, FedAvgServer
 from fedskew.core.errors import UsageError
 from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, keeps_nothing
-from fedskew.training.local import LossOutput, set_arrays, train_client, trained_reply
+from fedskew.training.local import (
+    LossOutput,
+    PlainTraining,
+    run_plain,
+    set_arrays,
+    trained_reply,
+)
 from fedskew.training.protocol import Message
 
 MISSING_COUNT = 1e-8
@@ -54,16 +61,24 @@ def calibration_margins(class_counts: torch.Tensor, tau: float) -> torch.Tensor:
 
 class FedLCClient(ClientLogic):
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_train(msg, ctx), ctx)
+
+    def plain_train(self, msg: Message, ctx: ClientContext) -> PlainTraining:
+        """Load the global model; the client's margins go with its training."""
         set_arrays(ctx.model, msg.arrays)
         margins = calibration_margins(ctx.data.class_counts(), self.params.tau)
+        return PlainTraining(
+            lambda result: trained_reply(ctx, result.mean_loss),
+            loss=self.loss,
+            tensors={"margins": margins},
+        )
 
-        def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
-            features = model.body(x)
-            logits = model.head(features)
-            return LossOutput(F.cross_entropy(logits - margins, y), features, logits)
-
-        result = train_client(ctx, loss_fn=loss_fn)
-        return trained_reply(ctx, result.mean_loss)
+    def loss(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, t: Mapping[str, torch.Tensor]
+    ) -> LossOutput:
+        features = model.body(x)
+        logits = model.head(features)
+        return LossOutput(F.cross_entropy(logits - t["margins"], y), features, logits)
 
 
 class FedLC(Algorithm):

@@ -51,9 +51,11 @@ from fedskew.training.interface import (
     keeps_nothing,
 )
 from fedskew.training.local import (
+    PlainTraining,
+    TrainResult,
     get_arrays,
+    run_plain,
     set_arrays,
-    train_client,
     trained_needs,
     trained_reply,
 )
@@ -164,17 +166,25 @@ class FedNovaServer(ServerLogic):
 
 class FedNovaClient(ClientLogic):
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_train(msg, ctx), ctx)
+
+    def plain_train(self, msg: Message, ctx: ClientContext) -> PlainTraining:
+        """Load the global model; after plain local training, reply with the normalised
+        update d_i and a_i."""
         set_arrays(ctx.model, msg.arrays)
-        result = train_client(ctx)
-        a = momentum_normaliser(result.steps, ctx.train.momentum)
-        local = get_arrays(ctx.model)
-        arrays = {
-            k: ((msg.arrays[k] - v) / a if a > 0 else torch.zeros_like(v))
-            if is_trained(k, v)
-            else v
-            for k, v in local.items()
-        }
-        return trained_reply(ctx, result.mean_loss, arrays, {"a": a})
+
+        def finish(result: TrainResult) -> Message:
+            a = momentum_normaliser(result.steps, ctx.train.momentum)
+            local = get_arrays(ctx.model)
+            arrays = {
+                k: ((msg.arrays[k] - v) / a if a > 0 else torch.zeros_like(v))
+                if is_trained(k, v)
+                else v
+                for k, v in local.items()
+            }
+            return trained_reply(ctx, result.mean_loss, arrays, {"a": a})
+
+        return PlainTraining(finish)
 
     def summand(self, sent: Message, reply: Message) -> Message:
         """d_i for the trained entries (already an update), the change of the buffers; a_i

@@ -13,12 +13,14 @@ Messages and server are FedAvg's. Defaults: tau = 1, beta = 1; ``server_lr`` is 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 from fedskew.algorithms.fedavg import AVERAGED_UPDATES, FedAvgParams, FedAvgServer
 from fedskew.core.errors import UsageError
@@ -26,9 +28,10 @@ from fedskew.core.precision import in_fp32
 from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, keeps_nothing
 from fedskew.training.local import (
     LossOutput,
+    PlainTraining,
     frozen_copy,
+    run_plain,
     set_arrays,
-    train_client,
     trained_reply,
 )
 from fedskew.training.protocol import Message
@@ -74,22 +77,34 @@ class FedNTDClient(ClientLogic):
         self._global: nn.Module | None = None
 
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_train(msg, ctx), ctx)
+
+    def plain_train(self, msg: Message, ctx: ClientContext) -> PlainTraining:
+        """Load the global model; its weights also go with the training, as the teacher's."""
         set_arrays(ctx.model, msg.arrays)
         if self._global is None:
             self._global = frozen_copy(ctx.model)
-        set_arrays(self._global, msg.arrays)
-        glob, tau, beta = self._global, self.params.tau, self.params.beta
+        teacher = {k: msg.arrays[k] for k in self._global.state_dict()}
+        return PlainTraining(
+            lambda result: trained_reply(ctx, result.mean_loss), loss=self.loss, tensors=teacher
+        )
 
-        def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
-            features = model.body(x)
-            logits = model.head(features)
-            with torch.no_grad():
-                global_logits = glob(x)
-            ntd = not_true_distillation(logits, global_logits, y, tau)
-            return LossOutput(F.cross_entropy(logits, y) + beta * ntd, features, logits)
-
-        result = train_client(ctx, loss_fn=loss_fn)
-        return trained_reply(ctx, result.mean_loss)
+    def loss(
+        self,
+        model: nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        teacher: Mapping[str, torch.Tensor],
+    ) -> LossOutput:
+        """CE + beta * NTD, the global logits from the frozen copy run with ``teacher``'s
+        weights (the architecture alone is this logic's: the weights are the client's)."""
+        assert self._global is not None
+        features = model.body(x)
+        logits = model.head(features)
+        with torch.no_grad():
+            global_logits = functional_call(self._global, dict(teacher), (x,))
+        ntd = not_true_distillation(logits, global_logits, y, self.params.tau)
+        return LossOutput(F.cross_entropy(logits, y) + self.params.beta * ntd, features, logits)
 
 
 class FedNTD(Algorithm):

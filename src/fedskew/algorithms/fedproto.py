@@ -27,6 +27,7 @@ Choices FedFM leaves open:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -49,10 +50,12 @@ from fedskew.training.interface import (
 )
 from fedskew.training.local import (
     LossOutput,
+    PlainTraining,
+    TrainResult,
     class_feature_means,
     get_arrays,
+    run_plain,
     set_arrays,
-    train_client,
     trained_needs,
     trained_reply,
 )
@@ -141,6 +144,11 @@ class FedProtoClient(ClientLogic):
     params: FedProtoParams
 
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_train(msg, ctx), ctx)
+
+    def plain_train(self, msg: Message, ctx: ClientContext) -> PlainTraining:
+        """Load the global model; the global prototypes go with the training (none before
+        any is known, or with ``ld`` 0); then reply with the local class means."""
         set_arrays(ctx.model, {k: v for k, v in msg.arrays.items() if not k.startswith("proto.")})
         num_classes = ctx.data.num_classes
         dev = ctx.data.device
@@ -149,25 +157,36 @@ class FedProtoClient(ClientLogic):
         if PROTO_CLASSES in msg.arrays:
             prototypes[msg.arrays[PROTO_CLASSES]] = msg.arrays[PROTOS]
             known[msg.arrays[PROTO_CLASSES]] = True
-        ld, distance = self.params.ld, self.params.distance
-        regularise = ld > 0 and bool(known.any())
+        regularise = self.params.ld > 0 and bool(known.any())
+        tensors = {"prototypes": prototypes, "known": known} if regularise else {}
 
-        def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
-            features = model.body(x)
-            logits = model.head(features)
-            loss = F.cross_entropy(logits, y)
-            if regularise:
-                loss = loss + ld * prototype_regulariser(features, y, prototypes, known, distance)
-            return LossOutput(loss, features, logits)
+        def finish(result: TrainResult) -> Message:
+            means, counts = class_feature_means(ctx.model, ctx.data, num_classes)
+            held = torch.nonzero(counts > 0).flatten()
+            arrays = get_arrays(ctx.model)
+            arrays[PROTOS] = means[held]
+            arrays[PROTO_CLASSES] = held
+            arrays[PROTO_COUNTS] = counts[held]
+            return trained_reply(ctx, result.mean_loss, arrays)
 
-        result = train_client(ctx, loss_fn=loss_fn)
-        means, counts = class_feature_means(ctx.model, ctx.data, num_classes)
-        held = torch.nonzero(counts > 0).flatten()
-        arrays = get_arrays(ctx.model)
-        arrays[PROTOS] = means[held]
-        arrays[PROTO_CLASSES] = held
-        arrays[PROTO_COUNTS] = counts[held]
-        return trained_reply(ctx, result.mean_loss, arrays)
+        return PlainTraining(finish, loss=self.loss, tensors=tensors)
+
+    def loss(
+        self,
+        model: torch.nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        tensors: Mapping[str, torch.Tensor],
+    ) -> LossOutput:
+        """CE, plus ``ld`` times the distance to the global prototypes when they came."""
+        features = model.body(x)
+        logits = model.head(features)
+        loss = F.cross_entropy(logits, y)
+        if tensors:
+            loss = loss + self.params.ld * prototype_regulariser(
+                features, y, tensors["prototypes"], tensors["known"], self.params.distance
+            )
+        return LossOutput(loss, features, logits)
 
 
 class FedProto(Algorithm):

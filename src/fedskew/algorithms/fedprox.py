@@ -10,7 +10,7 @@ The server is FedAvg's (sample-weighted averaging; ``server_lr`` 1.0 is plain Fe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -20,7 +20,13 @@ import torch.nn.functional as F
 from fedskew.algorithms.fedavg import AVERAGED_UPDATES, FedAvgParams, FedAvgServer
 from fedskew.core.errors import UsageError
 from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, keeps_nothing
-from fedskew.training.local import LossOutput, set_arrays, train_client, trained_reply
+from fedskew.training.local import (
+    LossOutput,
+    PlainTraining,
+    run_plain,
+    set_arrays,
+    trained_reply,
+)
 from fedskew.training.protocol import Message
 
 
@@ -58,11 +64,24 @@ def proximal_loss(
 
 class FedProxClient(ClientLogic):
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_train(msg, ctx), ctx)
+
+    def plain_train(self, msg: Message, ctx: ClientContext) -> PlainTraining:
+        """Load the global model, which is also the anchor of the proximal term."""
         set_arrays(ctx.model, msg.arrays)
-        anchor = [p.detach().clone() for p in ctx.model.parameters()]
-        mu = self.params.mu
-        result = train_client(ctx, loss_fn=lambda m, x, y: proximal_loss(m, x, y, anchor, mu))
-        return trained_reply(ctx, result.mean_loss)
+        anchor = {k: p.detach().clone() for k, p in ctx.model.named_parameters()}
+        return PlainTraining(
+            lambda result: trained_reply(ctx, result.mean_loss), loss=self.loss, tensors=anchor
+        )
+
+    def loss(
+        self,
+        model: torch.nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        anchor: Mapping[str, torch.Tensor],
+    ) -> LossOutput:
+        return proximal_loss(model, x, y, list(anchor.values()), self.params.mu)
 
 
 class FedProx(Algorithm):

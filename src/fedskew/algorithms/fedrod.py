@@ -26,6 +26,7 @@ momentum, weight decay); the hypernetwork variant of p is not implemented.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,8 +45,10 @@ from fedskew.training.interface import (
 )
 from fedskew.training.local import (
     LossOutput,
+    PlainTraining,
+    TrainResult,
+    run_plain,
     set_arrays,
-    train_client,
     trained_needs,
     trained_reply,
 )
@@ -167,38 +170,50 @@ class FedRODClient(ClientLogic):
         return _Personalised(ctx.model, state[PHEAD_WEIGHT], state[PHEAD_BIAS])
 
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_train(msg, ctx), ctx)
+
+    def plain_train(self, msg: Message, ctx: ClientContext) -> PlainTraining:
+        """Load the global model; the balanced-softmax shift goes with the training and the
+        personal head is trained beside the model; then keep the head in the state."""
         set_arrays(ctx.model, msg.arrays)
         counts = ctx.data.class_counts()
         shift = balanced_shift(counts, self.params.gamma)
         p_weight, p_bias = self._personal_head(ctx)
 
-        def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
-            features = model.body(x)
-            logits = model.head(features)
-            generic = balanced_softmax_loss(logits, y, shift)
-            personal_logits = logits.detach() + F.linear(features.detach(), p_weight, p_bias)
-            personal = F.cross_entropy(personal_logits, y)
-            # The two terms touch disjoint parameters, so one backward of their sum trains
-            # the shared model on BSM alone and p on the personal CE alone.
-            return LossOutput(generic + personal, features, logits)
+        def finish(result: TrainResult) -> Message:
+            ctx.state.arrays[PHEAD_WEIGHT] = p_weight.detach().clone()
+            ctx.state.arrays[PHEAD_BIAS] = p_bias.detach().clone()
+            scalars: dict[str, float] = {}
+            if msg.scalars.get("evaluate") and ctx.test_x is not None and ctx.test_y is not None:
+                scalars["personal_accuracy"] = personal_accuracy(
+                    ctx.model, p_weight.detach(), p_bias.detach(), ctx.test_x, ctx.test_y, counts
+                )
+            return trained_reply(ctx, result.mean_loss, scalars=scalars)
 
-        cfg = ctx.train
-        optimizer = torch.optim.SGD(
-            [*ctx.model.parameters(), p_weight, p_bias],
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            weight_decay=cfg.weight_decay,
+        return PlainTraining(
+            finish,
+            loss=self.loss,
+            tensors={"shift": shift},
+            trained={"p_weight": p_weight, "p_bias": p_bias},
         )
-        result = train_client(ctx, loss_fn=loss_fn, optimizer=optimizer)
-        ctx.state.arrays[PHEAD_WEIGHT] = p_weight.detach().clone()
-        ctx.state.arrays[PHEAD_BIAS] = p_bias.detach().clone()
 
-        scalars: dict[str, float] = {}
-        if msg.scalars.get("evaluate") and ctx.test_x is not None and ctx.test_y is not None:
-            scalars["personal_accuracy"] = personal_accuracy(
-                ctx.model, p_weight.detach(), p_bias.detach(), ctx.test_x, ctx.test_y, counts
-            )
-        return trained_reply(ctx, result.mean_loss, scalars=scalars)
+    def loss(
+        self,
+        model: torch.nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        tensors: Mapping[str, torch.Tensor],
+    ) -> LossOutput:
+        features = model.body(x)
+        logits = model.head(features)
+        generic = balanced_softmax_loss(logits, y, tensors["shift"])
+        personal_logits = logits.detach() + F.linear(
+            features.detach(), tensors["p_weight"], tensors["p_bias"]
+        )
+        personal = F.cross_entropy(personal_logits, y)
+        # The two terms touch disjoint parameters, so one backward of their sum trains
+        # the shared model on BSM alone and p on the personal CE alone.
+        return LossOutput(generic + personal, features, logits)
 
 
 class FedROD(Algorithm):

@@ -12,6 +12,7 @@ server are FedAvg's. Defaults: alpha = 0.5 (the paper's other setting is 0.9);
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -22,7 +23,13 @@ from torch import nn
 from fedskew.algorithms.fedavg import AVERAGED_UPDATES, FedAvgParams, FedAvgServer
 from fedskew.core.errors import UsageError
 from fedskew.training.interface import Algorithm, ClientContext, ClientLogic, keeps_nothing
-from fedskew.training.local import LossOutput, set_arrays, train_client, trained_reply
+from fedskew.training.local import (
+    LossOutput,
+    PlainTraining,
+    run_plain,
+    set_arrays,
+    trained_reply,
+)
 from fedskew.training.protocol import Message
 
 
@@ -44,16 +51,24 @@ def restriction_factors(class_counts: torch.Tensor, alpha: float) -> torch.Tenso
 
 class FedRSClient(ClientLogic):
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_train(msg, ctx), ctx)
+
+    def plain_train(self, msg: Message, ctx: ClientContext) -> PlainTraining:
+        """Load the global model; the client's restriction factors go with its training."""
         set_arrays(ctx.model, msg.arrays)
         factors = restriction_factors(ctx.data.class_counts(), self.params.alpha)
+        return PlainTraining(
+            lambda result: trained_reply(ctx, result.mean_loss),
+            loss=self.loss,
+            tensors={"factors": factors},
+        )
 
-        def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
-            features = model.body(x)
-            logits = model.head(features)
-            return LossOutput(F.cross_entropy(logits * factors, y), features, logits)
-
-        result = train_client(ctx, loss_fn=loss_fn)
-        return trained_reply(ctx, result.mean_loss)
+    def loss(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, t: Mapping[str, torch.Tensor]
+    ) -> LossOutput:
+        features = model.body(x)
+        logits = model.head(features)
+        return LossOutput(F.cross_entropy(logits * t["factors"], y), features, logits)
 
 
 class FedRS(Algorithm):

@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 from fedskew.algorithms.fedavg import AVERAGED_UPDATES, FedAvgParams, FedAvgServer
 from fedskew.core.errors import UsageError
@@ -50,10 +52,12 @@ from fedskew.training.interface import (
 )
 from fedskew.training.local import (
     LossOutput,
+    PlainTraining,
+    TrainResult,
     frozen_copy,
     get_arrays,
+    run_plain,
     set_arrays,
-    train_client,
     trained_reply,
 )
 from fedskew.training.protocol import Message
@@ -103,41 +107,70 @@ def projection_head(feature_dim: int, out_dim: int, num_classes: int, bias: bool
     return nn.Sequential(OrderedDict(projection=projection, classifier=classifier))
 
 
+GLOBAL_T, PREV_T = "global/", "prev/"  # PlainTraining.tensors: the frozen models' weights
+
+
+class _Representation(nn.Module):
+    """A frozen model's MOON representation, ``head.projection(body(x))``, as a forward
+    that ``functional_call`` can run with any client's weights."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = frozen_copy(model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.head.projection(self.model.body(x))
+
+
 class MoonClient(ClientLogic):
     def __init__(self, params: MoonParams) -> None:
         super().__init__(params)
-        self._global: nn.Module | None = None
-        self._prev: nn.Module | None = None
+        self._frozen: _Representation | None = None
 
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_train(msg, ctx), ctx)
+
+    def plain_train(self, msg: Message, ctx: ClientContext) -> PlainTraining:
+        """Load the global model; the global and previous models' weights go with the
+        training as the frozen models' (none for the previous one at first participation);
+        then keep the trained model as the next previous one."""
         set_arrays(ctx.model, msg.arrays)
-        if self._global is None or self._prev is None:
-            self._global, self._prev = frozen_copy(ctx.model), frozen_copy(ctx.model)
-        set_arrays(self._global, msg.arrays)
-        prev_arrays = {k[len(PREV) :]: v for k, v in ctx.state.arrays.items() if k.startswith(PREV)}
-        has_prev = bool(prev_arrays)
-        if has_prev:
-            set_arrays(self._prev, prev_arrays)
-        glob, prev, mu, tau = self._global, self._prev, self.params.mu, self.params.tau
+        if self._frozen is None:
+            self._frozen = _Representation(ctx.model)
+        names = list(ctx.model.state_dict())
+        frozen = {GLOBAL_T + k: msg.arrays[k] for k in names}
+        if any(k.startswith(PREV) for k in ctx.state.arrays):
+            frozen.update({PREV_T + k: ctx.state.arrays[PREV + k] for k in names})
 
-        def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
-            features = model.body(x)
-            z = model.head.projection(features)
-            logits = model.head.classifier(z)
-            if not has_prev:
-                # z_prev = z_glob: l_con is log 2 whatever z is, so skip both frozen passes.
-                return LossOutput(F.cross_entropy(logits, y) + mu * LOG2, features, logits)
-            with torch.no_grad():
-                z_glob = glob.head.projection(glob.body(x))
-                z_prev = prev.head.projection(prev.body(x))
-            loss = F.cross_entropy(logits, y) + mu * model_contrastive_loss(z, z_glob, z_prev, tau)
-            return LossOutput(loss, features, logits)
+        def finish(result: TrainResult) -> Message:
+            arrays = get_arrays(ctx.model)
+            for k, v in arrays.items():
+                ctx.state.arrays[PREV + k] = v.clone()
+            return trained_reply(ctx, result.mean_loss, arrays)
 
-        result = train_client(ctx, loss_fn=loss_fn)
-        arrays = get_arrays(ctx.model)
-        for k, v in arrays.items():
-            ctx.state.arrays[PREV + k] = v.clone()
-        return trained_reply(ctx, result.mean_loss, arrays)
+        return PlainTraining(finish, loss=self.loss, tensors=frozen)
+
+    def loss(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, frozen: Mapping[str, torch.Tensor]
+    ) -> LossOutput:
+        """CE + mu * l_con, z_glob and z_prev from the frozen representation run with the
+        weights in ``frozen``."""
+        features = model.body(x)
+        z = model.head.projection(features)
+        logits = model.head.classifier(z)
+        mu = self.params.mu
+        glob = {"model." + k[len(GLOBAL_T) :]: v for k, v in frozen.items() if k[:7] == GLOBAL_T}
+        prev = {"model." + k[len(PREV_T) :]: v for k, v in frozen.items() if k[:5] == PREV_T}
+        if not prev:
+            # z_prev = z_glob: l_con is log 2 whatever z is, so skip both frozen passes.
+            return LossOutput(F.cross_entropy(logits, y) + mu * LOG2, features, logits)
+        assert self._frozen is not None
+        with torch.no_grad():
+            z_glob = functional_call(self._frozen, glob, (x,))
+            z_prev = functional_call(self._frozen, prev, (x,))
+        tau = self.params.tau
+        loss = F.cross_entropy(logits, y) + mu * model_contrastive_loss(z, z_glob, z_prev, tau)
+        return LossOutput(loss, features, logits)
 
 
 class Moon(Algorithm):

@@ -73,7 +73,14 @@ from fedskew.training.interface import (
     check_one_of,
     starts_too_late,
 )
-from fedskew.training.local import get_arrays, set_arrays, train_client, trained_needs
+from fedskew.training.local import (
+    PlainTraining,
+    TrainResult,
+    get_arrays,
+    run_plain,
+    set_arrays,
+    trained_needs,
+)
 from fedskew.training.protocol import ArraySpec, Channel, Message, arrived
 from fedskew.training.state_spec import StatePart, after_training, model_part
 
@@ -133,37 +140,39 @@ class ScaffoldServer(ServerLogic):
 
 class ScaffoldClient(ClientLogic):
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_train(msg, ctx), ctx)
+
+    def plain_train(self, msg: Message, ctx: ClientContext) -> PlainTraining:
+        """Load the global model; train with the gradient correction ``c - c_k``; then
+        update ``c_k`` in the client's state and reply ``y_k`` and ``delta c_k``."""
         model_arrays = {k: v for k, v in msg.arrays.items() if not k.startswith(C_PREFIX)}
         c = {k[len(C_PREFIX) :]: v for k, v in msg.arrays.items() if k.startswith(C_PREFIX)}
         c_k = {k: ctx.state.arrays.get(STATE_PREFIX + k, torch.zeros_like(v)) for k, v in c.items()}
         set_arrays(ctx.model, model_arrays)
         params = dict(ctx.model.named_parameters())
         # Fixed for the whole round: g - c_k + c is g plus this.
-        correction = [(params[k], c[k] - c_k[k]) for k in c if k in params]
+        correction = {k: c[k] - c_k[k] for k in c if k in params}
 
-        def correct(_model: torch.nn.Module) -> None:
-            for p, delta in correction:
-                if p.grad is not None:
-                    p.grad.add_(delta)
-
-        result = train_client(ctx, before_step=correct)
-        y = get_arrays(ctx.model)
-        if self.params.normaliser == "momentum":
-            k_eff = momentum_normaliser(result.steps, ctx.train.momentum)
-        else:
-            k_eff = float(result.steps)
-        delta_c: dict[str, torch.Tensor] = {}
-        for k in c:
-            if k_eff > 0:
-                c_new = c_k[k] - c[k] + (model_arrays[k] - y[k]) / (k_eff * ctx.train.lr)
+        def finish(result: TrainResult) -> Message:
+            y = get_arrays(ctx.model)
+            if self.params.normaliser == "momentum":
+                k_eff = momentum_normaliser(result.steps, ctx.train.momentum)
             else:
-                c_new = c_k[k]
-            delta_c[DC_PREFIX + k] = c_new - c_k[k]
-            ctx.state.arrays[STATE_PREFIX + k] = c_new.detach().clone()
-        scalars = {"loss": result.mean_loss}
-        if self.params.weighting == "samples":  # only sent when the server needs it
-            scalars["num_samples"] = float(len(ctx.data))
-        return Message("trained", arrays={**y, **delta_c}, scalars=scalars)
+                k_eff = float(result.steps)
+            delta_c: dict[str, torch.Tensor] = {}
+            for k in c:
+                if k_eff > 0:
+                    c_new = c_k[k] - c[k] + (model_arrays[k] - y[k]) / (k_eff * ctx.train.lr)
+                else:
+                    c_new = c_k[k]
+                delta_c[DC_PREFIX + k] = c_new - c_k[k]
+                ctx.state.arrays[STATE_PREFIX + k] = c_new.detach().clone()
+            scalars = {"loss": result.mean_loss}
+            if self.params.weighting == "samples":  # only sent when the server needs it
+                scalars["num_samples"] = float(len(ctx.data))
+            return Message("trained", arrays={**y, **delta_c}, scalars=scalars)
+
+        return PlainTraining(finish, grad_shift=correction)
 
 
 class Scaffold(Algorithm):

@@ -237,11 +237,20 @@ class ClientRuntime:
         """Train the clients of ``chunk`` together and add their replies; False, with nothing
         added, when the GPU ran out of memory (the chunk may then be tried smaller: its
         clients' messages, states and generators are as they were)."""
+        # plain_<kind> may take from a client's state before training (FedFM's model kept from
+        # its anchor exchange, FedCME's half-trained one): a chunk tried again, smaller or one
+        # after another, starts from the states as they were.
+        saved = {cid: (dict(states[cid].arrays), dict(states[cid].scalars)) for cid in chunk}
         try:
             plans, trained = self._train_stacked(rnd, chunk, messages, states)
         except torch.cuda.OutOfMemoryError:
             trained = None
         if trained is None:
+            for cid, (arrays, scalars) in saved.items():
+                states[cid].arrays.clear()
+                states[cid].arrays.update(arrays)
+                states[cid].scalars.clear()
+                states[cid].scalars.update(scalars)
             # Outside the except clause: its traceback no longer holds the chunk's tensors.
             torch.cuda.empty_cache()
             return False
@@ -271,19 +280,47 @@ class ClientRuntime:
             split, _ = plain_handler(self.client_logic, msg.kind)
             assert split is not None
             plans[cid] = (split(msg, ctx), ctx, msg)
+            if ctx.loss_terms:  # train_client would add them; the stacked loop cannot
+                raise ValueError(
+                    f"{type(self.client_logic).__name__}.plain_{msg.kind} installed loss terms "
+                    "on the context, which clients trained together do not see"
+                )
             starts[cid] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        results, finals = train_together(
-            self.model,
-            [plans[c][1].data for c in chunk],
-            self.train,
-            [plans[c][1].rng(plans[c][0].purpose) for c in chunk],
-            [starts[c] for c in chunk],
-            [
-                self.train.epochs if plans[c][0].epochs is None else plans[c][0].epochs
-                for c in chunk
-            ],
-        )
-        return plans, list(zip(results, finals, strict=True))
+        loss = plans[chunk[0]][0].loss
+        # One function mapped over every client: a per-client closure would silently be
+        # the first client's for all (bound methods of one client logic compare equal).
+        if any(plans[c][0].loss != loss for c in chunk):
+            raise ValueError(
+                f"{type(self.client_logic).__name__}.plain_{messages[chunk[0]].kind} gives "
+                "each client its own loss function: per-client values belong in its tensors"
+            )
+        # Tensors stack only where every client has them: clients that bring different ones
+        # (MOON's previous model, absent at a client's first participation) train in
+        # separate stacks, each client exactly as it would in one.
+        stacks: dict[tuple[tuple[str, ...], ...], list[int]] = {}
+        for c in chunk:
+            plan = plans[c][0]
+            names = (tuple(plan.tensors), tuple(plan.grad_shift), tuple(plan.trained))
+            stacks.setdefault(names, []).append(c)
+        trained: dict[int, tuple[TrainResult, dict[str, torch.Tensor]]] = {}
+        for members in stacks.values():
+            results, finals = train_together(
+                self.model,
+                [plans[c][1].data for c in members],
+                self.train,
+                [plans[c][1].rng(plans[c][0].purpose) for c in members],
+                [starts[c] for c in members],
+                [
+                    self.train.epochs if plans[c][0].epochs is None else plans[c][0].epochs
+                    for c in members
+                ],
+                loss=loss,
+                tensors=[plans[c][0].tensors for c in members],
+                grad_shifts=[plans[c][0].grad_shift for c in members],
+                trained=[plans[c][0].trained for c in members],
+            )
+            trained.update(zip(members, zip(results, finals, strict=True), strict=True))
+        return plans, [trained[c] for c in chunk]
 
     def _chunk_size(self, cids: list[int]) -> int:
         """How many of these clients to train at once: --clients-together-max N, or for

@@ -24,15 +24,38 @@ and a finished client is simply not computed any more. Within a step, batches of
 sizes are padded to the largest and masked: the cross-entropy is the mean over each client's
 real samples, and BatchNorm layers compute their statistics over the real samples only (a
 masked batch norm replaces the module's forward on padded steps; running mean and variance
-are updated as ``nn.BatchNorm`` updates them).
+are updated as ``nn.BatchNorm`` updates them). An algorithm's own loss may use the whole
+batch (batch statistics, batch means), which padding would change: there a ragged step runs
+one vmap per batch size instead, unpadded, and BatchNorm's buffers go back to the stack.
 
-Which algorithms. Only a handler whose local step is plain (``PlainTraining`` in
-``fedskew.training.local``: cross-entropy, the shared optimiser, no hooks or extra loss
-terms) can be trained together: FedAvg, CReFF and FedNH today. Every other exchange, a client
-logic that wraps the handlers (the feature-matching plug-in), a model with dropout or with a
-BatchNorm without running statistics, and ``--precision bf16`` (autocast does not reach the
-kernels inside ``vmap``: they would run in fp32) are trained one after another, and the reason
-is logged once.
+The seams (``PlainTraining`` in ``fedskew.training.local``), as ``train_client`` has them: a
+loss ``(model, x, y, tensors)``, one function for all clients, called on the real model with
+each client's stacked weights swapped in (``functional_call`` on a module holding the model,
+so ``model.parameters()`` inside the loss are the client's); per-client ``tensors`` (a global
+model, an anchor, class counts, a control variate), stacked along dim 0 and mapped with the
+weights; a per-parameter ``grad_shift`` added to each client's gradient after clipping,
+before the step; and ``ctx.state``, read by ``plain_<kind>`` before training and written by
+``finish`` after it, as one after another.
+
+Which algorithms. A handler split into ``plain_<kind>`` (``PlainTraining``: the shared loop
+and optimiser, the algorithm's loss, per-client tensors, gradient shift and tensors trained
+beside the model given as data) trains together: FedAvg, CReFF and FedNH (cross-entropy),
+FedProx, FedLC, FedRS, FedDecorr, FedNTD (the global model as the teacher's per-client
+tensors; its kl_div has no batching rule, so that one op runs client by client), SCAFFOLD
+(its correction as the gradient shift), FedDyn (g_k and the server model as tensors),
+FedNova (cross-entropy; its normalised update in ``finish``), FedProto (the global
+prototypes as tensors), FedCME (train, train_first and train_rest; the global class features
+as tensors; its evaluate exchange trains nothing), MOON (the frozen global and previous
+models' weights as tensors; clients with and without a previous model train in separate
+stacks), FedROD (its personal head trained beside the model), FedFM and FedFM-Lite (the
+matching term in ``AnchorMatchingLoss``, the global anchors as tensors; FedFM's anchor
+exchange trains nothing). FedACD does not (its docstring says why). Every other exchange, a
+client logic that wraps the handlers (the feature-matching plug-in), a model with dropout or
+with a BatchNorm without running statistics, and ``--precision bf16`` (autocast does not
+reach the kernels inside ``vmap``: they would run in fp32) are trained one after another,
+and the reason is logged once. The memory estimate (``together_memory``) counts the model's
+copies, not an algorithm's per-client tensors (MOON's two frozen models, FedDyn's two
+tensors per parameter); a chunk that runs out of GPU memory is halved.
 """
 
 from __future__ import annotations
@@ -52,6 +75,8 @@ from fedskew.data.federated import ClientData
 from fedskew.training.interface import ClientLogic, LocalTrainConfig
 from fedskew.training.local import (
     AUGMENT_PAD,
+    ClientLoss,
+    LossOutput,
     PlainTraining,
     TrainResult,
     batch_bounds,
@@ -82,7 +107,9 @@ def plain_handler(logic: ClientLogic, kind: str) -> tuple[Callable[..., PlainTra
         return None, f"{cls.__name__} routes its messages itself (a plug-in wraps the handlers)"
     split = getattr(logic, f"plain_{kind}", None)
     if split is None:
-        return None, f"{cls.__name__}'s '{kind}' handler's local step is not plain cross-entropy"
+        return None, (
+            f"{cls.__name__}'s '{kind}' handler's local step is not plain (no plain_{kind} split)"
+        )
     # A subclass that overrides on_<kind> but inherits plain_<kind> must not be bypassed.
     if _defining_class(cls, f"on_{kind}") is not _defining_class(cls, f"plain_{kind}"):
         return None, f"{cls.__name__} overrides on_{kind} without its plain_{kind} split"
@@ -194,6 +221,26 @@ class _Client:
         return self.draws[:, start:stop]
 
 
+_BESIDE = "\0beside/"  # names of tensors trained beside the model among the stacked weights
+
+
+class _LossModule(nn.Module):
+    """An algorithm's loss as a module holding the model, so that ``functional_call`` swaps
+    the stacked weights in for the whole loss: the model's forward and any
+    ``model.parameters()`` the loss reads."""
+
+    def __init__(self, model: nn.Module, loss: ClientLoss) -> None:
+        super().__init__()
+        self.model = model
+        self.loss = loss
+
+    def forward(
+        self, x: torch.Tensor, y: torch.Tensor, tensors: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
+        out = self.loss(self.model, x, y, tensors)
+        return out.loss if isinstance(out, LossOutput) else out
+
+
 def train_together(
     model: nn.Module,
     datas: Sequence[ClientData],
@@ -201,10 +248,18 @@ def train_together(
     gens: Sequence[torch.Generator],
     starts: Sequence[Mapping[str, torch.Tensor]],
     epochs: Sequence[int],
+    *,
+    loss: ClientLoss | None = None,
+    tensors: Sequence[Mapping[str, torch.Tensor]] = (),
+    grad_shifts: Sequence[Mapping[str, torch.Tensor]] = (),
+    trained: Sequence[Mapping[str, torch.Tensor]] = (),
 ) -> tuple[list[TrainResult], list[dict[str, torch.Tensor]]]:
     """Train client k from ``starts[k]`` (a state dict) on ``datas[k]`` for ``epochs[k]``
     epochs with generator ``gens[k]``, all clients at once; ``model`` gives the architecture
-    (its own weights are not used). Returns each client's TrainResult and trained state."""
+    (its own weights are not used). ``loss``, ``tensors[k]`` and ``grad_shifts[k]`` are
+    ``PlainTraining``'s (None: cross-entropy; empty: none), and so is ``trained[k]``, whose
+    tensors hold client k's trained values afterwards. Returns each client's TrainResult and
+    trained state."""
     augment = cfg.augment and bool(datas) and datas[0].x.dim() == 4
     clients = [
         _Client(d, g, e, cfg.batch_size, augment)
@@ -220,6 +275,17 @@ def train_together(
         name: torch.stack([starts[k][name] for k in order]).detach().clone()
         for name, _ in model.named_buffers()
     }
+    extra = _stacked(tensors, order)
+    shifts = _stacked(grad_shifts, order)
+    beside = {
+        name: t.detach().clone().requires_grad_(True)
+        for name, t in _stacked(trained, order).items()
+    }
+    if beside and loss is None:
+        raise ValueError("tensors trained beside the model need the loss that uses them")
+    clipped = set(params)  # the model's parameters, as train_client clips them
+    params.update({_BESIDE + name: t for name, t in beside.items()})
+    extra.update(beside)
     momentum = {name: torch.zeros_like(p) for name, p in params.items()}
     first = clients[order[0]] if clients else None
     device = first.data.device if first is not None else torch.device("cpu")
@@ -228,35 +294,30 @@ def train_together(
     model.train()
     x_all, y_all = (first.data.x, first.data.y) if first is not None else (None, None)
     max_steps = clients[order[0]].steps if clients else 0
+    bound = None if loss is None else _LossModule(model, loss)
 
     for step in range(max_steps):
         active = sum(1 for k in order if clients[k].steps > step)
-        xb, yb, mask = _gather([clients[k] for k in order[:active]], step, x_all, y_all)
-        padded = mask is not None
-        p_now = {name: p[:active] for name, p in params.items()}
-        b_now = {name: b[:active] for name, b in buffers.items()}
-
-        def one(p: dict, b: dict, x: torch.Tensor, y: torch.Tensor, m: Any) -> torch.Tensor:
-            if m is None:
-                return F.cross_entropy(functional_call(model, (p, b), (x,)), y)
-            _MASK.append(m)
-            try:
-                logits = functional_call(model, (p, b), (x,))
-            finally:
-                _MASK.pop()
-            ce = F.cross_entropy(logits, y, reduction="none")
-            return (ce * m).sum() / m.sum()
-
-        with autocast(cfg.precision, xb.device.type), _masked_norms(model, padded and has_bn):
-            losses = vmap(one, in_dims=(0, 0, 0, 0, 0 if padded else None))(
-                p_now, b_now, xb, yb, mask
-            )
+        stepping = [clients[k] for k in order[:active]]
         for p in params.values():
             p.grad = None
+        with autocast(cfg.precision, x_all.device.type):
+            if bound is None:
+                losses = _cross_entropy_step(
+                    model, params, buffers, stepping, step, x_all, y_all, has_bn
+                )
+                positions = None
+            else:
+                losses, positions = _loss_step(
+                    bound, params, buffers, extra, stepping, step, x_all, y_all
+                )
         losses.sum().backward()
         with torch.no_grad():
-            _sgd_step(params, momentum, active, cfg, first_step=step == 0)
-            loss_sums[:active] += losses.detach().float()
+            _sgd_step(params, momentum, active, cfg, step == 0, shifts, clipped)
+            if positions is None:
+                loss_sums[:active] += losses.detach().float()
+            else:
+                loss_sums.index_add_(0, positions, losses.detach().float())
 
     loss_host = loss_sums.tolist()
     results: list[TrainResult | None] = [None] * len(clients)
@@ -265,10 +326,111 @@ def train_together(
         steps = clients[k].steps
         mean = loss_host[position] / steps if steps else 0.0
         results[k] = TrainResult(steps=steps, samples=len(datas[k]) * epochs[k], mean_loss=mean)
-        state = {name: p[position].detach() for name, p in params.items()}
+        state = {name: p[position].detach() for name, p in params.items() if name in clipped}
         state.update({name: b[position] for name, b in buffers.items()})
         finals[k] = state
+        with torch.no_grad():
+            for name, t in beside.items():
+                trained[k][name].copy_(t[position])
     return results, finals  # type: ignore[return-value]
+
+
+def _stacked(
+    per_client: Sequence[Mapping[str, torch.Tensor]], order: Sequence[int]
+) -> dict[str, torch.Tensor]:
+    """Each client's tensors stacked along a new first dimension, in stack order."""
+    if not per_client or not per_client[0]:
+        return {}
+    names = list(per_client[0])
+    if any(list(t) != names for t in per_client):
+        raise ValueError("clients trained together must give the same tensors, by name")
+    return {name: torch.stack([per_client[k][name] for k in order]) for name in names}
+
+
+def _cross_entropy_step(
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    clients: Sequence[_Client],
+    step: int,
+    x_all: torch.Tensor,
+    y_all: torch.Tensor,
+    has_bn: bool,
+) -> torch.Tensor:
+    """The cross-entropy of each of the first ``len(clients)`` clients' batch ``step``,
+    ragged batches padded and masked in one vmap."""
+    active = len(clients)
+    xb, yb, mask = _gather(clients, step, x_all, y_all)
+    padded = mask is not None
+    p_now = {name: p[:active] for name, p in params.items()}
+    b_now = {name: b[:active] for name, b in buffers.items()}
+
+    def one(p: dict, b: dict, x: torch.Tensor, y: torch.Tensor, m: Any) -> torch.Tensor:
+        if m is None:
+            return F.cross_entropy(functional_call(model, (p, b), (x,)), y)
+        _MASK.append(m)
+        try:
+            logits = functional_call(model, (p, b), (x,))
+        finally:
+            _MASK.pop()
+        ce = F.cross_entropy(logits, y, reduction="none")
+        return (ce * m).sum() / m.sum()
+
+    with _masked_norms(model, padded and has_bn):
+        return vmap(one, in_dims=(0, 0, 0, 0, 0 if padded else None))(p_now, b_now, xb, yb, mask)
+
+
+def _loss_step(
+    bound: _LossModule,
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    extra: dict[str, torch.Tensor],
+    clients: Sequence[_Client],
+    step: int,
+    x_all: torch.Tensor,
+    y_all: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An algorithm's loss of each of the first ``len(clients)`` clients' batch ``step``:
+    the losses and, when the batches differ in size, their positions in the stack.
+
+    An algorithm's loss may use the whole batch (batch statistics, a batch mean), so padding
+    cannot be masked out of it: clients whose batches differ in size run in one vmap per
+    size, without padding."""
+    active = len(clients)
+    rows = [c.batch_rows(step) for c in clients]
+    by_size: dict[int, list[int]] = {}
+    for position, r in enumerate(rows):
+        by_size.setdefault(len(r), []).append(position)
+
+    # The model's weights go to functional_call; tensors trained beside it (``_BESIDE``, in
+    # ``extra`` too) reach the loss among its tensors.
+    def one(p: dict, b: dict, t: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        state = {"model." + k: v for k, v in {**p, **b}.items()}
+        return functional_call(bound, state, (x, y, t))
+
+    mapped = vmap(one)
+    if len(by_size) == 1:
+        xb, yb, _ = _stack_batches(clients, rows, step, x_all, y_all)
+        p_now = {name: p[:active] for name, p in params.items() if name[0] != "\0"}
+        b_now = {name: b[:active] for name, b in buffers.items()}
+        t_now = {name: t[:active] for name, t in extra.items()}
+        return mapped(p_now, b_now, t_now, xb, yb), None
+    parts, where = [], []
+    for positions in by_size.values():
+        index = torch.tensor(positions, device=x_all.device)
+        xb, yb, _ = _stack_batches(
+            [clients[i] for i in positions], [rows[i] for i in positions], step, x_all, y_all
+        )
+        p_now = {name: p.index_select(0, index) for name, p in params.items() if name[0] != "\0"}
+        # Copies: BatchNorm's running statistics go back to the stack after the forward.
+        b_now = {name: b.index_select(0, index) for name, b in buffers.items()}
+        t_now = {name: t.index_select(0, index) for name, t in extra.items()}
+        parts.append(mapped(p_now, b_now, t_now, xb, yb))
+        with torch.no_grad():
+            for name, b in buffers.items():
+                b.index_copy_(0, index, b_now[name])
+        where.append(index)
+    return torch.cat(parts), torch.cat(where)
 
 
 def _gather(
@@ -279,7 +441,17 @@ def _gather(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(clients, batch, ...) inputs and labels of this step, gathered on the data's device;
     a (clients, batch) mask of real samples when the batches differ in size, else None."""
-    rows = [c.batch_rows(step) for c in clients]
+    return _stack_batches(clients, [c.batch_rows(step) for c in clients], step, x, y)
+
+
+def _stack_batches(
+    clients: Sequence[_Client],
+    rows: list[torch.Tensor],
+    step: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``_gather`` with each client's rows of this step already drawn."""
     sizes = [len(r) for r in rows]
     width = max(sizes)
     mask = None
@@ -312,9 +484,12 @@ def _sgd_step(
     active: int,
     cfg: LocalTrainConfig,
     first_step: bool,
+    shifts: Mapping[str, torch.Tensor],
+    clipped: set[str],
 ) -> None:
     """``torch.optim.SGD`` (momentum, weight decay, no dampening or Nesterov) on the first
-    ``active`` clients of the stack, after clipping each client's gradient by its own norm.
+    ``active`` clients of the stack, after clipping each client's gradient by its own norm
+    and adding its ``shifts`` (``PlainTraining.grad_shift``), as ``run_plain`` does.
     One multi-tensor (foreach) kernel per operation over all the stacked tensors, as the
     optimiser itself does on CUDA."""
     names = [name for name, p in params.items() if p.grad is not None]
@@ -324,11 +499,15 @@ def _sgd_step(
     grads = [params[name].grad[:active] for name in names]  # type: ignore[index]
     if cfg.grad_clip > 0:
         # clip_grad_norm_: the norm of the per-tensor norms, coefficient clamped at 1.
-        norms = torch.stack([torch.linalg.vector_norm(g.reshape(active, -1), dim=1) for g in grads])
+        own = [g for name, g in zip(names, grads, strict=True) if name in clipped]
+        norms = torch.stack([torch.linalg.vector_norm(g.reshape(active, -1), dim=1) for g in own])
         total = torch.linalg.vector_norm(norms, dim=0)
         coef = torch.clamp(cfg.grad_clip / (total + 1e-6), max=1.0)
-        for g in grads:
+        for g in own:
             g.mul_(coef.reshape(-1, *([1] * (g.dim() - 1))))
+    for name, g in zip(names, grads, strict=True):
+        if name in shifts:
+            g.add_(shifts[name][:active])
     steps = (
         torch._foreach_add(grads, weights, alpha=cfg.weight_decay) if cfg.weight_decay else grads
     )

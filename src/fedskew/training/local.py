@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,13 @@ LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], "LossOutput | t
 LossTerm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # Called after backward, before the optimiser step (SCAFFOLD corrects gradients here).
 StepHook = Callable[[torch.nn.Module], None]
+# loss(model, x, y, tensors) -> LossOutput (or a bare loss): a LossFn whose per-client tensors
+# come as its last argument (PlainTraining.tensors) instead of from a closure, so that an
+# engine training clients together can stack them and map one loss over the clients.
+ClientLoss = Callable[
+    [torch.nn.Module, torch.Tensor, torch.Tensor, Mapping[str, torch.Tensor]],
+    "LossOutput | torch.Tensor",
+]
 
 
 def cross_entropy_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
@@ -206,26 +213,83 @@ def train_client(
 
 @dataclass
 class PlainTraining:
-    """A handler split around its local training, when that training is plain:
-    ``train_client(ctx)`` with the shared loss (cross-entropy), the context's optimiser
-    settings and no hooks, for ``epochs`` (None: the configured ones) with the generator of
-    ``purpose``. ``finish`` builds the reply from the trained model and the TrainResult.
+    """A handler split around its local training, when that training is plain: the shared
+    loop (``train_client``: the context's optimiser settings and generator of ``purpose``, for
+    ``epochs``, None: the configured ones), with the algorithm's loss and per-step gradient
+    shift given as data. ``finish`` builds the reply (and updates ``ctx.state``) from the
+    trained model and the TrainResult.
+
+    ``loss`` (None: cross-entropy) is one function for every client of an exchange: a plain
+    function or a bound method of the client logic, hyper-parameters read from there; what
+    differs from client to client (a global model, class counts, a control variate) is in
+    ``tensors``, which the loss receives as its last argument. ``grad_shift`` maps parameter
+    names to tensors added to their gradients after clipping and before the optimiser step
+    (SCAFFOLD's correction). ``trained`` holds leaf tensors outside the model that the same
+    optimiser trains with it (FedROD's personal head; not clipped, as ``train_client`` clips
+    the model's parameters only): the loss finds them among its tensors, and after training
+    they hold the trained values. Inside ``loss``, ``model.parameters()`` and the model's forward
+    see the weights being trained, whichever way the engine trains.
 
     An algorithm whose handler ``on_<kind>`` is ``run_plain(self.plain_<kind>(msg, ctx), ctx)``
-    lets an engine train several clients' plain local steps together
-    (``fedskew.engines.together``): the engine calls ``plain_<kind>`` per client (which loads
-    the model and may compute what it needs before training), trains them all at once, loads
-    each client's trained weights and calls its ``finish``. One after another, ``run_plain``
-    does exactly what the unsplit handler did."""
+    lets an engine train several clients' local steps together (``fedskew.engines.together``):
+    the engine calls ``plain_<kind>`` per client (which loads the model and may compute what
+    it needs before training), trains them all at once, loads each client's trained weights
+    and calls its ``finish``. One after another, ``run_plain`` does exactly what the unsplit
+    handler did."""
 
     finish: Callable[[TrainResult], Message]
     epochs: int | None = None
     purpose: str = "train"
+    loss: ClientLoss | None = None
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    grad_shift: dict[str, torch.Tensor] = field(default_factory=dict)
+    trained: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def loss_fn(self) -> LossFn:
+        """The loss as ``train_client`` takes it, ``tensors`` and ``trained`` bound."""
+        if self.loss is None:
+            return cross_entropy_loss
+        loss, tensors = self.loss, {**self.tensors, **self.trained}
+        return lambda model, x, y: loss(model, x, y, tensors)
+
+    def optimizer(self, model: torch.nn.Module, cfg: LocalTrainConfig) -> torch.optim.SGD | None:
+        """The shared optimiser over the model's parameters and ``trained`` (None when there
+        is nothing beside the model: ``train_client`` makes its own)."""
+        if not self.trained:
+            return None
+        return torch.optim.SGD(
+            [*model.parameters(), *self.trained.values()],
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+        )
+
+    def before_step(self) -> StepHook | None:
+        """``grad_shift`` as a hook of ``train_client`` (None when there is none)."""
+        if not self.grad_shift:
+            return None
+        shift = self.grad_shift
+
+        def add_shift(model: torch.nn.Module) -> None:
+            for name, p in model.named_parameters():
+                delta = shift.get(name)
+                if delta is not None and p.grad is not None:
+                    p.grad.add_(delta)
+
+        return add_shift
 
 
 def run_plain(plan: PlainTraining, ctx: ClientContext) -> Message:
     """Train one client as ``plan`` says and return its reply."""
-    return plan.finish(train_client(ctx, epochs=plan.epochs, purpose=plan.purpose))
+    result = train_client(
+        ctx,
+        loss_fn=plan.loss_fn(),
+        epochs=plan.epochs,
+        before_step=plan.before_step(),
+        optimizer=plan.optimizer(ctx.model, ctx.train),
+        purpose=plan.purpose,
+    )
+    return plan.finish(result)
 
 
 def trained_reply(

@@ -315,7 +315,7 @@ def train_together(
         with torch.no_grad():
             _sgd_step(params, momentum, active, cfg, step == 0, shifts, clipped)
             if positions is None:
-                loss_sums[:active] += losses.detach().float()
+                _prefix(loss_sums, active).add_(losses.detach().float())
             else:
                 loss_sums.index_add_(0, positions, losses.detach().float())
 
@@ -333,6 +333,13 @@ def train_together(
             for name, t in beside.items():
                 trained[k][name].copy_(t[position])
     return results, finals  # type: ignore[return-value]
+
+
+def _prefix(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` clients of a stacked tensor: the tensor itself when that is all of
+    them, since a slice of a parameter costs an operator every step and one more in the
+    backward (issue 39)."""
+    return t if n == t.shape[0] else t[:n]
 
 
 def _stacked(
@@ -362,8 +369,8 @@ def _cross_entropy_step(
     active = len(clients)
     xb, yb, mask = _gather(clients, step, x_all, y_all)
     padded = mask is not None
-    p_now = {name: p[:active] for name, p in params.items()}
-    b_now = {name: b[:active] for name, b in buffers.items()}
+    p_now = {name: _prefix(p, active) for name, p in params.items()}
+    b_now = {name: _prefix(b, active) for name, b in buffers.items()}
 
     def one(p: dict, b: dict, x: torch.Tensor, y: torch.Tensor, m: Any) -> torch.Tensor:
         if m is None:
@@ -411,9 +418,9 @@ def _loss_step(
     mapped = vmap(one)
     if len(by_size) == 1:
         xb, yb, _ = _stack_batches(clients, rows, step, x_all, y_all)
-        p_now = {name: p[:active] for name, p in params.items() if name[0] != "\0"}
-        b_now = {name: b[:active] for name, b in buffers.items()}
-        t_now = {name: t[:active] for name, t in extra.items()}
+        p_now = {name: _prefix(p, active) for name, p in params.items() if name[0] != "\0"}
+        b_now = {name: _prefix(b, active) for name, b in buffers.items()}
+        t_now = {name: _prefix(t, active) for name, t in extra.items()}
         return mapped(p_now, b_now, t_now, xb, yb), None
     parts, where = [], []
     for positions in by_size.values():
@@ -495,8 +502,8 @@ def _sgd_step(
     names = [name for name, p in params.items() if p.grad is not None]
     if not names:
         return
-    weights = [params[name][:active] for name in names]
-    grads = [params[name].grad[:active] for name in names]  # type: ignore[index]
+    weights = [_prefix(params[name], active) for name in names]
+    grads = [_prefix(params[name].grad, active) for name in names]  # type: ignore[arg-type]
     if cfg.grad_clip > 0:
         # clip_grad_norm_: the norm of the per-tensor norms, coefficient clamped at 1.
         own = [g for name, g in zip(names, grads, strict=True) if name in clipped]
@@ -507,12 +514,12 @@ def _sgd_step(
             g.mul_(coef.reshape(-1, *([1] * (g.dim() - 1))))
     for name, g in zip(names, grads, strict=True):
         if name in shifts:
-            g.add_(shifts[name][:active])
+            g.add_(_prefix(shifts[name], active))
     steps = (
         torch._foreach_add(grads, weights, alpha=cfg.weight_decay) if cfg.weight_decay else grads
     )
     if cfg.momentum != 0:
-        buffers = [momentum[name][:active] for name in names]
+        buffers = [_prefix(momentum[name], active) for name in names]
         if first_step:
             torch._foreach_copy_(buffers, steps)
         else:

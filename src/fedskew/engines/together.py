@@ -515,9 +515,11 @@ def _sgd_step(
     for name, g in zip(names, grads, strict=True):
         if name in shifts:
             g.add_(_prefix(shifts[name], active))
-    steps = (
-        torch._foreach_add(grads, weights, alpha=cfg.weight_decay) if cfg.weight_decay else grads
-    )
+    # Into the gradients, which nothing reads after the step (the next one sets them to
+    # None): g + wd * p as SGD computes it, without a temporary per tensor.
+    if cfg.weight_decay:
+        torch._foreach_add_(grads, weights, alpha=cfg.weight_decay)
+    steps = grads
     if cfg.momentum != 0:
         buffers = [_prefix(momentum[name], active) for name in names]
         if first_step:

@@ -271,16 +271,14 @@ def train_together(
         name: torch.stack([starts[k][name] for k in order]).detach().requires_grad_(p.requires_grad)
         for name, p in model.named_parameters()
     }
+    # torch.stack already copies: the stacks own their memory, starts are left as they were.
     buffers = {
-        name: torch.stack([starts[k][name] for k in order]).detach().clone()
+        name: torch.stack([starts[k][name] for k in order]).detach()
         for name, _ in model.named_buffers()
     }
     extra = _stacked(tensors, order)
     shifts = _stacked(grad_shifts, order)
-    beside = {
-        name: t.detach().clone().requires_grad_(True)
-        for name, t in _stacked(trained, order).items()
-    }
+    beside = {name: t.detach().requires_grad_(True) for name, t in _stacked(trained, order).items()}
     if beside and loss is None:
         raise ValueError("tensors trained beside the model need the loss that uses them")
     clipped = set(params)  # the model's parameters, as train_client clips them

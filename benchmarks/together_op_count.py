@@ -85,7 +85,7 @@ def one_round(model_name: str) -> dict[str, Any]:
     )
     mode = Counting()
     segments: list[dict[str, Any]] = []
-    real_step, real_gather = together._sgd_step, together._stack_batches
+    real_step, real_gather = together._sgd_step, together._gather
     started = False
 
     def cut(name: str, active: int | None = None) -> None:
@@ -100,24 +100,24 @@ def one_round(model_name: str) -> dict[str, Any]:
             }  # fmt: skip
         )
 
-    def gather(clients, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def gather(*args, **kwargs):  # type: ignore[no-untyped-def]
         nonlocal started
         if not started:
             cut("setup")
             started = True
-        return real_gather(clients, *args, **kwargs)
+        return real_gather(*args, **kwargs)
 
     def sgd(params, momentum, active, *args, **kwargs):  # type: ignore[no-untyped-def]
         real_step(params, momentum, active, *args, **kwargs)
         cut(f"step {sum(1 for s in segments if s['segment'].startswith('step'))}", active)
 
-    together._sgd_step, together._stack_batches = sgd, gather
+    together._sgd_step, together._gather = sgd, gather
     try:
         with mode:
             together.train_together(model, datas, cfg, gens, [start] * len(SIZES), [1] * len(SIZES))
             cut("finish")
     finally:
-        together._sgd_step, together._stack_batches = real_step, real_gather
+        together._sgd_step, together._gather = real_step, real_gather
     return {"model": model_name, "options": MODELS[model_name], "segments": segments}
 
 
@@ -136,7 +136,9 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"`benchmarks/together_op_count.py`: {len(SIZES)} clients of {SIZES} samples, batch "
         f"{BATCH}, one epoch, momentum, weight decay and clipping, on the CPU; aten operators "
-        "counted by a TorchDispatchMode, bytes of the tensors they newly return.",
+        "counted by a TorchDispatchMode, bytes of the tensors they newly return. A step runs "
+        "from the end of the previous SGD step to the end of its own; setup is the stacking "
+        "and whatever batch drawing happens before the first step's gather, finish the rest.",
         "",
     ]
     for label in labels:

@@ -9,7 +9,9 @@ backward (a convolution becomes a grouped one).
 What stays exactly as one after another:
 
 * each client's batches: its epoch permutations (and augmentation draws) come from its own
-  addressed generator, in the same order, so every client sees the batches it would see alone;
+  addressed generator, in the same order, so every client sees the batches it would see alone
+  (all of a round's are drawn when training starts, so that a step gathers every client's
+  batch with a few tensor operators);
 * the optimiser: SGD with momentum and weight decay, written out per element as
   ``torch.optim.SGD`` computes it, and gradient clipping by each client's own norm;
 * BatchNorm: each client's batch statistics and running buffers (see below).

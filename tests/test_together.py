@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections import Counter
 
 import pytest
 import torch
 from tiny_bn import NAME as TINY_BN
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedskew.algorithms.fedavg import FedAvgClient
 from fedskew.assembly.prepare import new_model, prepare
 from fedskew.config import ExperimentConfig
 from fedskew.core.device import ExecutionSettings, cuda_count, settings_applied
 from fedskew.core.rng import torch_rng
-from fedskew.engines import client_runtime
+from fedskew.data.federated import ClientData
+from fedskew.engines import client_runtime, together
 from fedskew.engines.inprocess import InProcessEngine
 from fedskew.engines.together import plain_handler, resolve_mode, train_together
 from fedskew.engines.together_memory import (
@@ -28,6 +31,7 @@ from fedskew.engines.together_memory import (
     model_bytes,
     saved_activation_bytes,
 )
+from fedskew.models import build_model
 from fedskew.runs.loop import RunState, evaluate_global_model, play_round, server_setup
 from fedskew.training.interface import ClientContext, LocalTrainConfig
 from fedskew.training.local import cross_entropy_loss, local_train, set_arrays
@@ -454,3 +458,53 @@ def test_the_memory_estimate_counts_what_stacking_holds() -> None:
         vmap(one)(params, buffers, torch.stack([x] * k), torch.stack([y] * k))
     ratio = sum(saved.values()) / k / alone
     assert 1.0 < ratio <= VMAP_ACTIVATIONS, ratio
+
+
+# ---------------------------------------------------------------------------- operators
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_per_step(monkeypatch: pytest.MonkeyPatch, clients: int) -> list[Counter[str]]:
+    """The aten operators of each step of clients with equal data (every step is the whole
+    stack, unpadded), a step running from the end of one SGD step to the end of the next."""
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 4, 4), 3, hidden=8)
+    x, y = torch.randn(12 * clients, 1, 4, 4), torch.randint(0, 3, (12 * clients,))
+    datas = [ClientData(x, y, torch.arange(12 * k, 12 * k + 12), 3) for k in range(clients)]
+    gens = [torch.Generator().manual_seed(k) for k in range(clients)]
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    train = LocalTrainConfig(epochs=2, batch_size=4, momentum=0.9, weight_decay=1e-3)
+    mode = _CountOps()
+    steps: list[Counter[str]] = []
+    real = together._sgd_step
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        real(*args, **kwargs)
+        steps.append(mode.ops)
+        mode.ops = Counter()
+
+    monkeypatch.setattr(together, "_sgd_step", counted)
+    with mode:
+        train_together(model, datas, train, gens, [start] * clients, [2] * clients)
+    return steps[1:]  # the first holds the stacking and the drawing of batches
+
+
+def test_a_whole_stack_step_slices_nothing_and_costs_the_same_for_more_clients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 39: a step where every client is active computes on the stacked tensors
+    themselves (no slice of each parameter and its backward), and gathering the batches
+    takes the same operators for 2 clients as for 5 (no work per client)."""
+    two, five = _ops_per_step(monkeypatch, 2), _ops_per_step(monkeypatch, 5)
+    assert len(two) == len(five) == 5
+    assert all(step["slice_backward"] == 0 and step["slice"] == 0 for step in five)
+    assert two == five

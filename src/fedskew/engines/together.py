@@ -9,7 +9,9 @@ backward (a convolution becomes a grouped one).
 What stays exactly as one after another:
 
 * each client's batches: its epoch permutations (and augmentation draws) come from its own
-  addressed generator, in the same order, so every client sees the batches it would see alone;
+  addressed generator, in the same order, so every client sees the batches it would see alone
+  (all of a round's are drawn when training starts, so that a step gathers every client's
+  batch with a few tensor operators);
 * the optimiser: SGD with momentum and weight decay, written out per element as
   ``torch.optim.SGD`` computes it, and gradient clipping by each client's own norm;
 * BatchNorm: each client's batch statistics and running buffers (see below).
@@ -190,35 +192,103 @@ class _Client:
         self.data = data
         self.gen = gen
         self.bounds = batch_bounds(len(data), batch_size)
+        self.epochs = epochs
         self.steps = epochs * len(self.bounds)
         self.augment = augment
-        self.rows: torch.Tensor | None = None  # this epoch's data rows, in order
-        self.draws: torch.Tensor | None = None  # this epoch's augmentation (3, n), if any
 
-    def batch_rows(self, step: int) -> torch.Tensor:
-        """The dataset rows of this client's batch number ``step`` (drawing the epoch's
-        permutation, then its augmentation, at each epoch start, as the one-client loop
-        does, and moving them to the device in one copy)."""
-        b = step % len(self.bounds)
-        if b == 0 or self.rows is None:
-            n = len(self.data)
-            perm = torch.randperm(n, generator=self.gen, device=self.gen.device)
+    def draw_epoch(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next epoch's dataset rows, in order, and its augmentation (3, n) if any: the
+        permutation, then the augmentation, from the client's generator, as the one-client
+        loop draws them, moved to the data's device in one copy."""
+        n = len(self.data)
+        perm = torch.randperm(n, generator=self.gen, device=self.gen.device)
+        draws = None
+        if self.augment:
+            sizes = [stop - start for start, stop in self.bounds]
+            epoch = torch.cat([perm[None], draw_augmentation(self.gen, sizes)])
+            epoch = epoch.to(self.data.device, non_blocking=True)
+            perm, draws = epoch[0], epoch[1:]
+        else:
+            perm = perm.to(self.data.device, non_blocking=True)
+        return self.data.indices.index_select(0, perm), draws
+
+
+class _Schedule:
+    """Every step's batch rows of the stacked clients (in stack order), drawn when training
+    starts: a step then gathers its batches with a few tensor operators, not with Python
+    per client (issue 39). Each client's generator gives the numbers in the order it would
+    alone (its epochs one after another), so the batches are the same.
+
+    ``index[s, i, :w]`` are client ``i``'s rows at step ``s`` padded to the widest batch
+    ``w`` by repeating the batch's first row (real values, masked out), ``mask`` marks the
+    real ones and ``draws[s, i]`` the augmentation (padding: the identity)."""
+
+    def __init__(self, clients: Sequence[_Client], device: torch.device) -> None:
+        steps = max((c.steps for c in clients), default=0)
+        widest = max((b - a for c in clients for a, b in c.bounds), default=0)
+        self.augment = bool(clients) and clients[0].augment
+        self.index = torch.zeros(steps, len(clients), widest, dtype=torch.int64, device=device)
+        self.mask = torch.zeros(steps, len(clients), widest, device=device)
+        if self.augment:
+            identity = torch.full((3, widest), AUGMENT_PAD, dtype=torch.int64, device=device)
+            identity[2].zero_()
+            self.draws = identity.expand(steps, len(clients), 3, widest).clone()
+        real = torch.get_default_dtype()
+        sizes: list[list[int]] = [[] for _ in range(steps)]
+        for i, c in enumerate(clients):
+            if not c.steps:  # no data: nothing drawn, as alone
+                continue
+            pos, valid = _batch_positions(c.bounds, widest, device)
+            epochs = [c.draw_epoch() for _ in range(c.epochs)]
+            rows = torch.stack([r for r, _ in epochs])  # (epochs, n)
+            self.index[: c.steps, i] = rows[:, pos].reshape(c.steps, widest)
+            valid = valid.repeat(c.epochs, 1)
+            self.mask[: c.steps, i] = valid.to(real)
             if self.augment:
-                sizes = [stop - start for start, stop in self.bounds]
-                epoch = torch.cat([perm[None], draw_augmentation(self.gen, sizes)])
-                epoch = epoch.to(self.data.device, non_blocking=True)
-                perm, self.draws = epoch[0], epoch[1:]
-            else:
-                perm = perm.to(self.data.device, non_blocking=True)
-            self.rows = self.data.indices.index_select(0, perm)
-        start, stop = self.bounds[b]
-        return self.rows[start:stop]
+                draws = torch.stack([d for _, d in epochs])[:, :, pos]  # type: ignore[misc]
+                draws = draws.permute(0, 2, 1, 3).reshape(c.steps, 3, widest)
+                self.draws[: c.steps, i] = torch.where(valid[:, None], draws, identity)
+            for s in range(c.steps):
+                a, b = c.bounds[s % len(c.bounds)]
+                sizes[s].append(b - a)
+        self.sizes = sizes  # per step, the batch size of each active client
+        self.width = [max(z) for z in sizes]
+        self.padded = [min(z) != max(z) for z in sizes]
 
-    def batch_draws(self, step: int) -> torch.Tensor:
-        """The augmentation of batch number ``step`` (after ``batch_rows(step)``)."""
-        assert self.draws is not None
-        start, stop = self.bounds[step % len(self.bounds)]
-        return self.draws[:, start:stop]
+    def batches(
+        self, step: int, x: torch.Tensor, y: torch.Tensor, which: torch.Tensor | int, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and labels of step ``step`` for the first ``which`` clients of the stack
+        (or those at positions ``which``), ``width`` samples each, augmented."""
+        index = self.index[step]
+        if isinstance(which, int):
+            index = _prefix(index, which)
+        else:
+            index = index.index_select(0, which)
+        if width != index.shape[1]:
+            index = index[:, :width]
+        xb = x[index]
+        if self.augment:
+            draws = self.draws[step]
+            draws = _prefix(draws, which) if isinstance(which, int) else draws[which]
+            # One kernel for the whole stack, client after client.
+            flat = xb.reshape(index.numel(), *xb.shape[2:])
+            stacked = draws[..., :width].permute(1, 0, 2).reshape(3, index.numel())
+            xb = crop_and_flip(flat, stacked).reshape(xb.shape)
+        return xb, y[index]
+
+
+def _batch_positions(
+    bounds: Sequence[tuple[int, int]], width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batches, width) positions within an epoch of each batch's samples, padded with the
+    batch's first position, and the mask of real ones."""
+    starts = torch.tensor([a for a, _ in bounds], device=device)
+    sizes = torch.tensor([b - a for a, b in bounds], device=device)
+    offsets = torch.arange(width, device=device)
+    valid = offsets[None] < sizes[:, None]
+    pos = starts[:, None] + torch.where(valid, offsets[None], 0)
+    return pos, valid
 
 
 _BESIDE = "\0beside/"  # names of tensors trained beside the model among the stacked weights
@@ -271,16 +341,14 @@ def train_together(
         name: torch.stack([starts[k][name] for k in order]).detach().requires_grad_(p.requires_grad)
         for name, p in model.named_parameters()
     }
+    # torch.stack already copies: the stacks own their memory, starts are left as they were.
     buffers = {
-        name: torch.stack([starts[k][name] for k in order]).detach().clone()
+        name: torch.stack([starts[k][name] for k in order]).detach()
         for name, _ in model.named_buffers()
     }
     extra = _stacked(tensors, order)
     shifts = _stacked(grad_shifts, order)
-    beside = {
-        name: t.detach().clone().requires_grad_(True)
-        for name, t in _stacked(trained, order).items()
-    }
+    beside = {name: t.detach().requires_grad_(True) for name, t in _stacked(trained, order).items()}
     if beside and loss is None:
         raise ValueError("tensors trained beside the model need the loss that uses them")
     clipped = set(params)  # the model's parameters, as train_client clips them
@@ -295,27 +363,28 @@ def train_together(
     x_all, y_all = (first.data.x, first.data.y) if first is not None else (None, None)
     max_steps = clients[order[0]].steps if clients else 0
     bound = None if loss is None else _LossModule(model, loss)
+    schedule = _Schedule([clients[k] for k in order], device)
+    running = [sum(1 for c in clients if c.steps > step) for step in range(max_steps)]
 
     for step in range(max_steps):
-        active = sum(1 for k in order if clients[k].steps > step)
-        stepping = [clients[k] for k in order[:active]]
+        active = running[step]
         for p in params.values():
             p.grad = None
         with autocast(cfg.precision, x_all.device.type):
             if bound is None:
                 losses = _cross_entropy_step(
-                    model, params, buffers, stepping, step, x_all, y_all, has_bn
+                    model, params, buffers, schedule, active, step, x_all, y_all, has_bn
                 )
                 positions = None
             else:
                 losses, positions = _loss_step(
-                    bound, params, buffers, extra, stepping, step, x_all, y_all
+                    bound, params, buffers, extra, schedule, active, step, x_all, y_all
                 )
         losses.sum().backward()
         with torch.no_grad():
             _sgd_step(params, momentum, active, cfg, step == 0, shifts, clipped)
             if positions is None:
-                loss_sums[:active] += losses.detach().float()
+                _prefix(loss_sums, active).add_(losses.detach().float())
             else:
                 loss_sums.index_add_(0, positions, losses.detach().float())
 
@@ -335,6 +404,13 @@ def train_together(
     return results, finals  # type: ignore[return-value]
 
 
+def _prefix(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` clients of a stacked tensor: the tensor itself when that is all of
+    them, since a slice of a parameter costs an operator every step and one more in the
+    backward (issue 39)."""
+    return t if n == t.shape[0] else t[:n]
+
+
 def _stacked(
     per_client: Sequence[Mapping[str, torch.Tensor]], order: Sequence[int]
 ) -> dict[str, torch.Tensor]:
@@ -351,19 +427,19 @@ def _cross_entropy_step(
     model: nn.Module,
     params: dict[str, torch.Tensor],
     buffers: dict[str, torch.Tensor],
-    clients: Sequence[_Client],
+    schedule: _Schedule,
+    active: int,
     step: int,
     x_all: torch.Tensor,
     y_all: torch.Tensor,
     has_bn: bool,
 ) -> torch.Tensor:
-    """The cross-entropy of each of the first ``len(clients)`` clients' batch ``step``,
-    ragged batches padded and masked in one vmap."""
-    active = len(clients)
-    xb, yb, mask = _gather(clients, step, x_all, y_all)
+    """The cross-entropy of each of the first ``active`` clients' batch ``step``, ragged
+    batches padded and masked in one vmap."""
+    xb, yb, mask = _gather(schedule, active, step, x_all, y_all)
     padded = mask is not None
-    p_now = {name: p[:active] for name, p in params.items()}
-    b_now = {name: b[:active] for name, b in buffers.items()}
+    p_now = {name: _prefix(p, active) for name, p in params.items()}
+    b_now = {name: _prefix(b, active) for name, b in buffers.items()}
 
     def one(p: dict, b: dict, x: torch.Tensor, y: torch.Tensor, m: Any) -> torch.Tensor:
         if m is None:
@@ -385,22 +461,21 @@ def _loss_step(
     params: dict[str, torch.Tensor],
     buffers: dict[str, torch.Tensor],
     extra: dict[str, torch.Tensor],
-    clients: Sequence[_Client],
+    schedule: _Schedule,
+    active: int,
     step: int,
     x_all: torch.Tensor,
     y_all: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """An algorithm's loss of each of the first ``len(clients)`` clients' batch ``step``:
+    """An algorithm's loss of each of the first ``active`` clients' batch ``step``:
     the losses and, when the batches differ in size, their positions in the stack.
 
     An algorithm's loss may use the whole batch (batch statistics, a batch mean), so padding
     cannot be masked out of it: clients whose batches differ in size run in one vmap per
     size, without padding."""
-    active = len(clients)
-    rows = [c.batch_rows(step) for c in clients]
     by_size: dict[int, list[int]] = {}
-    for position, r in enumerate(rows):
-        by_size.setdefault(len(r), []).append(position)
+    for position, size in enumerate(schedule.sizes[step]):
+        by_size.setdefault(size, []).append(position)
 
     # The model's weights go to functional_call; tensors trained beside it (``_BESIDE``, in
     # ``extra`` too) reach the loss among its tensors.
@@ -410,17 +485,15 @@ def _loss_step(
 
     mapped = vmap(one)
     if len(by_size) == 1:
-        xb, yb, _ = _stack_batches(clients, rows, step, x_all, y_all)
-        p_now = {name: p[:active] for name, p in params.items() if name[0] != "\0"}
-        b_now = {name: b[:active] for name, b in buffers.items()}
-        t_now = {name: t[:active] for name, t in extra.items()}
+        xb, yb = schedule.batches(step, x_all, y_all, active, schedule.width[step])
+        p_now = {name: _prefix(p, active) for name, p in params.items() if name[0] != "\0"}
+        b_now = {name: _prefix(b, active) for name, b in buffers.items()}
+        t_now = {name: _prefix(t, active) for name, t in extra.items()}
         return mapped(p_now, b_now, t_now, xb, yb), None
     parts, where = [], []
-    for positions in by_size.values():
+    for size, positions in by_size.items():
         index = torch.tensor(positions, device=x_all.device)
-        xb, yb, _ = _stack_batches(
-            [clients[i] for i in positions], [rows[i] for i in positions], step, x_all, y_all
-        )
+        xb, yb = schedule.batches(step, x_all, y_all, index, size)
         p_now = {name: p.index_select(0, index) for name, p in params.items() if name[0] != "\0"}
         # Copies: BatchNorm's running statistics go back to the stack after the forward.
         b_now = {name: b.index_select(0, index) for name, b in buffers.items()}
@@ -434,48 +507,17 @@ def _loss_step(
 
 
 def _gather(
-    clients: Sequence[_Client],
-    step: int,
-    x: torch.Tensor,
-    y: torch.Tensor,
+    schedule: _Schedule, active: int, step: int, x: torch.Tensor, y: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(clients, batch, ...) inputs and labels of this step, gathered on the data's device;
-    a (clients, batch) mask of real samples when the batches differ in size, else None."""
-    return _stack_batches(clients, [c.batch_rows(step) for c in clients], step, x, y)
-
-
-def _stack_batches(
-    clients: Sequence[_Client],
-    rows: list[torch.Tensor],
-    step: int,
-    x: torch.Tensor,
-    y: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``_gather`` with each client's rows of this step already drawn."""
-    sizes = [len(r) for r in rows]
-    width = max(sizes)
-    mask = None
-    if min(sizes) != width:
-        mask = torch.zeros(len(rows), width, device=x.device)
-        for i, size in enumerate(sizes):
-            mask[i, :size] = 1.0
-        # Padding rows repeat the client's first sample: real values, masked out.
-        rows = [torch.cat([r, r[:1].expand(width - len(r))]) for r in rows]
-    index = torch.stack(rows)
-    xb = x[index]
-    if clients[0].augment:
-        # Each client's augmentation from its own generator, after its permutation, as
-        # alone; padding rows get the identity (offsets AUGMENT_PAD, no flip). One kernel
-        # for the whole stack.
-        draws = [c.batch_draws(step) for c in clients]
-        if mask is not None:
-            identity = torch.full((3, width), AUGMENT_PAD, dtype=torch.int64, device=x.device)
-            identity[2].zero_()
-            draws = [torch.cat([d, identity[:, d.shape[1] :]], 1) for d in draws]
-        flat = xb.reshape(len(rows) * width, *xb.shape[2:])
-        stacked = torch.cat(draws, dim=1)
-        xb = crop_and_flip(flat, stacked).reshape(xb.shape)
-    return xb, y[index], mask
+    """(clients, batch, ...) inputs and labels of the first ``active`` clients at this step,
+    gathered on the data's device; a (clients, batch) mask of real samples when the
+    batches differ in size, else None."""
+    width = schedule.width[step]
+    xb, yb = schedule.batches(step, x, y, active, width)
+    if not schedule.padded[step]:
+        return xb, yb, None
+    mask = _prefix(schedule.mask[step], active)
+    return xb, yb, mask if width == mask.shape[1] else mask[:, :width]
 
 
 def _sgd_step(
@@ -495,8 +537,8 @@ def _sgd_step(
     names = [name for name, p in params.items() if p.grad is not None]
     if not names:
         return
-    weights = [params[name][:active] for name in names]
-    grads = [params[name].grad[:active] for name in names]  # type: ignore[index]
+    weights = [_prefix(params[name], active) for name in names]
+    grads = [_prefix(params[name].grad, active) for name in names]  # type: ignore[arg-type]
     if cfg.grad_clip > 0:
         # clip_grad_norm_: the norm of the per-tensor norms, coefficient clamped at 1.
         own = [g for name, g in zip(names, grads, strict=True) if name in clipped]
@@ -507,12 +549,14 @@ def _sgd_step(
             g.mul_(coef.reshape(-1, *([1] * (g.dim() - 1))))
     for name, g in zip(names, grads, strict=True):
         if name in shifts:
-            g.add_(shifts[name][:active])
-    steps = (
-        torch._foreach_add(grads, weights, alpha=cfg.weight_decay) if cfg.weight_decay else grads
-    )
+            g.add_(_prefix(shifts[name], active))
+    # Into the gradients, which nothing reads after the step (the next one sets them to
+    # None): g + wd * p as SGD computes it, without a temporary per tensor.
+    if cfg.weight_decay:
+        torch._foreach_add_(grads, weights, alpha=cfg.weight_decay)
+    steps = grads
     if cfg.momentum != 0:
-        buffers = [momentum[name][:active] for name in names]
+        buffers = [_prefix(momentum[name], active) for name in names]
         if first_step:
             torch._foreach_copy_(buffers, steps)
         else:

@@ -113,3 +113,26 @@ def test_csv_columns_say_what_they_average():
     assert "last10_mean" not in rows[0]
     per_run = list(csv.DictReader(io.StringIO(runs_csv(records, Options(last=10)))))
     assert [r["last_rounds"] for r in per_run] == ["10", "4", "10", "4"]
+
+
+def test_log_axes_label_their_ticks_as_plain_numbers():
+    """Pictures take text literally (literal_text), so a log axis must not get Matplotlib's
+    mathtext tick labels ('$\\mathdefault{10^{-2}}$' was printed as written)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from fedskew.report.figures import literal_text, log_scale
+
+    @literal_text
+    def ticks() -> list[str]:
+        fig = Figure()
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
+        ax.plot([0.001, 0.1], [1, 2])
+        log_scale(ax, "x")
+        fig.canvas.draw()
+        return [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+
+    shown = ticks()
+    assert shown and not any("$" in t or "mathdefault" in t for t in shown), shown
+    assert "0.01" in shown

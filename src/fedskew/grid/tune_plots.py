@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from fedskew.grid.search_space import Dimension
-from fedskew.report.figures import label, literal_text
+from fedskew.report.figures import label, literal_text, log_scale
 
 TrialState = optuna.trial.TrialState
 
@@ -82,7 +82,8 @@ def slices_png(
     complete, pruned = _points(trials)
     if not complete and not pruned:
         return None
-    fig = Figure(figsize=(4.0 * len(dims), 3.4), layout="constrained")
+    # At least as wide as the title (one panel alone would cut it).
+    fig = Figure(figsize=(max(6.4, 4.0 * len(dims)), 3.4), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(dims), squeeze=False)[0]
     for ax, dim in zip(axes, dims, strict=True):
@@ -94,7 +95,7 @@ def slices_png(
             hollow = [(labels.index(label(x)), y) for x, y in hollow]
             ax.set_xticks(range(len(labels)), labels)
         elif dim.kind == "log":
-            ax.set_xscale("log")
+            log_scale(ax, "x")
         if xs:
             ax.scatter([x for x, _ in xs], [y for _, y in xs], color="C0", zorder=3)
         if hollow:

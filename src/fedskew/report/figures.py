@@ -15,6 +15,8 @@ from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 from matplotlib import rc_context
+from matplotlib.axes import Axes
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from fedskew.report.document import one_line
 
@@ -38,3 +40,13 @@ def label(text: object) -> str:
     """A name as a picture shows it: one line, control characters blank, bidirectional
     overrides and lone surrogates (which the font renderer refuses) as U+FFFD."""
     return one_line(str(text))
+
+
+def log_scale(ax: Axes, which: str) -> None:
+    """A log scale on axis ``which`` ("x" or "y") whose tick labels are plain numbers:
+    Matplotlib's log formatter writes them as mathematics (``$\\mathdefault{10^{-2}}$``),
+    which :func:`literal_text` would show as written."""
+    (ax.set_xscale if which == "x" else ax.set_yscale)("log")
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(NullFormatter())

@@ -10,7 +10,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from fedskew.report.figures import label, literal_text
+from fedskew.report.figures import label, literal_text, log_scale
 from fedskew.report.runs import RunRecord
 
 
@@ -69,7 +69,7 @@ def curves_png(records: list[RunRecord], title: str = "") -> bytes | None:
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if loss_range and loss_range[0] > 0 and loss_range[1] / loss_range[0] > 20:
-        ax_loss.set_yscale("log")  # a diverging method would flatten the others
+        log_scale(ax_loss, "y")  # a diverging method would flatten the others
     if labels:
         fig.legend(
             handles, labels, loc="outside lower center", ncol=min(4, len(labels)), fontsize=8

@@ -341,20 +341,29 @@ def equivalence_row(algorithm: str, device: str, tmp: str) -> dict[str, Any]:
 SYNTHETIC = "fmnist-shaped-synthetic"
 
 
-def synthetic_fmnist() -> Dataset:
-    """Random 28x28 grey images in Fashion-MNIST's numbers (60,000 + 10,000, 10 classes):
-    the same tensors' shapes, so the same work per step; nothing to learn."""
+def synthetic_images(
+    name: str, shape: tuple[int, ...], source: str, n_train: int = 60000
+) -> Dataset:
+    """Random images of ``shape`` in 10 classes (``n_train`` + 10,000): a real dataset's
+    tensors' shapes, so the same work per step; nothing to learn."""
     gen = torch.Generator().manual_seed(0)
     return Dataset(
-        name=SYNTHETIC,
-        x_train=torch.randn(60000, 1, 28, 28, generator=gen),
-        y_train=torch.randint(0, 10, (60000,), generator=gen),
-        x_test=torch.randn(10000, 1, 28, 28, generator=gen),
+        name=name,
+        x_train=torch.randn(n_train, *shape, generator=gen),
+        y_train=torch.randint(0, 10, (n_train,), generator=gen),
+        x_test=torch.randn(10000, *shape, generator=gen),
         y_test=torch.randint(0, 10, (10000,), generator=gen),
         num_classes=10,
-        input_shape=(1, 28, 28),
+        input_shape=shape,
         class_names=[str(i) for i in range(10)],
-        source="synthetic stand-in made by benchmarks/gpu_check.py",
+        source=source,
+    )
+
+
+def synthetic_fmnist() -> Dataset:
+    """Random 28x28 grey images in Fashion-MNIST's numbers (60,000 + 10,000, 10 classes)."""
+    return synthetic_images(
+        SYNTHETIC, (1, 28, 28), "synthetic stand-in made by benchmarks/gpu_check.py"
     )
 
 

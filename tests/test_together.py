@@ -326,6 +326,40 @@ def test_resnet_trains_together_without_a_per_client_fallback() -> None:
     assert not [str(w.message) for w in caught if "performance drop" in str(w.message)]
 
 
+@pytest.mark.parametrize("with_loss", [False, True], ids=["cross-entropy", "algorithm-loss"])
+def test_batch_norm_inside_vmap_is_computed_from_its_formula(with_loss: bool) -> None:
+    """torch's batch_norm inside vmap fails on CUDA ("NYI: querying is_contiguous inside of
+    vmap", seen on an H200 with torch 2.11: its dispatch asks the batched input for its
+    memory format), so the together step computes BatchNorm itself: no batch_norm operator is
+    dispatched, on either step path, and the CPU stands in for CUDA's dispatch."""
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.add(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    cfg = ExperimentConfig(
+        model="resnet18", model_options={"width": 8}, num_clients=4, workers=0, device="cpu"
+    )
+    prep = prepare(cfg)
+    model = new_model(prep)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    datas = [prep.fed.client(k) for k in range(2)]
+    gens = [torch_rng(0, 0, k, "train") for k in range(2)]
+    loss = (lambda m, x, y, t: cross_entropy_loss(m, x, y)) if with_loss else None
+    seen = Seen()
+    with seen:
+        _, finals = train_together(model, datas, prep.train, gens, [start] * 2, [1, 1], loss=loss)
+    assert "add_" in {n.split(".")[0] for n in seen.names}  # the mode saw the step's ops
+    assert not [n for n in seen.names if "batch_norm" in n]
+    running = [k for k in finals[0] if k.endswith("running_mean")]
+    assert running and not torch.equal(finals[0][running[0]], start[running[0]])
+
+
 # ---------------------------------------------------------------------------- chunks
 
 

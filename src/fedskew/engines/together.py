@@ -71,6 +71,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.overrides import TorchFunctionMode
 
 from fedskew.core.precision import autocast
 from fedskew.data.federated import ClientData
@@ -134,50 +135,82 @@ def model_obstacle(model: nn.Module) -> str:
     return ""
 
 
-# ---------------------------------------------------------------------------- masked BN
+# ---------------------------------------------------------------------------- BatchNorm
 
 _MASK: list[torch.Tensor] = []  # the current per-sample mask while a padded step runs
 
 
-def _masked_batch_norm(module: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tensor:
-    """BatchNorm in training mode over the samples ``_MASK`` marks (one client's batch inside
-    vmap): statistics, output and running buffers as ``nn.BatchNorm`` computes them on the
-    unpadded batch, up to rounding."""
-    mask = _MASK[-1]
+class _BatchNormFormula(TorchFunctionMode):
+    """Every ``F.batch_norm`` in the block computed from its formula, over the samples
+    ``_MASK`` marks when a padded step runs (one client's batch inside vmap): statistics,
+    output and running buffers as ``nn.BatchNorm`` computes them on the unpadded batch, up to
+    rounding.
+
+    Why not torch's own batch_norm inside vmap: on CUDA its dispatch asks the input which
+    memory format it is in, which a vmapped tensor cannot answer ("NYI: querying
+    is_contiguous inside of vmap", seen on an H200 with torch 2.11 for every model with
+    BatchNorm); and it cannot leave padding out of the statistics. A mode rather than a
+    patched ``forward``: frozen models called inside a loss (MOON's) normalise the same way."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is F.batch_norm or func is torch.batch_norm:
+            return _batch_norm(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _batch_norm(
+    x: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    training: bool = False,
+    momentum: float | None = 0.1,
+    eps: float = 1e-5,
+    *_: Any,
+) -> torch.Tensor:
     shape = (1, -1, *([1] * (x.dim() - 2)))
-    dims = [0, *range(2, x.dim())]
-    w = mask.to(x.dtype).reshape(-1, *([1] * (x.dim() - 1)))
-    count = mask.to(x.dtype).sum() * (x[0, 0].numel())
-    mean = (x * w).sum(dims) / count
-    centred = x - mean.reshape(shape)
-    var = (centred * centred * w).sum(dims) / count
-    out = centred * torch.rsqrt(var + module.eps).reshape(shape)
-    if module.affine:
-        out = out * module.weight.reshape(shape) + module.bias.reshape(shape)
-    with torch.no_grad():
-        momentum = float(module.momentum)
-        module.num_batches_tracked.add_(1)
-        module.running_mean.mul_(1 - momentum).add_(mean.detach() * momentum)
-        unbiased = var.detach() * count / (count - 1).clamp(min=1)
-        module.running_var.mul_(1 - momentum).add_(unbiased * momentum)
+    if not training:
+        assert running_mean is not None and running_var is not None
+        mean, var = running_mean, running_var
+        out = (x - mean.reshape(shape)) * torch.rsqrt(var + eps).reshape(shape)
+    else:
+        dims = [0, *range(2, x.dim())]
+        mask = _MASK[-1] if _MASK else None
+        if mask is None:
+            count = torch.tensor(float(x.numel() // x.shape[1]), device=x.device)
+            mean = x.mean(dims)
+            centred = x - mean.reshape(shape)
+            var = (centred * centred).mean(dims)
+        else:
+            w = mask.to(x.dtype).reshape(-1, *([1] * (x.dim() - 1)))
+            count = mask.to(x.dtype).sum() * (x[0, 0].numel())
+            mean = (x * w).sum(dims) / count
+            centred = x - mean.reshape(shape)
+            var = (centred * centred * w).sum(dims) / count
+        out = centred * torch.rsqrt(var + eps).reshape(shape)
+        if running_mean is not None and running_var is not None:
+            with torch.no_grad():
+                factor = 0.0 if momentum is None else float(momentum)
+                running_mean.mul_(1 - factor).add_(mean.detach() * factor)
+                unbiased = var.detach() * count / (count - 1).clamp(min=1)
+                running_var.mul_(1 - factor).add_(unbiased * factor)
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
     return out
 
 
 @contextlib.contextmanager
-def _masked_norms(model: nn.Module, active: bool) -> Iterator[None]:
-    """Every BatchNorm of ``model`` computes with :func:`_masked_batch_norm` in the block
-    (when ``active``: a padded step)."""
-    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    if not active or not norms:
+def _norms_by_formula(active: bool) -> Iterator[None]:
+    """:class:`_BatchNormFormula` in the block when ``active`` (the model has BatchNorm)."""
+    if not active:
         yield
         return
-    for module in norms:
-        module.forward = _masked_batch_norm.__get__(module)  # type: ignore[method-assign]
-    try:
+    with _BatchNormFormula():
         yield
-    finally:
-        for module in norms:
-            del module.forward
 
 
 # ---------------------------------------------------------------------------- training
@@ -370,10 +403,10 @@ def train_together(
         active = running[step]
         for p in params.values():
             p.grad = None
-        with autocast(cfg.precision, x_all.device.type):
+        with autocast(cfg.precision, x_all.device.type), _norms_by_formula(has_bn):
             if bound is None:
                 losses = _cross_entropy_step(
-                    model, params, buffers, schedule, active, step, x_all, y_all, has_bn
+                    model, params, buffers, schedule, active, step, x_all, y_all
                 )
                 positions = None
             else:
@@ -432,7 +465,6 @@ def _cross_entropy_step(
     step: int,
     x_all: torch.Tensor,
     y_all: torch.Tensor,
-    has_bn: bool,
 ) -> torch.Tensor:
     """The cross-entropy of each of the first ``active`` clients' batch ``step``, ragged
     batches padded and masked in one vmap."""
@@ -452,8 +484,7 @@ def _cross_entropy_step(
         ce = F.cross_entropy(logits, y, reduction="none")
         return (ce * m).sum() / m.sum()
 
-    with _masked_norms(model, padded and has_bn):
-        return vmap(one, in_dims=(0, 0, 0, 0, 0 if padded else None))(p_now, b_now, xb, yb, mask)
+    return vmap(one, in_dims=(0, 0, 0, 0, 0 if padded else None))(p_now, b_now, xb, yb, mask)
 
 
 def _loss_step(

@@ -139,8 +139,8 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         f"Written by `{data['command']}` on {data['date']} UTC.",
         "",
-        f"- device: {data['device']} ({env.get('device_name', '?')}), torch {torch.__version__}, "
-        f"CUDA {torch.version.cuda}",
+        f"- device: {data['device']} ({env.get('device_name', '?')}), "
+        f"torch {data['machine'].get('torch', '?')}, CUDA {env.get('cuda', '-')}",
         f"- machine: {data['machine']['cpu']}, {data['machine']['cores']} cores",
         f"- code: commit {data['commit']}",
         "",
@@ -151,6 +151,14 @@ def markdown(data: dict[str, Any]) -> str:
         "another is computed from the two cells beside it.",
         "",
     ]
+    if not data.get("cache_emptied_between_cells"):
+        lines += [
+            "The cells ran one after another in one process without emptying PyTorch's "
+            "cache between them: a reserved peak also holds memory an earlier cell left "
+            "cached; the allocated peak is the cell's own.",
+            "",
+        ]
+    lines += [f"Note: {n}" for n in data.get("notes", [])] + ([""] if data.get("notes") else [])
     for model, described in data["datasets"].items():
         lines += [f"## {model}", "", f"Data: {described}.", ""]
         lines += [
@@ -220,10 +228,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="fedavg-cnn,resnet18")
     p.add_argument("--data-dir", default=None, help="where Fashion-MNIST is (default: data/)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "gpu_table.md"))
+    p.add_argument("--note", action="append", default=[], help="a line the report adds")
+    p.add_argument(
+        "--from-json", default=None, help="write the .md of this .json again (no measuring)"
+    )
     args = p.parse_args(argv)
-    device = resolve_device(args.device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        data["notes"] = [*data.get("notes", []), *args.note]
+        out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+        out.write_text(markdown(data))
+        return 0
+    device = resolve_device(args.device)
     data_dir = data_dir_of(args.data_dir)
     register_dataset(
         CIFAR_SHAPED,
@@ -255,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "datasets": {m: d[1] for m, d in datasets.items()},
         "cells": [],
+        "cache_emptied_between_cells": True,
+        "notes": list(args.note),
     }
 
     def write() -> None:
@@ -266,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
             dataset = datasets[model][0]
             for precision in PRECISIONS:
                 for how in HOWS:
+                    if device.type == "cuda":
+                        # The reserved peak then starts from this cell's own memory.
+                        torch.cuda.empty_cache()
                     t0 = time.perf_counter()
                     try:
                         c = cell(model, dataset, data_dir, precision, how, args, tmp)

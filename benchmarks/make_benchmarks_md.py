@@ -421,6 +421,16 @@ def main() -> None:
             "python benchmarks/round_profile.py",
         ),  # fmt: skip
         *include(
+            "GPU: one after another against together, fp32/TF32/bf16 (issue 39)",
+            "gpu_table.md",
+            "python benchmarks/gpu_table.py --device cuda",
+        ),  # fmt: skip
+        *include(
+            "GPU check (issue 39)",
+            "gpu_check.md",
+            "bash benchmarks/gpu_check.sh",
+        ),  # fmt: skip
+        *include(
             "Pooling before ReLU in the small CNNs",
             "pool_relu_order.md",
             "python benchmarks/pool_relu_order.py",

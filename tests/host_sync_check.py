@@ -15,7 +15,8 @@ Two counters, one check:
   operators that make a CUDA stream wait for the host (a value read back, a boolean mask,
   ``bincount``, ``unique``, ...) counted as they are dispatched, on the CPU. It sees no
   copies (on the CPU nothing is copied) and not ``.tolist()`` or ``.numpy()``, which read
-  host memory directly: a lower bound of what CUDA reports.
+  host memory directly: a lower bound of what CUDA reports. A tensor made from Python values
+  (``lift_fresh``) stands for its copy from the host.
 """
 
 from __future__ import annotations
@@ -83,11 +84,13 @@ def cuda_syncs(cfg: ExperimentConfig) -> int:
 
 
 # Operators whose CUDA kernels make the host wait: a value read back (item, bool, float),
-# an output whose size depends on the data, or a boolean mask used as an index.
+# an output whose size depends on the data, a boolean mask used as an index, or a tensor
+# made from Python values (torch.tensor: lift_fresh), on CUDA a copy from the host. The last
+# was seen on an H200: a step's torch.tensor(count, device=...) added one sync per step.
 WAITING_OPS = {
     "_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "bincount",
     "_unique", "_unique2", "unique_dim", "unique_consecutive", "repeat_interleave",
-    "masked_scatter_",
+    "masked_scatter_", "lift_fresh",
 }  # fmt: skip
 
 

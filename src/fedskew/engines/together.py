@@ -178,8 +178,10 @@ def _batch_norm(
     else:
         dims = [0, *range(2, x.dim())]
         mask = _MASK[-1] if _MASK else None
+        count: torch.Tensor | float
         if mask is None:
-            count = torch.tensor(float(x.numel() // x.shape[1]), device=x.device)
+            # A Python number: a tensor made from it would be a copy from the host each step.
+            count = float(x.numel() // x.shape[1])
             mean = x.mean(dims)
             centred = x - mean.reshape(shape)
             var = (centred * centred).mean(dims)
@@ -194,7 +196,10 @@ def _batch_norm(
             with torch.no_grad():
                 factor = 0.0 if momentum is None else float(momentum)
                 running_mean.mul_(1 - factor).add_(mean.detach() * factor)
-                unbiased = var.detach() * count / (count - 1).clamp(min=1)
+                if isinstance(count, float):
+                    unbiased = var.detach() * (count / max(count - 1.0, 1.0))
+                else:
+                    unbiased = var.detach() * count / (count - 1).clamp(min=1)
                 running_var.mul_(1 - factor).add_(unbiased * factor)
     if weight is not None:
         out = out * weight.reshape(shape)

@@ -11,8 +11,8 @@ fedavg-cnn runs on Fashion-MNIST where a copy is found (as gpu_check.py looks fo
 synthetic stand-in of its shape; ResNet-18 (BatchNorm, the CIFAR stem) on a synthetic stand-in
 of CIFAR-10's shape (50,000 + 10,000 random 3x32x32 images: the timings hold, the accuracy
 means nothing). What a cell really ran is read from the run's log: a configuration that the
-together path hands to one after another (bf16, where autocast does not reach inside vmap)
-says so in its row, with the reason fedskew logged.
+together path hands to one after another (bf16 did before its casts were made explicitly
+inside vmap) says so in its row, with the reason fedskew logged.
 
     python benchmarks/gpu_table.py --device cuda --out benchmarks/results/gpu_table.md
 

@@ -365,8 +365,4 @@ class ClientRuntime:
             split, reason = plain_handler(self.client_logic, kind)
             if split is None:
                 return reason
-        if self.train.precision != "fp32":
-            # Measured on torch 2.13: inside torch.func.vmap the kernels run in fp32 whatever
-            # autocast says, which would not be the precision policy asked for.
-            return f"{self.train.precision} autocast does not reach kernels inside torch.func.vmap"
         return model_obstacle(self.model)

@@ -52,10 +52,11 @@ models' weights as tensors; clients with and without a previous model train in s
 stacks), FedROD (its personal head trained beside the model), FedFM and FedFM-Lite (the
 matching term in ``AnchorMatchingLoss``, the global anchors as tensors; FedFM's anchor
 exchange trains nothing). FedACD does not (its docstring says why). Every other exchange, a
-client logic that wraps the handlers (the feature-matching plug-in), a model with dropout or
-with a BatchNorm without running statistics, and ``--precision bf16`` (autocast does not
-reach the kernels inside ``vmap``: they would run in fp32) are trained one after another,
-and the reason is logged once. The memory estimate (``together_memory``) counts the model's
+client logic that wraps the handlers (the feature-matching plug-in), and a model with dropout
+or with a BatchNorm without running statistics are trained one after another, and the reason
+is logged once. ``--precision bf16`` trains together too: autocast does not reach the kernels
+inside ``vmap`` (they would run in fp32), so ``_AutocastInVmap`` makes its casts explicitly;
+the curves stay within bf16's own rounding spread of one after another (tests). The memory estimate (``together_memory``) counts the model's
 copies, not an algorithm's per-client tensors (MOON's two frozen models, FedDyn's two
 tensors per parameter); a chunk that runs out of GPU memory is halved.
 """
@@ -170,6 +171,8 @@ def _batch_norm(
     eps: float = 1e-5,
     *_: Any,
 ) -> torch.Tensor:
+    given = x.dtype  # bf16 under autocast: statistics in fp32, the output back in bf16
+    x = x.float() if given == torch.bfloat16 else x
     shape = (1, -1, *([1] * (x.dim() - 2)))
     if not training:
         assert running_mean is not None and running_var is not None
@@ -205,7 +208,7 @@ def _batch_norm(
         out = out * weight.reshape(shape)
     if bias is not None:
         out = out + bias.reshape(shape)
-    return out
+    return out.to(given)
 
 
 @contextlib.contextmanager
@@ -408,7 +411,11 @@ def train_together(
         active = running[step]
         for p in params.values():
             p.grad = None
-        with autocast(cfg.precision, x_all.device.type), _norms_by_formula(has_bn):
+        with (
+            autocast(cfg.precision, x_all.device.type),
+            _autocast_in_vmap(cfg.precision),
+            _norms_by_formula(has_bn),
+        ):
             if bound is None:
                 losses = _cross_entropy_step(
                     model, params, buffers, schedule, active, step, x_all, y_all
@@ -440,6 +447,83 @@ def train_together(
             for name, t in beside.items():
                 trained[k][name].copy_(t[position])
     return results, finals  # type: ignore[return-value]
+
+
+# Autocast's CPU/CUDA op lists, as far as a model's forward and its loss reach them:
+# products and convolutions run in bf16, the losses autocast casts up run in fp32.
+_TO_BF16 = frozenset(
+    {
+        F.linear,
+        F.conv1d,
+        F.conv2d,
+        F.conv3d,
+        F.conv_transpose1d,
+        F.conv_transpose2d,
+        F.conv_transpose3d,
+        F.prelu,
+        torch.matmul,
+        torch.mm,
+        torch.bmm,
+        torch.addmm,
+        torch.baddbmm,
+        torch.addbmm,
+        torch.Tensor.matmul,
+        torch.Tensor.__matmul__,
+        torch.Tensor.mm,
+        torch.Tensor.bmm,
+    }
+)
+_TO_FP32 = frozenset({F.cross_entropy, F.nll_loss, F.kl_div, F.mse_loss})
+# Norms: one after another, CPU autocast leaves them out of its lists, so a bf16 input is
+# normalised with the fp32 weights (statistics accumulated in fp32) and comes out bf16; the
+# same here (BatchNorm: :func:`_batch_norm`, which the stacked step uses in any precision).
+_NORMS = frozenset({F.layer_norm, F.group_norm})
+
+
+class _AutocastInVmap(TorchFunctionMode):
+    """bf16 autocast's casts, made explicitly where ``torch.autocast`` does not reach.
+
+    Measured on torch 2.13: under ``torch.autocast("cpu", dtype=torch.bfloat16)`` a Linear or
+    Conv2d called through ``vmap(functional_call)`` returns float32 (autocast's dispatch key
+    sits below vmap's batching). A function mode runs before the dispatcher, inside vmap too,
+    so here the floating-point inputs of autocast's lower-precision ops (the fp32 master
+    weights among them, so their gradients come back fp32) are cast to bf16, and those of the
+    losses autocast runs in fp32 are cast up. It casts only while autocast is enabled for
+    the tensors' device: a term in :func:`~fedskew.core.precision.in_fp32`, which switches
+    autocast off, stays fp32 as one after another."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func in _TO_BF16:
+            dtype = torch.bfloat16
+        elif func in _TO_FP32 or func in _NORMS:
+            dtype = torch.float32
+        else:
+            return func(*args, **kwargs)
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is None or not torch.is_autocast_enabled(first.device.type):
+            return func(*args, **kwargs)
+        if func in _NORMS and first.dtype == torch.bfloat16:
+            out = func(
+                *[
+                    a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                    for a in args
+                ],
+                **kwargs,
+            )
+            return out.to(torch.bfloat16)
+
+        def cast(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                return value.to(dtype)
+            return value
+
+        return func(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
+
+
+def _autocast_in_vmap(precision: str) -> contextlib.AbstractContextManager[object]:
+    """:class:`_AutocastInVmap` under ``bf16`` (entered with autocast itself), else nothing."""
+    return _AutocastInVmap() if precision == "bf16" else contextlib.nullcontext()
 
 
 def _prefix(t: torch.Tensor, n: int) -> torch.Tensor:

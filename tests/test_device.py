@@ -533,6 +533,9 @@ def test_gpu_check_fails_fast_without_cuda() -> None:
     if HAS_CUDA:
         pytest.skip("CUDA is available: gpu_check.sh would run its checks")
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
-    done = subprocess.run([str(script)], capture_output=True, text=True, timeout=120)
+    # This interpreter, as the script's PYTHON: its default (.venv/bin/python, else python3)
+    # may be one without torch where the suite runs from another environment.
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run([str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 2
     assert "no CUDA device" in done.stderr and len(done.stderr.strip().splitlines()) == 1

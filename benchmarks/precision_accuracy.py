@@ -1,12 +1,16 @@
-"""Does bf16 autocast keep fp32's accuracy? The issue-6 experiment over several seeds.
+"""Do bf16 autocast and TF32 keep fp32's accuracy? The issue-6 experiment over several seeds.
 
 FedAvg, Fashion-MNIST, fedavg-cnn, 20 clients, Dirichlet 0.1, 8 per round, 5 local epochs,
-batch 64, lr 0.01, momentum 0.9, channels_last, for R rounds, once in fp32 and once in bf16 per
-seed. Each run is a `fedskew run` subprocess; finished runs are kept and skipped on a rerun.
-The report gives per seed the final accuracy and the mean of the last rounds, and the
-bf16 - fp32 difference per seed (paired: same partition and clients).
+batch 64, lr 0.01, momentum 0.9, channels_last, for R rounds, once per mode (fp32, bf16, and
+on CUDA tf32: fp32 with TF32 products) per seed. Each run is a `fedskew run` subprocess;
+finished runs are kept and skipped on a rerun. The report gives per seed the final accuracy
+and the mean of the last rounds of each mode, and each mode's difference from fp32 per seed
+(paired: same partition and clients).
 
     python benchmarks/precision_accuracy.py [--rounds 15] [--seeds 0 1 2] [--jobs 2]
+    python benchmarks/precision_accuracy.py --device cuda --modes fp32 tf32 bf16 --jobs 1 \\
+        --out benchmarks/results/runs/precision-cuda \\
+        --report benchmarks/results/precision_accuracy_cuda.md       # on a GPU machine
 """
 
 from __future__ import annotations
@@ -33,8 +37,15 @@ SETTING = [
 LAST = 5
 
 
-def run_one(precision: str, seed: int, rounds: int, out: Path, threads: int) -> str:
-    name = f"{precision}-s{seed}"
+MODES = {  # mode: its fedskew options
+    "fp32": ["--precision", "fp32"],
+    "bf16": ["--precision", "bf16"],
+    "tf32": ["--precision", "fp32", "--tf32", "on"],
+}
+
+
+def run_one(mode: str, seed: int, rounds: int, out: Path, threads: int, device: str) -> str:
+    name = f"{mode}-s{seed}"
     if (out / name / "summary.json").exists():
         return f"{name}: done before"
     unfinished = out / f"{name}.incomplete"
@@ -42,9 +53,9 @@ def run_one(precision: str, seed: int, rounds: int, out: Path, threads: int) -> 
         cmd = [sys.executable, "-m", "fedskew", "run", "--resume", str(unfinished), "-q"]
     else:
         # --workers 0: the runs share the machine --jobs at a time, one thread each.
-        cmd = [sys.executable, "-m", "fedskew", "run", *SETTING, "--precision", precision,
-               "--seed", str(seed), "-r", str(rounds), "-o", str(out), "--name", name,
-               "--workers", "0", "-q"]  # fmt: skip
+        cmd = [sys.executable, "-m", "fedskew", "run", *SETTING, *MODES[mode],
+               "--device", device, "--seed", str(seed), "-r", str(rounds), "-o", str(out),
+               "--name", name, "--workers", "0", "-q"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -56,50 +67,64 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--modes", nargs="+", default=["fp32", "bf16"], choices=list(MODES))
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(HERE / "results" / "runs" / "precision"))
+    ap.add_argument("--report", default=str(HERE / "results" / "precision_accuracy.md"))
     args = ap.parse_args()
+    if "tf32" in args.modes and not args.device.startswith("cuda"):
+        ap.error("tf32 is a CUDA mode: give --device cuda")
+    modes = ["fp32", *[m for m in args.modes if m != "fp32"]]  # fp32: the reference
     out = Path(args.out)
     with ThreadPoolExecutor(args.jobs) as pool:
-        jobs = [(p, s) for s in args.seeds for p in ("fp32", "bf16")]
-        for line in pool.map(lambda j: run_one(*j, args.rounds, out, args.threads), jobs):
+        jobs = [(m, s) for s in args.seeds for m in modes]
+        for line in pool.map(
+            lambda j: run_one(*j, args.rounds, out, args.threads, args.device), jobs
+        ):
             print(line, flush=True)
 
-    rows, diffs_final, diffs_last, swings = [], [], [], []
+    others = modes[1:]
+    rows, swings = [], []
+    diffs: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in others}
     for seed in args.seeds:
         got = {}
-        for precision in ("fp32", "bf16"):
-            folder = out / f"{precision}-s{seed}"
+        for mode in modes:
+            folder = out / f"{mode}-s{seed}"
             if not (folder / "summary.json").exists():
                 continue
             lines = (folder / "metrics.jsonl").read_text().splitlines()
             acc = [json.loads(x)["accuracy"] for x in lines]
             summary = json.loads((folder / "summary.json").read_text())
-            got[precision] = (acc[-1], statistics.mean(acc[-LAST:]),
-                              summary["train_samples_per_second"])  # fmt: skip
-            if precision == "fp32":
+            got[mode] = (acc[-1], statistics.mean(acc[-LAST:]),
+                         summary["train_samples_per_second"])  # fmt: skip
+            if mode == "fp32":
                 swings.append(100 * statistics.stdev(acc[-LAST:]))
-        if len(got) < 2:
+        if "fp32" not in got or len(got) < 2:
             continue
-        (f32, l32, s32), (b16, l16, s16) = got["fp32"], got["bf16"]
-        diffs_final.append(100 * (b16 - f32))
-        diffs_last.append(100 * (l16 - l32))
-        rows.append(
-            f"| {seed} | {100 * f32:.2f} | {100 * b16:.2f} | {100 * (b16 - f32):+.2f} | "
-            f"{100 * l32:.2f} | {100 * l16:.2f} | {100 * (l16 - l32):+.2f} | "
-            f"{s32:,.0f} | {s16:,.0f} |"
-        )
+        f32, l32, s32 = got["fp32"]
+        cells = [f"{100 * f32:.2f}", f"{100 * l32:.2f}", f"{s32:,.0f}"]
+        for mode in others:
+            if mode not in got:
+                cells += ["-"] * 5
+                continue
+            fin, last, speed = got[mode]
+            diffs[mode][0].append(100 * (fin - f32))
+            diffs[mode][1].append(100 * (last - l32))
+            cells += [f"{100 * fin:.2f}", f"{100 * (fin - f32):+.2f}", f"{100 * last:.2f}",
+                      f"{100 * (last - l32):+.2f}", f"{speed:,.0f}"]  # fmt: skip
+        rows.append(f"| {seed} | " + " | ".join(cells) + " |")
 
     def mean_sd(v: list[float]) -> str:
         sd = f" ± {statistics.stdev(v):.2f}" if len(v) > 1 else ""
         return f"{statistics.mean(v):+.2f}{sd}" if v else "n/a"
 
     finished = {
-        f"{p}-s{s}": out / f"{p}-s{s}"
+        f"{m}-s{s}": out / f"{m}-s{s}"
         for s in args.seeds
-        for p in ("fp32", "bf16")
-        if (out / f"{p}-s{s}" / "summary.json").exists()
+        for m in modes
+        if (out / f"{m}-s{s}" / "summary.json").exists()
     }
     facts = {name: run_facts(folder) for name, folder in finished.items()}
     data_line, differ = data_summary(facts)
@@ -117,24 +142,44 @@ def main() -> None:
         or "not recorded (the runs predate processes.jsonl)"
     )
     m = machine_facts()
+    header = ["seed", "fp32 final (%)", f"fp32 last {LAST} (%)", "fp32 training samples/s"]
+    for mode in others:
+        header += [f"{mode} final (%)", "difference", f"{mode} last {LAST} (%)", "difference",
+                   f"{mode} training samples/s"]  # fmt: skip
+    summary_lines = "".join(
+        f"{mode} - fp32, mean ± sd over seeds: final {mean_sd(diffs[mode][0])} points, "
+        f"last {LAST} rounds {mean_sd(diffs[mode][1])} points.\n"
+        for mode in others
+    )
+    title = " and ".join(f"{x} autocast" if x == "bf16" else x.upper() for x in others)
+    command = (
+        f"python benchmarks/precision_accuracy.py --rounds {args.rounds} "
+        f"--seeds {' '.join(map(str, args.seeds))}"
+        + (f" --modes {' '.join(args.modes)}" if args.modes != ["fp32", "bf16"] else "")
+        + (f" --device {args.device}" if args.device != "cpu" else "")
+    )
+    options = "|".join(" ".join(MODES[x]) for x in modes)
     text = (
-        "# bf16 autocast against fp32: accuracy\n\n"
-        f"Produced by `python benchmarks/precision_accuracy.py --rounds {args.rounds} "
-        f"--seeds {' '.join(map(str, args.seeds))}`; report made on {m['cpu']}, "
+        f"# {title} against fp32: accuracy\n\n"
+        f"Produced by `{command}`; report made on {m['cpu']}, "
         f"{m['cores']} cores, torch {m['torch']}. Runs computed on: {machines}; "
         f"{args.jobs} runs at a time, {args.threads} thread each.\n\n"
         f"Data: Fashion-MNIST; {data_line}. Setting: `fedskew run {' '.join(SETTING)} "
-        f"-r {args.rounds} --precision fp32|bf16 --seed S`.\n\n"
+        f"-r {args.rounds} {{{options}}} --seed S`.\n\n"
         + per_run
-        + f"| seed | fp32 final (%) | bf16 final (%) | difference | fp32 last {LAST} (%) "
-        f"| bf16 last {LAST} (%) | difference | fp32 training samples/s | bf16 training "
-        "samples/s |\n|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
-        f"bf16 - fp32, mean ± sd over seeds: final {mean_sd(diffs_final)} points, "
-        f"last {LAST} rounds {mean_sd(diffs_last)} points. For scale: within one fp32 run the "
-        f"accuracy of the last {LAST} rounds has a standard deviation of "
-        f"{statistics.mean(swings) if swings else float('nan'):.2f} points (mean over seeds).\n"
+        + "| "
+        + " | ".join(header)
+        + " |\n|"
+        + "---|" * len(header)
+        + "\n"
+        + "\n".join(rows)
+        + "\n\n"
+        + summary_lines
+        + f"For scale: within one fp32 run the accuracy of the last {LAST} rounds has a "
+        f"standard deviation of {statistics.mean(swings) if swings else float('nan'):.2f} "
+        "points (mean over seeds).\n"
     )
-    (HERE / "results" / "precision_accuracy.md").write_text(text)
+    Path(args.report).write_text(text)
     print(text)
 
 

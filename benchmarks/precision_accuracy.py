@@ -78,12 +78,14 @@ def main() -> None:
         ap.error("tf32 is a CUDA mode: give --device cuda")
     modes = ["fp32", *[m for m in args.modes if m != "fp32"]]  # fp32: the reference
     out = Path(args.out)
+    failed = False
     with ThreadPoolExecutor(args.jobs) as pool:
         jobs = [(m, s) for s in args.seeds for m in modes]
         for line in pool.map(
             lambda j: run_one(*j, args.rounds, out, args.threads, args.device), jobs
         ):
             print(line, flush=True)
+            failed = failed or "FAILED" in line
 
     others = modes[1:]
     rows, swings = [], []
@@ -181,6 +183,8 @@ def main() -> None:
     )
     Path(args.report).write_text(text)
     print(text)
+    if failed:
+        raise SystemExit("precision_accuracy: some runs failed (their lines above)")
 
 
 if __name__ == "__main__":

@@ -56,9 +56,10 @@ client logic that wraps the handlers (the feature-matching plug-in), and a model
 or with a BatchNorm without running statistics are trained one after another, and the reason
 is logged once. ``--precision bf16`` trains together too: autocast does not reach the kernels
 inside ``vmap`` (they would run in fp32), so ``_AutocastInVmap`` makes its casts explicitly;
-the curves stay within bf16's own rounding spread of one after another (tests). The memory estimate (``together_memory``) counts the model's
-copies, not an algorithm's per-client tensors (MOON's two frozen models, FedDyn's two
-tensors per parameter); a chunk that runs out of GPU memory is halved.
+the curves stay within bf16's own rounding spread of one after another (tests). The memory
+estimate (``together_memory``) counts the model's copies, not an algorithm's per-client
+tensors (MOON's two frozen models, FedDyn's two tensors per parameter); a chunk that runs out
+of GPU memory is halved.
 """
 
 from __future__ import annotations
@@ -177,7 +178,6 @@ def _batch_norm(
     if not training:
         assert running_mean is not None and running_var is not None
         mean, var = running_mean, running_var
-        out = (x - mean.reshape(shape)) * torch.rsqrt(var + eps).reshape(shape)
     else:
         dims = [0, *range(2, x.dim())]
         mask = _MASK[-1] if _MASK else None
@@ -185,16 +185,13 @@ def _batch_norm(
         if mask is None:
             # A Python number: a tensor made from it would be a copy from the host each step.
             count = float(x.numel() // x.shape[1])
-            mean = x.mean(dims)
-            centred = x - mean.reshape(shape)
-            var = (centred * centred).mean(dims)
+            var, mean = torch.var_mean(x, dims, correction=0)
         else:
             w = mask.to(x.dtype).reshape(-1, *([1] * (x.dim() - 1)))
             count = mask.to(x.dtype).sum() * (x[0, 0].numel())
             mean = (x * w).sum(dims) / count
             centred = x - mean.reshape(shape)
             var = (centred * centred * w).sum(dims) / count
-        out = centred * torch.rsqrt(var + eps).reshape(shape)
         if running_mean is not None and running_var is not None:
             with torch.no_grad():
                 factor = 0.0 if momentum is None else float(momentum)
@@ -204,11 +201,15 @@ def _batch_norm(
                 else:
                     unbiased = var.detach() * count / (count - 1).clamp(min=1)
                 running_var.mul_(1 - factor).add_(unbiased * factor)
+    # As torch's CPU kernel does: per-channel scale and shift, then one pass over x (fewer
+    # kernels and passes over the activations than normalising, scaling and shifting apart).
+    scale = torch.rsqrt(var + eps)
     if weight is not None:
-        out = out * weight.reshape(shape)
+        scale = scale * weight
+    shift = -mean * scale
     if bias is not None:
-        out = out + bias.reshape(shape)
-    return out.to(given)
+        shift = shift + bias
+    return torch.addcmul(shift.reshape(shape), x, scale.reshape(shape)).to(given)
 
 
 @contextlib.contextmanager

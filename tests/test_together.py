@@ -12,7 +12,9 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny_bn import NAME as TINY_BN
+from torch.func import vmap
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fedskew.assembly.prepare as prepare_module
@@ -359,6 +361,32 @@ def test_batch_norm_inside_vmap_is_computed_from_its_formula(with_loss: bool) ->
     assert not [n for n in seen.names if "batch_norm" in n]
     running = [k for k in finals[0] if k.endswith("running_mean")]
     assert running and not torch.equal(finals[0][running[0]], start[running[0]])
+
+
+@pytest.mark.parametrize("call", ["functional", "aten"])
+def test_the_batch_norm_formula_is_torchs_per_client(call: str) -> None:
+    """F.batch_norm and torch.batch_norm (aten's argument order) inside vmap under the formula
+    give each client what torch's kernel gives it alone, running statistics included."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 8, 4, 5, 5, generator=gen, dtype=torch.float64)
+    w = torch.randn(4, generator=gen, dtype=torch.float64)
+    b = torch.randn(4, generator=gen, dtype=torch.float64)
+    means = torch.zeros(3, 4, dtype=torch.float64)
+    variances = torch.ones(3, 4, dtype=torch.float64)
+
+    def one(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        if call == "aten":
+            return torch.batch_norm(x, w, b, mean, var, True, 0.1, 1e-5, False)
+        return F.batch_norm(x, mean, var, w, b, True, 0.1, 1e-5)
+
+    with together._BatchNormFormula():
+        got = vmap(one)(x, means, variances)
+    for k in range(3):
+        mean, var = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+        want = F.batch_norm(x[k], mean, var, w, b, True, 0.1, 1e-5)
+        torch.testing.assert_close(got[k], want, rtol=0, atol=1e-12)
+        torch.testing.assert_close(means[k], mean, rtol=0, atol=1e-12)
+        torch.testing.assert_close(variances[k], var, rtol=0, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------- chunks

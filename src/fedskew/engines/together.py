@@ -156,8 +156,11 @@ class _BatchNormFormula(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func is F.batch_norm or func is torch.batch_norm:
+        if func is F.batch_norm:
             return _batch_norm(*args, **kwargs)
+        if func is torch.batch_norm:  # aten's order: input, weight, bias, running stats, ...
+            x, weight, bias, mean, var, training, momentum, eps = args[:8]
+            return _batch_norm(x, mean, var, weight, bias, training, momentum, eps)
         return func(*args, **kwargs)
 
 

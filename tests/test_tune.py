@@ -256,3 +256,21 @@ def test_pruner_warmup_is_recorded_and_checked(tmp_path, capsys):
     assert main(["tune", "-c", str(file), "-o", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
     assert "pruner_warmup (rounds) must be an integer >= 0" in err and err.count("\n") == 1
+
+
+def test_the_default_storage_is_named_by_its_place_not_its_absolute_path(tmp_path):
+    """A committed report says where the study is, not where it first ran; another storage
+    keeps its URL, without the password."""
+    from fedskew.grid.tune import tune_from
+    from fedskew.grid.tune_results import budget_lines
+
+    file = tune_file(tmp_path, 2, ONE_METHOD)
+    raw = read_file(str(file))
+    out = str(tmp_path / "tuned")
+    tune = tune_from(raw, str(file), {}, None, {"out_dir": out})
+    first = budget_lines(tune)[0]
+    assert "study.db in the study's folder" in first and str(tmp_path) not in first.split("(")[1]
+    raw["tune"]["storage"] = "postgresql://fl:secret@db.example/studies"
+    tune = tune_from(raw, str(file), {}, None, {"out_dir": out})
+    first = budget_lines(tune)[0]
+    assert "db.example/studies" in first and "secret" not in first

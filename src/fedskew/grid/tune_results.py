@@ -115,10 +115,20 @@ def objective_window(tune: Tune) -> str:
     return f"the last {tune.last} evaluated rounds (fewer where a method's runs evaluate fewer)"
 
 
+def storage_text(tune: Tune) -> str:
+    """The storage as files and reports name it: the default SQLite file by its place in the
+    study's folder (its absolute path says only where the study first ran), else the URL
+    without its password."""
+    name = Path(tune.out_dir).name
+    if tune.storage.startswith("sqlite:///") and tune.storage.endswith(f"/{name}/study.db"):
+        return "SQLite, study.db in the study's folder"
+    return redacted(tune.storage)
+
+
 def budget_lines(tune: Tune) -> list[str]:
     """The budget and search space, as tune prints them before it starts."""
     lines = [
-        f"study {tune.study} in {tune.out_dir} (storage {redacted(tune.storage)}): "
+        f"study {tune.study} in {tune.out_dir} (storage {storage_text(tune)}): "
         f"{tune.trials} trials per method, tuning seeds {tune.seeds}, evaluation seeds "
         f"{tune.eval_seeds}; objective: mean accuracy of {objective_window(tune)}; "
         f"{tune.sampler} sampler (seed {tune.sampler_seed}), {pruner_text(tune)}"

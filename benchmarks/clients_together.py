@@ -44,6 +44,7 @@ from machine import machine_facts  # noqa: E402
 from fedskew.assembly.prepare import new_model, prepare  # noqa: E402
 from fedskew.config import ExperimentConfig  # noqa: E402
 from fedskew.core.device import device_name, resolve_device  # noqa: E402
+from fedskew.core.gpu_memory import PEAK_KEYS  # noqa: E402
 from fedskew.core.rng import torch_rng  # noqa: E402
 from fedskew.data.federated import sample_clients  # noqa: E402
 from fedskew.data.sources import load_dataset  # noqa: E402
@@ -92,7 +93,8 @@ def experiment_config(args: argparse.Namespace, mode: str, out_dir: str) -> Expe
 
 
 def rounds_throughput(cfg: ExperimentConfig) -> dict[str, Any]:
-    """Training samples per second of each round after the first, and the final accuracy."""
+    """Training samples per second of each round after the first, their peak GPU memory
+    (None on the CPU), and the final accuracy."""
     if cfg.engine == "flower-sim":
         from fedskew.apps.flower import run_simulation
 
@@ -102,11 +104,17 @@ def rounds_throughput(cfg: ExperimentConfig) -> dict[str, Any]:
     records = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
     measured = records[1:]
     rates = [r["samples"] / r["seconds"] for r in measured if r["seconds"] > 0]
+
+    def peak(key: str) -> float | None:
+        values = [r[key] for r in measured if r.get(key) is not None]
+        return max(values) if values else None
+
     return {
         "samples_per_second": round(statistics.median(rates), 1) if rates else None,
         "round_seconds": [round(r["seconds"], 4) for r in measured],
         "samples_per_round": [r["samples"] for r in measured],
         "final_accuracy": summary["final_accuracy"],
+        **{key: peak(key) for key in PEAK_KEYS},
     }
 
 

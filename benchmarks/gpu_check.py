@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +56,7 @@ from fedskew.assembly.prepare import new_model, prepare  # noqa: E402
 from fedskew.config import ExperimentConfig  # noqa: E402
 from fedskew.core.device import device_facts, resolve_device  # noqa: E402
 from fedskew.core.errors import FedskewError  # noqa: E402
+from fedskew.core.machine import git_commit  # noqa: E402
 from fedskew.data.sources import Dataset, load_dataset, register_dataset  # noqa: E402
 from fedskew.engines.together import model_obstacle, plain_handler  # noqa: E402
 from fedskew.runs.loop import run  # noqa: E402
@@ -189,18 +189,12 @@ class Report:
 def environment(device: torch.device) -> dict[str, Any]:
     facts: dict[str, Any] = {**device_facts(device), "torch": torch.__version__}
     facts["machine"] = machine_facts()
-    try:
-        facts["commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-            timeout=10, check=True,
-        ).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-            capture_output=True, text=True, timeout=10,
-        ).stdout.strip()  # fmt: skip
-        facts["uncommitted_changes"] = bool(dirty)
-    except (OSError, subprocess.SubprocessError):
+    git = git_commit(ROOT)
+    if git["git_commit"] is None:
         facts["commit"] = "unknown (not a git checkout)"
+    else:
+        facts["commit"] = str(git["git_commit"])[:7]
+        facts["uncommitted_changes"] = bool(git["git_dirty"])
     return {"facts": facts}
 
 

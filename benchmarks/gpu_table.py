@@ -26,24 +26,24 @@ import argparse
 import json
 import logging
 import shlex
-import statistics
 import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import clients_together  # noqa: E402
 from gpu_check import data_dir_of, synthetic_images, throughput_dataset  # noqa: E402
 from machine import machine_facts  # noqa: E402
 
-from fedskew.config import ExperimentConfig  # noqa: E402
 from fedskew.core.device import device_facts, resolve_device  # noqa: E402
+from fedskew.core.machine import git_commit  # noqa: E402
 from fedskew.data.sources import register_dataset  # noqa: E402
-from fedskew.runs.loop import run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CIFAR_SHAPED = "cifar10-shaped-synthetic"
@@ -72,32 +72,17 @@ def cell(
     model: str, dataset: str, data_dir: str | None, precision: str, how: str, args: Any, out: str
 ) -> dict[str, Any]:
     mode, tf32 = PRECISIONS[precision]
-    cfg = ExperimentConfig(
-        algorithm="fedavg",
-        dataset=dataset,
-        data_dir=data_dir,
-        download=False,
+    # clients_together's experiment (issue 12's) with one local epoch, this model and mode.
+    setting = argparse.Namespace(
+        dataset=dataset, data_dir=data_dir, epochs=1, rounds=args.rounds, device=args.device,
+        seed=0,
+    )  # fmt: skip
+    cfg = replace(
+        clients_together.experiment_config(setting, how, out),
         model=model,
-        num_clients=20,
-        partition="dirichlet",
-        partition_params={"beta": 0.1},
-        clients_per_round=8,
-        local_epochs=1,
-        batch_size=64,
-        lr=0.01,
-        momentum=0.9,
-        rounds=args.rounds + 1,
-        eval_every=args.rounds + 1,
-        checkpoint_every=0,
-        workers=0,
-        device=args.device,
         precision=mode,
         tf32=tf32,
-        clients_together=how,
-        seed=0,
-        out_dir=out,
         name=f"{model}-{precision}-{how}-{time.monotonic_ns()}",
-        quiet=True,
     )
     fallback = FallbackLog()
     logger = logging.getLogger("fedskew")
@@ -105,28 +90,15 @@ def cell(
     level = logger.level
     logger.setLevel(logging.INFO)
     try:
-        folder, summary = run(cfg)
+        measured = clients_together.rounds_throughput(cfg)
     finally:
         logger.removeHandler(fallback)
         logger.setLevel(level)
-    records = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
-    measured = [r for r in records[1:] if r.get("seconds")]
-    rates = [r["samples"] / r["seconds"] for r in measured]
-
-    def peak(key: str) -> float | None:
-        values = [r[key] for r in measured if r.get(key) is not None]
-        return max(values) if values else None
-
     return {
         "model": model,
         "precision": precision,
         "how": how,
-        "samples_per_second": round(statistics.median(rates), 1) if rates else None,
-        "round_seconds": [round(r["seconds"], 3) for r in measured],
-        "samples_per_round": [r["samples"] for r in measured],
-        "gpu_peak_mib": peak("gpu_peak_mib"),
-        "gpu_reserved_peak_mib": peak("gpu_reserved_peak_mib"),
-        "final_accuracy": summary.get("final_accuracy"),
+        **measured,
         "deterministic": cfg.deterministic,
         "one_after_another_because": sorted(set(fallback.messages)),
     }
@@ -206,19 +178,11 @@ def markdown(data: dict[str, Any]) -> str:
 
 
 def commit() -> str:
-    import subprocess
-
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    facts = git_commit(ROOT)
+    if facts["git_commit"] is None:
+        return "unknown (not a git checkout)"
+    dirty = " with uncommitted changes" if facts["git_dirty"] else ""
+    return f"{str(facts['git_commit'])[:7]}{dirty}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,9 @@ started=$(date +%s)
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 export PYTHON="$PY"
+# fedskew's loader does not look in the checkout's data/ (where a GPU machine gets it carried);
+# the fedskew runs of step 3 find it through $FEDSKEW_DATA.
+if [ -z "${FEDSKEW_DATA:-}" ] && [ -d data ]; then export FEDSKEW_DATA="$PWD/data"; fi
 
 left() { echo $(( budget - ($(date +%s) - started) )); }
 

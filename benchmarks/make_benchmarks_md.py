@@ -426,6 +426,16 @@ def main() -> None:
             "python benchmarks/gpu_table.py --device cuda",
         ),  # fmt: skip
         *include(
+            "GPU: the ResNet-18 rows again, minutes later on the same machine",
+            "gpu_table_resnet18_repeat.md",
+            "python benchmarks/gpu_table.py --device cuda --models resnet18 --rounds 3",
+        ),  # fmt: skip
+        *include(
+            "GPU: TF32 and bf16 against fp32, accuracy (issue 39)",
+            "precision_accuracy_cuda.md",
+            "python benchmarks/precision_accuracy.py --device cuda --modes fp32 tf32 bf16",
+        ),  # fmt: skip
+        *include(
             "GPU check (issue 39)",
             "gpu_check.md",
             "bash benchmarks/gpu_check.sh",

@@ -3,8 +3,9 @@
 #   1. benchmarks/gpu_check.sh (CUDA tests, CPU/CUDA curves per algorithm, throughput table);
 #   2. benchmarks/gpu_table.py (one after another against together, fp32/TF32/bf16,
 #      fedavg-cnn and ResNet-18, samples/s and peak memory);
-#   3. benchmarks/precision_accuracy.py --device cuda --modes fp32 tf32 (TF32's accuracy cost,
-#      seeds 0 and 1, 10 rounds, two runs at a time on the one GPU).
+#   3. benchmarks/precision_accuracy.py --device cuda --modes fp32 tf32 bf16 (TF32's and bf16's
+#      accuracy cost, seeds 0-2, 10 rounds, three runs at a time on the one GPU: under 2 minutes
+#      on an H200).
 # Each step gets what is left of the budget (seconds, default 540) and is skipped when under a
 # minute is left; every result lands in OUT_DIR (.md, .json, logs), step by step, so a run
 # cut short keeps what it finished, and OUT_DIR.tgz packs the folder (no checkpoints).
@@ -55,8 +56,8 @@ else
 fi
 
 if [ "$(left)" -gt 60 ]; then
-    timeout "$(left)" "$PY" benchmarks/precision_accuracy.py --device cuda --modes fp32 tf32 \
-        --rounds 10 --seeds 0 1 --jobs 2 --threads 4 --out "$out/precision-runs" \
+    timeout "$(left)" "$PY" benchmarks/precision_accuracy.py --device cuda --modes fp32 tf32 bf16 \
+        --rounds 10 --seeds 0 1 2 --jobs 3 --threads 4 --out "$out/precision-runs" \
         --report "$out/precision_accuracy_cuda.md" >"$out/precision_accuracy.log" 2>&1
     echo "gpu_session: precision_accuracy exit $?, $(left) s left"
 else

@@ -224,6 +224,11 @@ FM_CASES: dict[str, dict] = {
     "moon+fm-warmup": {"algorithm": "moon", "params": {"mu": 1.0, "out_dim": 16, "lam_warmup": 2}},
     "scaffold+fm-uniform": {"algorithm": "scaffold", "params": {"anchor_agg": "uniform"}},
     "fednova+fm": {"algorithm": "fednova"},
+    # Two training exchanges a round after the anchor exchange: the second trains with the
+    # anchors the client kept from the first.
+    "fedcme+fm": {"algorithm": "fedcme", "params": {"mu": 1.0}},
+    # The personal head trained beside the model (among the loss's tensors, with the anchors).
+    "fedrod+fm": {"algorithm": "fedrod", "params": {"phead_init": "generic"}},
 }
 
 
@@ -299,10 +304,12 @@ def test_feature_matching_plug_in_trains_together_as_one_after_another_in_float6
     # Every client trained together (MOON: two stacks in a round that mixes clients with and
     # without a previous model), the inner loss alone before the launching round (its 4
     # clients), the term from it on.
-    assert sum(n for n, _ in losses) == 4 * len(expected)
+    per_round = 8 if case.startswith("fedcme") else 4  # FedCME: train_first, train_rest
+    assert sum(n for n, _ in losses) == per_round * len(expected)
     before = 0
     for n, loss in losses:
-        assert isinstance(loss, InnerMatchingLoss) == (before >= 4 * FM_START), (before, loss)
+        launched = before >= per_round * FM_START
+        assert isinstance(loss, InnerMatchingLoss) == launched, (before, loss)
         before += n
     assert [r["fm_active"] for r in expected] == [0.0, 1.0, 1.0]
     _assert_same_replies(replies_alone, replies_together)

@@ -33,9 +33,17 @@ so that an inner algorithm that trains in a later exchange of its round still se
 client cannot tell when a multi-exchange round is over, they are removed at its next anchor
 exchange.
 
-Clients of ``<inner>+fm`` train one after another, not together (``fedskew.engines.together``):
-the plug-in wraps the inner handlers and installs its term on the context (``ctx.loss_terms``),
-which the stacked loop does not see.
+Clients of ``<inner>+fm`` train together (``fedskew.engines.together``) where the inner
+algorithm's do: the client names the inner client logic it wraps (``wraps_handlers``) and
+gives ``wrapped_plain(kind, msg, ctx)``, which does what ``handle`` does around the inner
+handler (restore the message, keep the anchors in ``ctx.state``) and returns the inner
+``plain_<kind>`` with the term in its loss instead of on the context, which the stacked loop
+does not see: ``InnerMatchingLoss``, the inner loss (None: cross-entropy) plus ``lam *
+l_FM`` of the features it returns, the round's anchors among the tensors under
+``MATCH_TENSOR``, hidden from the inner loss. Where ``handle`` would install no term (before
+the launching round, lam 0, no anchor defined) the inner plan is returned as it is. The
+anchor exchange trains nothing and goes one after another; an inner algorithm without a
+plain split trains one after another with the plug-in too (its reason is logged).
 """
 
 from __future__ import annotations

@@ -51,10 +51,12 @@ as tensors; its evaluate exchange trains nothing), MOON (the frozen global and p
 models' weights as tensors; clients with and without a previous model train in separate
 stacks), FedROD (its personal head trained beside the model), FedFM and FedFM-Lite (the
 matching term in ``AnchorMatchingLoss``, the global anchors as tensors; FedFM's anchor
-exchange trains nothing). FedACD does not (its docstring says why). Every other exchange, a
-client logic that wraps the handlers (the feature-matching plug-in), and a model with dropout
-or with a BatchNorm without running statistics are trained one after another, and the reason
-is logged once. ``--precision bf16`` trains together too: autocast does not reach the kernels
+exchange trains nothing), and the feature-matching plug-in around any of these (``<inner>+fm``:
+a client logic that wraps the handlers and says how, see ``plain_handler``; the inner plan
+with ``InnerMatchingLoss``). FedACD does not (its docstring says why). Every other exchange, a
+client logic that wraps the handlers without saying how, and a model with dropout or with a
+BatchNorm without running statistics are trained one after another, and the reason is logged
+once. ``--precision bf16`` trains together too: autocast does not reach the kernels
 inside ``vmap`` (they would run in fp32), so ``_AutocastInVmap`` makes its casts explicitly;
 the curves stay within bf16's own rounding spread of one after another (tests). The memory
 estimate (``together_memory``) counts the model's copies, not an algorithm's per-client

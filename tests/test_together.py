@@ -419,7 +419,8 @@ def test_a_handler_wrapper_is_bypassed_only_where_it_says_how() -> None:
     split, _ = plain_handler(wrapper(None), "train")
     assert split is not None
     split, reason = plain_handler(wrapper(None), "fm_anchors")  # handled by the wrapper itself
-    assert split is None and "no plain_fm_anchors split" in reason
+    assert split is None and "'fm_anchors' handler's local step is not plain" in reason
+    assert reason.startswith("FedAvgClientFM")
 
     class Routes(FedAvgClient):  # a wrapper that does not say how
         def handle(self, msg: Message, ctx: ClientContext) -> Message:

@@ -150,6 +150,8 @@ def _wrapper_obstacle(cls: type, owner: type, kind: str) -> str:
         or _defining_class(cls, "wrapped_plain") is not owner
     ):
         return f"{cls.__name__} routes its messages itself (wrapped handlers without a plain split)"
+    if _defining_class(inner, f"on_{kind}") is None:  # the wrapper's own kind (an exchange)
+        return f"{cls.__name__}'s '{kind}' handler's local step is not plain (its own handler)"
     for name in (f"on_{kind}", f"plain_{kind}"):
         if _defining_class(cls, name) is not _defining_class(inner, name):
             return f"{cls.__name__} overrides {name} of the {inner.__name__} it wraps"

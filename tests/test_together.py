@@ -18,7 +18,9 @@ from torch.func import vmap
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fedskew.assembly.prepare as prepare_module
-from fedskew.algorithms.fedavg import FedAvgClient
+from fedskew import algorithms
+from fedskew.algorithms.feature_matching import InnerMatchingLoss, with_feature_matching
+from fedskew.algorithms.fedavg import FedAvg, FedAvgClient
 from fedskew.assembly.prepare import new_model, prepare
 from fedskew.config import ExperimentConfig
 from fedskew.core.device import ExecutionSettings, cuda_count, settings_applied
@@ -37,8 +39,14 @@ from fedskew.engines.together_memory import (
 )
 from fedskew.models import build_model
 from fedskew.runs.loop import RunState, evaluate_global_model, play_round, server_setup
-from fedskew.training.interface import ClientContext, LocalTrainConfig
-from fedskew.training.local import cross_entropy_loss, local_train, set_arrays
+from fedskew.training.interface import ClientContext, ClientLogic, LocalTrainConfig
+from fedskew.training.local import (
+    cross_entropy_loss,
+    local_train,
+    set_arrays,
+    train_client,
+    trained_reply,
+)
 from fedskew.training.protocol import Message
 
 NO_CUDA = "no CUDA device here (CPU-only torch or no GPU): benchmarks/gpu_check.sh runs these"
@@ -206,6 +214,114 @@ def test_algorithm_trains_together_as_one_after_another_in_float64(
         assert b["accuracy"] == a["accuracy"]
 
 
+# The feature-matching plug-in around algorithms that train together: three rounds, the
+# matching launched in the second (before it, the round is the inner algorithm's).
+FM_START = 1
+FM_CASES: dict[str, dict] = {
+    "fedavg+fm": {"algorithm": "fedavg"},
+    "fedprox+fm-l2": {"algorithm": "fedprox", "params": {"mu": 0.1, "fm_loss": "l2"}},
+    # The lam_warmup remedy: lam ramps up from the launching round.
+    "moon+fm-warmup": {"algorithm": "moon", "params": {"mu": 1.0, "out_dim": 16, "lam_warmup": 2}},
+    "scaffold+fm-uniform": {"algorithm": "scaffold", "params": {"anchor_agg": "uniform"}},
+    "fednova+fm": {"algorithm": "fednova"},
+    # Two training exchanges a round after the anchor exchange: the second trains with the
+    # anchors the client kept from the first.
+    "fedcme+fm": {"algorithm": "fedcme", "params": {"mu": 1.0}},
+    # The personal head trained beside the model (among the loss's tensors, with the anchors).
+    "fedrod+fm": {"algorithm": "fedrod", "params": {"phead_init": "generic"}},
+}
+
+
+def _fm_options(case: str) -> dict:
+    options = FM_CASES[case]
+    params = {"start_round": FM_START, "lam": 5.0, **options.get("params", {})}
+    return {**SEAMED, **options, "feature_matching": True, "rounds": 3, "params": params}
+
+
+def _replies_seen(monkeypatch: pytest.MonkeyPatch) -> list[dict[int, Message]]:
+    """Every exchange's replies, in order."""
+    seen: list[dict[int, Message]] = []
+    real = InProcessEngine._exchange
+
+    def recorded(self, messages):  # type: ignore[no-untyped-def]
+        replies = real(self, messages)
+        seen.append(dict(replies))
+        return replies
+
+    monkeypatch.setattr(InProcessEngine, "_exchange", recorded)
+    return seen
+
+
+def _losses_seen(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, object]]:
+    """The number of clients and the loss of each train_together call."""
+    losses: list[tuple[int, object]] = []
+    real = client_runtime.train_together
+
+    def counted(model, datas, *args, **kwargs):  # type: ignore[no-untyped-def]
+        losses.append((len(datas), kwargs.get("loss")))
+        return real(model, datas, *args, **kwargs)
+
+    monkeypatch.setattr(client_runtime, "train_together", counted)
+    return losses
+
+
+def _assert_same_replies(alone: list[dict[int, Message]], together: list[dict[int, Message]]):
+    assert len(alone) == len(together)
+    for a, b in zip(alone, together, strict=True):
+        assert sorted(a) == sorted(b)
+        for cid, reply in a.items():
+            other = b[cid]
+            assert (other.kind, other.strings) == (reply.kind, reply.strings)
+            assert sorted(other.arrays) == sorted(reply.arrays)
+            for name, value in reply.arrays.items():
+                torch.testing.assert_close(other.arrays[name], value, rtol=0, atol=1e-10)
+            assert sorted(other.scalars) == sorted(reply.scalars)
+            for name, value in reply.scalars.items():
+                # The mean loss is summed in a float32 accumulator by both loops.
+                tol = 1e-6 if name == "loss" else 1e-10
+                assert other.scalars[name] == pytest.approx(value, rel=tol, abs=tol), name
+
+
+@pytest.mark.parametrize("case", sorted(FM_CASES))
+def test_feature_matching_plug_in_trains_together_as_one_after_another_in_float64(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """<inner>+fm through the stacked loop (the term in the plan's loss, the anchors among
+    its tensors) against one after another (the term on ctx.loss_terms): every reply (the
+    trained model, anchors, control variates, scalars), the global model and every client's
+    state equal to 1e-10 in float64, over rounds before and after the launching round, on
+    clients of unequal sizes."""
+    options = _fm_options(case)
+    replies_alone = _replies_seen(monkeypatch)
+    expected, alone = _rounds("off", dtype=torch.float64, **options)
+    monkeypatch.undo()
+    replies_together = _replies_seen(monkeypatch)
+    losses = _losses_seen(monkeypatch)
+    got, together = _rounds("vmap", dtype=torch.float64, **options)
+    # Unequal clients: ragged last batches and clients that stop early.
+    sizes = {len(alone.prep.fed.client(c)) for r in expected for c in r["clients"]}
+    assert len(sizes) > 1
+    # Every client trained together (MOON: two stacks in a round that mixes clients with and
+    # without a previous model), the inner loss alone before the launching round (its 4
+    # clients), the term from it on.
+    per_round = 8 if case.startswith("fedcme") else 4  # FedCME: train_first, train_rest
+    assert sum(n for n, _ in losses) == per_round * len(expected)
+    before = 0
+    for n, loss in losses:
+        launched = before >= per_round * FM_START
+        assert isinstance(loss, InnerMatchingLoss) == launched, (before, loss)
+        before += n
+    assert [r["fm_active"] for r in expected] == [0.0, 1.0, 1.0]
+    _assert_same_replies(replies_alone, replies_together)
+    difference = _max_difference(alone, together)
+    print(f"{case}: max float64 difference of weights and states {difference:.2e}")
+    assert difference < 1e-10
+    _compare(expected, alone, got, together, {"rtol": 0.0, "atol": 1e-10, "metrics": 1e-6})
+    for a, b in zip(expected, got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-10)
+        assert b["accuracy"] == a["accuracy"]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_vmap_matches_one_after_another_in_fp32(case: str, device: str) -> None:
@@ -245,19 +361,39 @@ def test_each_client_trains_as_alone() -> None:
             torch.testing.assert_close(finals[k][name], value, **F32_WEIGHTS, msg=name)
 
 
+class _NonPlainClient(ClientLogic):
+    """Trains through train_client without a plain split."""
+
+    def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        set_arrays(ctx.model, msg.arrays)
+        return trained_reply(ctx, train_client(ctx).mean_loss)
+
+
+class _NonPlain(FedAvg):
+    name = "non-plain"
+    Client = _NonPlainClient
+
+
 @pytest.mark.parametrize(
     "options, reason",
     [
-        ({"algorithm": "fedacd"}, "FedACDClient's 'train' handler's local step is not plain"),
         (
-            {"algorithm": "fedavg", "feature_matching": True, "params": {"start_round": 0}},
-            "routes its messages itself",
+            {"algorithm": "non-plain"},
+            "_NonPlainClient's 'train' handler's local step is not plain (no plain_train split)",
+        ),
+        (
+            {"algorithm": "non-plain", "feature_matching": True, "params": {"start_round": 0}},
+            "_NonPlainClient's 'train' handler's local step is not plain (no plain_train split)",
         ),
     ],
+    ids=["non-plain", "non-plain+fm"],
 )
 def test_other_algorithms_fall_back_with_the_reason(
-    options: dict, reason: str, caplog: pytest.LogCaptureFixture
+    options: dict, reason: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """An algorithm without a plain split trains one after another, and so does the
+    feature-matching plug-in around it, with the inner algorithm's reason."""
+    monkeypatch.setitem(algorithms._REGISTERED, "non-plain", _NonPlain)
     expected, _ = _rounds("off", rounds=1, **options)
     with caplog.at_level(logging.INFO, logger="fedskew"):
         got, _ = _rounds("vmap", rounds=1, **options)
@@ -274,6 +410,35 @@ def test_a_subclass_overriding_the_handler_is_not_bypassed() -> None:
     assert split is None and "overrides on_train" in reason
     split, _ = plain_handler(FedAvgClient(None), "train")
     assert split is not None
+
+
+def test_a_handler_wrapper_is_bypassed_only_where_it_says_how() -> None:
+    """A logic that overrides handle trains together only through the wrapped_plain of the
+    class that overrides it, over the unchanged handlers of the logic it names."""
+    wrapper = with_feature_matching(FedAvg).Client
+    split, _ = plain_handler(wrapper(None), "train")
+    assert split is not None
+    split, reason = plain_handler(wrapper(None), "fm_anchors")  # handled by the wrapper itself
+    assert split is None and "'fm_anchors' handler's local step is not plain" in reason
+    assert reason.startswith("FedAvgClientFM")
+
+    class Routes(FedAvgClient):  # a wrapper that does not say how
+        def handle(self, msg: Message, ctx: ClientContext) -> Message:
+            return super().handle(msg, ctx)
+
+    class RoutesAgain(wrapper):  # type: ignore[misc, valid-type]
+        def handle(self, msg: Message, ctx: ClientContext) -> Message:
+            return super().handle(msg, ctx)
+
+    class Overrides(wrapper):  # type: ignore[misc, valid-type]
+        def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+            raise NotImplementedError
+
+    for cls in (Routes, RoutesAgain):
+        split, reason = plain_handler(cls(None), "train")
+        assert split is None and "routes its messages itself" in reason
+    split, reason = plain_handler(Overrides(None), "train")
+    assert split is None and "overrides on_train of the FedAvgClient it wraps" in reason
 
 
 @pytest.mark.parametrize(

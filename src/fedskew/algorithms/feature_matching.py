@@ -33,9 +33,17 @@ so that an inner algorithm that trains in a later exchange of its round still se
 client cannot tell when a multi-exchange round is over, they are removed at its next anchor
 exchange.
 
-Clients of ``<inner>+fm`` train one after another, not together (``fedskew.engines.together``):
-the plug-in wraps the inner handlers and installs its term on the context (``ctx.loss_terms``),
-which the stacked loop does not see.
+Clients of ``<inner>+fm`` train together (``fedskew.engines.together``) where the inner
+algorithm's do: the client names the inner client logic it wraps (``wraps_handlers``) and
+gives ``wrapped_plain(kind, msg, ctx)``, which does what ``handle`` does around the inner
+handler (restore the message, keep the anchors in ``ctx.state``) and returns the inner
+``plain_<kind>`` with the term in its loss instead of on the context, which the stacked loop
+does not see: ``InnerMatchingLoss``, the inner loss (None: cross-entropy) plus ``lam *
+l_FM`` of the features it returns, the round's anchors among the tensors under
+``MATCH_TENSOR``, hidden from the inner loss. Where ``handle`` would install no term (before
+the launching round, lam 0, no anchor defined) the inner plan is returned as it is. The
+anchor exchange trains nothing and goes one after another; an inner algorithm without a
+plain split trains one after another with the plug-in too (its reason is logged).
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from fedskew.algorithms.fedfm import (
     COUNTS,
     REUSED,
     FeatureMatchingParams,
+    FMSettings,
     anchor_exchange,
     anchor_fields,
     anchor_metrics,
@@ -63,16 +72,19 @@ from fedskew.algorithms.fedfm import (
     matching_inactive,
     matching_term,
     reply_local_anchors,
+    scaled_matching_loss,
     settings_of,
     take_received,
 )
 from fedskew.training.interface import (
     Algorithm,
     ClientContext,
+    ClientLogic,
     InactiveMechanism,
     RunShape,
     ServerSetup,
 )
+from fedskew.training.local import ClientLoss, LossOutput, PlainTraining, cross_entropy_loss
 from fedskew.training.protocol import ArraySpec, Channel, Expected, Message
 from fedskew.training.state_spec import Spec, StatePart
 
@@ -89,6 +101,9 @@ __all__ = [
 
 _STATE_ANCHORS = "fm.anchors"  # client state: this round's global anchors
 _STATE_ROUND = "fm.anchors_round"
+# The global anchors among a PlainTraining's tensors: a name no inner algorithm's tensor has
+# (theirs are model entries under a prefix of their own).
+MATCH_TENSOR = "fm+anchors"
 
 _FM_FIELDS = {f.name: f for f in dataclasses.fields(FeatureMatchingParams)}
 
@@ -156,6 +171,57 @@ class AnchorChannel:
 _WRAPPED: dict[type[Algorithm], type[Algorithm]] = {}
 
 
+def _round_anchors(ctx: ClientContext) -> torch.Tensor | None:
+    """The global anchors the client received in this round (None before the launching
+    round, or left over from an earlier one)."""
+    if ctx.state.scalars.get(_STATE_ROUND) != float(ctx.round):
+        return None
+    return ctx.state.arrays[_STATE_ANCHORS]
+
+
+@dataclasses.dataclass(frozen=True)
+class InnerMatchingLoss:
+    """A ``PlainTraining`` loss: the inner algorithm's (None: cross-entropy) plus
+    ``lam * l_FM`` of its features against the anchors under ``MATCH_TENSOR`` among the
+    tensors, which the inner loss does not see. What ``train_client`` computes with the
+    plug-in's term on the context: the inner loss's ``LossOutput`` plus the term of its
+    features. Equal for every client of an exchange (one inner loss, one round's lam)."""
+
+    inner: ClientLoss | None
+    lam: float
+    settings: FMSettings
+
+    def __call__(
+        self,
+        model: torch.nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        tensors: Mapping[str, torch.Tensor],
+    ) -> LossOutput:
+        own = {k: v for k, v in tensors.items() if k != MATCH_TENSOR}
+        out = (
+            cross_entropy_loss(model, x, y) if self.inner is None else self.inner(model, x, y, own)
+        )
+        if not isinstance(out, LossOutput) or out.features is None or out.logits is None:
+            raise RuntimeError("feature matching needs a loss that returns features (LossOutput)")
+        anchors = tensors[MATCH_TENSOR]
+        term = scaled_matching_loss(out.features, y, anchors, self.lam, self.settings)
+        return LossOutput(out.loss + term, out.features, out.logits)
+
+
+def _with_matching(
+    plan: PlainTraining, anchors: torch.Tensor, lam: float, s: FMSettings
+) -> PlainTraining:
+    """The inner algorithm's ``plan`` with the matching term against ``anchors`` added."""
+    if MATCH_TENSOR in plan.tensors or MATCH_TENSOR in plan.trained:
+        raise ValueError(f"feature matching: the inner loss already has a tensor {MATCH_TENSOR}")
+    return dataclasses.replace(
+        plan,
+        loss=InnerMatchingLoss(plan.loss, lam, s),
+        tensors={**plan.tensors, MATCH_TENSOR: anchors.detach()},
+    )
+
+
 def _combined_params(inner: type) -> type:
     """The inner Params plus the FM fields (renamed ``fm_<name>`` where they would clash)."""
     inner_fields = {f.name for f in dataclasses.fields(inner)}
@@ -213,6 +279,10 @@ def with_feature_matching(cls: type[Algorithm]) -> type[Algorithm]:
             return metrics
 
     class FMClient(cls.Client):  # type: ignore[name-defined, misc]
+        # Its handle wraps these handlers; wrapped_plain is their split for clients trained
+        # together (fedskew.engines.together.plain_handler).
+        wraps_handlers: ClassVar[type[ClientLogic]] = cls.Client
+
         def handle(self, msg: Message, ctx: ClientContext) -> Message:
             if msg.kind == ANCHOR_KIND:
                 # Left over from an earlier round (the client cannot tell when an inner
@@ -221,13 +291,24 @@ def with_feature_matching(cls: type[Algorithm]) -> type[Algorithm]:
                 ctx.state.scalars.pop(_STATE_ROUND, None)
                 return reply_local_anchors(msg, ctx, settings_of(self.params).agg)
             msg = self._fm_unwrap(msg, ctx)
+            anchors = _round_anchors(ctx)
             term = None
-            if ctx.state.scalars.get(_STATE_ROUND) == float(ctx.round):
-                term = matching_term(
-                    ctx.state.arrays[_STATE_ANCHORS], settings_of(self.params), ctx.round
-                )
+            if anchors is not None:
+                term = matching_term(anchors, settings_of(self.params), ctx.round)
             with loss_term_installed(ctx, term):
                 return super().handle(msg, ctx)
+
+        def wrapped_plain(self, kind: str, msg: Message, ctx: ClientContext) -> PlainTraining:
+            """What ``handle`` does for a message of the inner round, split as the inner
+            ``plain_<kind>`` is: the same message restored, and the same term, added by the
+            plan's loss to the inner one instead of through ``ctx.loss_terms``."""
+            msg = self._fm_unwrap(msg, ctx)
+            plan: PlainTraining = getattr(super(), f"plain_{kind}")(msg, ctx)
+            anchors = _round_anchors(ctx)
+            s = settings_of(self.params)
+            if anchors is None or matching_term(anchors, s, ctx.round) is None:
+                return plan  # no term one after another either: the inner round as it is
+            return _with_matching(plan, anchors, s.lam_in(ctx.round), s)
 
         def _fm_unwrap(self, msg: Message, ctx: ClientContext) -> Message:
             """The inner algorithm's message as it was before the wrapper touched it."""

@@ -412,12 +412,19 @@ class AnchorMatchingLoss:
         assert isinstance(out, LossOutput) and out.features is not None
         if ANCHORS not in tensors:
             return out
-        target = tensors[ANCHORS].to(out.features.dtype)
-        if self.settings.loss == "cg":
-            term = self.lam * cg_loss(out.features, y, target, self.settings.tau)
-        else:
-            term = self.lam * l2_loss(out.features, y, target)
+        term = scaled_matching_loss(out.features, y, tensors[ANCHORS], self.lam, self.settings)
         return LossOutput(out.loss + term, out.features, out.logits)
+
+
+def scaled_matching_loss(
+    features: torch.Tensor, y: torch.Tensor, anchors: torch.Tensor, lam: float, s: FMSettings
+) -> torch.Tensor:
+    """``lam * l_FM`` against ``anchors`` (in the features' dtype): ``matching_term``'s term,
+    for the losses that take the anchors among their tensors."""
+    target = anchors.to(features.dtype)
+    if s.loss == "cg":
+        return lam * cg_loss(features, y, target, s.tau)
+    return lam * l2_loss(features, y, target)
 
 
 def received_anchors(msg: Message, params: Any, rnd: int) -> dict[str, torch.Tensor]:

@@ -51,10 +51,12 @@ as tensors; its evaluate exchange trains nothing), MOON (the frozen global and p
 models' weights as tensors; clients with and without a previous model train in separate
 stacks), FedROD (its personal head trained beside the model), FedFM and FedFM-Lite (the
 matching term in ``AnchorMatchingLoss``, the global anchors as tensors; FedFM's anchor
-exchange trains nothing). FedACD does not (its docstring says why). Every other exchange, a
-client logic that wraps the handlers (the feature-matching plug-in), and a model with dropout
-or with a BatchNorm without running statistics are trained one after another, and the reason
-is logged once. ``--precision bf16`` trains together too: autocast does not reach the kernels
+exchange trains nothing), and the feature-matching plug-in around any of these (``<inner>+fm``:
+a client logic that wraps the handlers and says how, see ``plain_handler``; the inner plan
+with ``InnerMatchingLoss``). FedACD does not (its docstring says why). Every other exchange, a
+client logic that wraps the handlers without saying how, and a model with dropout or with a
+BatchNorm without running statistics are trained one after another, and the reason is logged
+once. ``--precision bf16`` trains together too: autocast does not reach the kernels
 inside ``vmap`` (they would run in fp32), so ``_AutocastInVmap`` makes its casts explicitly;
 the curves stay within bf16's own rounding spread of one after another (tests). The memory
 estimate (``together_memory``) counts the model's copies, not an algorithm's per-client
@@ -65,6 +67,7 @@ of GPU memory is halved.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -106,19 +109,55 @@ def resolve_mode(mode: str, device: torch.device) -> str:
 
 def plain_handler(logic: ClientLogic, kind: str) -> tuple[Callable[..., PlainTraining] | None, str]:
     """The client logic's ``plain_<kind>`` split when an engine may use it in place of its
-    ``on_<kind>`` handler, else None and the reason."""
+    ``on_<kind>`` handler, else None and the reason.
+
+    A logic that routes its messages itself (overrides ``handle``) is bypassed only where it
+    says how: the class that overrides ``handle`` names the client logic whose handlers it
+    wraps (``wraps_handlers``, a base class) and itself defines ``wrapped_plain(kind, msg,
+    ctx)``, the wrapped ``plain_<kind>`` with what its ``handle`` adds (the feature-matching
+    plug-in). That wrapped logic must have the split for ``kind`` by the same rules, and no
+    class in between may override ``on_<kind>`` or ``plain_<kind>``: ``handle`` would run
+    those, the split would not."""
     cls = type(logic)
-    if cls.handle is not ClientLogic.handle:
-        return None, f"{cls.__name__} routes its messages itself (a plug-in wraps the handlers)"
-    split = getattr(logic, f"plain_{kind}", None)
-    if split is None:
-        return None, (
+    owner = _defining_class(cls, "handle")
+    if owner is ClientLogic or owner is None:
+        reason = _split_obstacle(cls, kind)
+        return (None, reason) if reason else (getattr(logic, f"plain_{kind}"), "")
+    reason = _wrapper_obstacle(cls, owner, kind)
+    if reason:
+        return None, reason
+    return functools.partial(logic.wrapped_plain, kind), ""  # type: ignore[attr-defined]
+
+
+def _split_obstacle(cls: type, kind: str) -> str:
+    """Why ``cls`` (whose ``handle`` is ClientLogic's) has no usable split for ``kind``."""
+    if _defining_class(cls, f"plain_{kind}") is None:
+        return (
             f"{cls.__name__}'s '{kind}' handler's local step is not plain (no plain_{kind} split)"
         )
     # A subclass that overrides on_<kind> but inherits plain_<kind> must not be bypassed.
     if _defining_class(cls, f"on_{kind}") is not _defining_class(cls, f"plain_{kind}"):
-        return None, f"{cls.__name__} overrides on_{kind} without its plain_{kind} split"
-    return split, ""
+        return f"{cls.__name__} overrides on_{kind} without its plain_{kind} split"
+    return ""
+
+
+def _wrapper_obstacle(cls: type, owner: type, kind: str) -> str:
+    """Why ``cls``, whose ``handle`` is ``owner``'s, cannot be bypassed for ``kind``."""
+    inner = vars(owner).get("wraps_handlers")
+    if (
+        not isinstance(inner, type)
+        or not issubclass(owner, inner)
+        or _defining_class(cls, "wrapped_plain") is not owner
+    ):
+        return f"{cls.__name__} routes its messages itself (wrapped handlers without a plain split)"
+    if _defining_class(inner, f"on_{kind}") is None:  # the wrapper's own kind (an exchange)
+        return f"{cls.__name__}'s '{kind}' handler's local step is not plain (its own handler)"
+    for name in (f"on_{kind}", f"plain_{kind}"):
+        if _defining_class(cls, name) is not _defining_class(inner, name):
+            return f"{cls.__name__} overrides {name} of the {inner.__name__} it wraps"
+    if _defining_class(inner, "handle") is not ClientLogic:
+        return f"{cls.__name__} wraps {inner.__name__}, which routes its messages itself"
+    return _split_obstacle(inner, kind)
 
 
 def _defining_class(cls: type, name: str) -> type | None:

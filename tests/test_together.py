@@ -18,7 +18,8 @@ from torch.func import vmap
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fedskew.assembly.prepare as prepare_module
-from fedskew.algorithms.fedavg import FedAvgClient
+from fedskew.algorithms.fedacd import FedACDServer
+from fedskew.algorithms.fedavg import FedAvg, FedAvgClient
 from fedskew.assembly.prepare import new_model, prepare
 from fedskew.config import ExperimentConfig
 from fedskew.core.device import ExecutionSettings, cuda_count, settings_applied
@@ -37,8 +38,15 @@ from fedskew.engines.together_memory import (
 )
 from fedskew.models import build_model
 from fedskew.runs.loop import RunState, evaluate_global_model, play_round, server_setup
-from fedskew.training.interface import ClientContext, LocalTrainConfig
-from fedskew.training.local import cross_entropy_loss, local_train, set_arrays
+from fedskew.training.interface import ClientContext, ClientLogic, LocalTrainConfig
+from fedskew.training.local import (
+    batch_bounds,
+    cross_entropy_loss,
+    local_train,
+    set_arrays,
+    train_client,
+    trained_reply,
+)
 from fedskew.training.protocol import Message
 
 NO_CUDA = "no CUDA device here (CPU-only torch or no GPU): benchmarks/gpu_check.sh runs these"
@@ -206,6 +214,73 @@ def test_algorithm_trains_together_as_one_after_another_in_float64(
         assert b["accuracy"] == a["accuracy"]
 
 
+# FedACD through the step tensors (each batch's mixup draws) and the carried state (the
+# margins' table and the confusion sums, grown after each step, the table recomputed at each
+# client's own epoch end): 3 local epochs, so the table is recomputed twice mid-round, on
+# clients whose epochs have different numbers of batches (ragged steps, one vmap per size).
+ACD = {"algorithm": "fedacd", "local_epochs": 3, **SEAMED}
+ACD_PARAMS: dict[str, dict] = {
+    "margins-mixup": {},
+    "margins-no-mixup": {"mixup": False, "lam": 0.5},
+    "mixup-no-margins": {"margin": False},
+    "lam-0": {"lam": 0.0},
+    "pq-softmax-alpha-0.2": {"flat_kl": "pq", "weighting": "softmax", "mixup_alpha": 0.2},
+    "all-off": {"lam": 0.0, "margin": False, "mixup": False, "weighting": "uniform"},
+}
+
+
+def _fedacd_rounds(
+    mode: str, params: dict, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list, RunState, list[dict]]:
+    """``_rounds`` of FedACD in float64, with every round's replies as the server got them."""
+    replies: list[dict] = []
+    weights = FedACDServer.weights
+
+    def kept(self, got, clients):  # type: ignore[no-untyped-def]
+        replies.append({c: got[c] for c in clients})
+        return weights(self, got, clients)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(FedACDServer, "weights", kept)
+        records, state = _rounds(mode, dtype=torch.float64, params=params, **ACD)
+    return records, state, replies
+
+
+@pytest.mark.parametrize("case", sorted(ACD_PARAMS))
+def test_fedacd_trains_together_as_one_after_another_in_float64(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each client's reply (trained weights, mean loss, divergence) and the global models
+    equal one after another's to 1e-10 in float64, every client trained together."""
+    expected, alone, wanted = _fedacd_rounds("off", ACD_PARAMS[case], monkeypatch)
+    sizes = _chunks_seen(monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, together, replies = _fedacd_rounds("vmap", ACD_PARAMS[case], monkeypatch)
+    assert sizes == [4] * len(expected)
+    assert not [str(w.message) for w in caught if "performance drop" in str(w.message)]
+    # The test's point: clients whose epochs end at different steps, within one stack.
+    epoch_steps = [
+        {len(batch_bounds(len(together.prep.fed.client(c)), 16)) for c in r["clients"]} for r in got
+    ]
+    assert all(len(steps) > 1 for steps in epoch_steps), epoch_steps
+    difference = 0.0
+    for want_round, got_round in zip(wanted, replies, strict=True):
+        assert sorted(want_round) == sorted(got_round)
+        for cid, want in want_round.items():
+            reply = got_round[cid]
+            assert sorted(reply.scalars) == sorted(want.scalars)
+            for key, value in want.scalars.items():
+                assert reply.scalars[key] == pytest.approx(value, rel=1e-10, abs=1e-12), key
+            for name, value in want.arrays.items():
+                gap = (reply.arrays[name].double() - value.double()).abs().max()
+                difference = max(difference, float(gap))
+    print(f"{case}: max float64 difference of the clients' weights {difference:.2e}")
+    assert difference < 1e-10
+    assert _max_difference(alone, together) < 1e-10
+    _compare(expected, alone, got, together, {"rtol": 0.0, "atol": 1e-10, "metrics": 1e-10})
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_vmap_matches_one_after_another_in_fp32(case: str, device: str) -> None:
@@ -245,10 +320,19 @@ def test_each_client_trains_as_alone() -> None:
             torch.testing.assert_close(finals[k][name], value, **F32_WEIGHTS, msg=name)
 
 
+class UnsplitClient(ClientLogic):
+    """FedAvg's local training in one handler, without a plain_train split (every algorithm
+    of the library has one since FedACD's)."""
+
+    def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        set_arrays(ctx.model, msg.arrays)
+        return trained_reply(ctx, train_client(ctx).mean_loss)
+
+
 @pytest.mark.parametrize(
     "options, reason",
     [
-        ({"algorithm": "fedacd"}, "FedACDClient's 'train' handler's local step is not plain"),
+        ({"unsplit": True}, "UnsplitClient's 'train' handler's local step is not plain"),
         (
             {"algorithm": "fedavg", "feature_matching": True, "params": {"start_round": 0}},
             "routes its messages itself",
@@ -256,8 +340,10 @@ def test_each_client_trains_as_alone() -> None:
     ],
 )
 def test_other_algorithms_fall_back_with_the_reason(
-    options: dict, reason: str, caplog: pytest.LogCaptureFixture
+    options: dict, reason: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if options.pop("unsplit", False):
+        monkeypatch.setattr(FedAvg, "Client", UnsplitClient)
     expected, _ = _rounds("off", rounds=1, **options)
     with caplog.at_level(logging.INFO, logger="fedskew"):
         got, _ = _rounds("vmap", rounds=1, **options)

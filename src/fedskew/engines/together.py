@@ -36,30 +36,38 @@ each client's stacked weights swapped in (``functional_call`` on a module holdin
 so ``model.parameters()`` inside the loss are the client's); per-client ``tensors`` (a global
 model, an anchor, class counts, a control variate), stacked along dim 0 and mapped with the
 weights; a per-parameter ``grad_shift`` added to each client's gradient after clipping,
-before the step; and ``ctx.state``, read by ``plain_<kind>`` before training and written by
+before the step; step tensors, a row per step drawn before training (stacked as (steps,
+clients, ...), zero-padded to the largest row), whose row ``s`` the loss finds at step ``s``;
+carried state, per-client tensors the loss reads that ``after_step`` replaces from the loss's
+``LossOutput.aux`` in the same vmap as the loss (the aux has the batch's shape, which differs
+between the vmaps of a ragged step) and ``after_epoch`` at each client's own epoch end (a
+(steps, clients) mask made before training picks the clients, ``torch.where`` keeps the
+others' values); and ``ctx.state``, read by ``plain_<kind>`` before training and written by
 ``finish`` after it, as one after another.
 
 Which algorithms. A handler split into ``plain_<kind>`` (``PlainTraining``: the shared loop
-and optimiser, the algorithm's loss, per-client tensors, gradient shift and tensors trained
-beside the model given as data) trains together: FedAvg, CReFF and FedNH (cross-entropy),
-FedProx, FedLC, FedRS, FedDecorr, FedNTD (the global model as the teacher's per-client
-tensors; its kl_div has no batching rule, so that one op runs client by client), SCAFFOLD
-(its correction as the gradient shift), FedDyn (g_k and the server model as tensors),
-FedNova (cross-entropy; its normalised update in ``finish``), FedProto (the global
-prototypes as tensors), FedCME (train, train_first and train_rest; the global class features
-as tensors; its evaluate exchange trains nothing), MOON (the frozen global and previous
-models' weights as tensors; clients with and without a previous model train in separate
-stacks), FedROD (its personal head trained beside the model), FedFM and FedFM-Lite (the
-matching term in ``AnchorMatchingLoss``, the global anchors as tensors; FedFM's anchor
-exchange trains nothing). FedACD does not (its docstring says why). Every other exchange, a
-client logic that wraps the handlers (the feature-matching plug-in), and a model with dropout
-or with a BatchNorm without running statistics are trained one after another, and the reason
-is logged once. ``--precision bf16`` trains together too: autocast does not reach the kernels
+and optimiser, the algorithm's loss, per-client tensors, gradient shift, tensors trained
+beside the model, step tensors and carried state given as data) trains together: FedAvg,
+CReFF and FedNH (cross-entropy), FedProx, FedLC, FedRS, FedDecorr, FedNTD (the global model
+as the teacher's per-client tensors; its kl_div has no batching rule, so that one op runs
+client by client), SCAFFOLD (its correction as the gradient shift), FedDyn (g_k and the
+server model as tensors), FedNova (cross-entropy; its normalised update in ``finish``),
+FedProto (the global prototypes as tensors), FedCME (train, train_first and train_rest; the
+global class features as tensors; its evaluate exchange trains nothing), MOON (the frozen
+global and previous models' weights as tensors; clients with and without a previous model
+train in separate stacks), FedROD (its personal head trained beside the model), FedFM and
+FedFM-Lite (the matching term in ``AnchorMatchingLoss``, the global anchors as tensors;
+FedFM's anchor exchange trains nothing), FedACD (its mixup draws as step tensors; the
+margins' table and the confusion sums as carried state, grown after each step and turned
+into the next epoch's margins at each client's epoch end). Every other exchange, a client
+logic that wraps the handlers (the feature-matching plug-in), and a model with dropout or
+with a BatchNorm without running statistics are trained one after another, and the reason is
+logged once. ``--precision bf16`` trains together too: autocast does not reach the kernels
 inside ``vmap`` (they would run in fp32), so ``_AutocastInVmap`` makes its casts explicitly;
 the curves stay within bf16's own rounding spread of one after another (tests). The memory
 estimate (``together_memory``) counts the model's copies, not an algorithm's per-client
-tensors (MOON's two frozen models, FedDyn's two tensors per parameter); a chunk that runs out
-of GPU memory is halved.
+tensors (MOON's two frozen models, FedDyn's two tensors per parameter); a chunk that runs
+out of GPU memory is halved.
 """
 
 from __future__ import annotations

@@ -44,7 +44,12 @@ tensors and carried state: every batch's mixup draws are made before training (t
 is not the batch order's) and reach the loss as step tensors; the margins' table and the
 epoch's confusion sums are carried, the sums grown after each step from the batch's detached
 softmax outputs (``add_to_confusion``) and the table recomputed at each of the client's own
-epoch ends (``margins_of_epoch``).
+epoch ends (``margins_of_epoch``). One after another, ``run_plain`` computes what the handler
+computed before the split, bit for bit in fp32 and bf16 and in float64 without mixup or
+margins (checked); in a float64 run with both, a mixed batch's weighted outputs are added to
+the sums as a product, where ``index_add_``'s Python ``alpha`` was a fused multiply-add on the
+CPU (no tensor weight, which clients trained together need, gives that), so the sums may
+differ in their last bit.
 """
 
 from __future__ import annotations
@@ -249,10 +254,12 @@ class Mixup:
         the partner permutations (steps, largest batch), zero-padded at the end, each moved
         to ``device`` in one copy."""
         draws = [self.draw(n) for _ in range(epochs) for n in self.batch_sizes]
-        partners = torch.zeros(len(draws), max(self.batch_sizes, default=0), dtype=torch.int64)
+        host = self.gen.device  # named: a default device (meta, cuda) must not take them
+        widest = max(self.batch_sizes, default=0)
+        partners = torch.zeros(len(draws), widest, dtype=torch.int64, device=host)
         for step, (_, perm) in enumerate(draws):
             partners[step, : len(perm)] = perm
-        mixes = torch.tensor([mix for mix, _ in draws], dtype=torch.float64)
+        mixes = torch.tensor([mix for mix, _ in draws], dtype=torch.float64, device=host)
         return mixes.to(device, non_blocking=True), partners.to(device, non_blocking=True)
 
 

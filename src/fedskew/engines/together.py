@@ -538,8 +538,8 @@ class _EpochEnds:
             for step in range(len(c.bounds) - 1, c.steps, len(c.bounds)):
                 ending[step][i] = True
         self.any = [any(row) for row in ending]
-        self.mask = torch.tensor(ending, dtype=torch.bool).reshape(steps, len(clients))
-        self.mask = self.mask.to(device, non_blocking=True)
+        host = torch.tensor(ending, dtype=torch.bool, device="cpu").reshape(steps, len(clients))
+        self.mask = host.to(device, non_blocking=True)
 
     def update(
         self,

@@ -40,14 +40,18 @@ from fedskew.models import build_model
 from fedskew.runs.loop import RunState, evaluate_global_model, play_round, server_setup
 from fedskew.training.interface import ClientContext, ClientLogic, LocalTrainConfig
 from fedskew.training.local import (
+    LossOutput,
+    PlainTraining,
+    TrainResult,
     batch_bounds,
     cross_entropy_loss,
     local_train,
+    run_plain,
     set_arrays,
     train_client,
     trained_reply,
 )
-from fedskew.training.protocol import Message
+from fedskew.training.protocol import ClientState, Message
 
 NO_CUDA = "no CUDA device here (CPU-only torch or no GPU): benchmarks/gpu_check.sh runs these"
 DEVICES = [
@@ -327,6 +331,103 @@ class UnsplitClient(ClientLogic):
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
         set_arrays(ctx.model, msg.arrays)
         return trained_reply(ctx, train_client(ctx).mean_loss)
+
+
+# The step-tensor and carried-state seam on its own: a loss scaled by its step's row, its
+# carried tensors counting what after_step and after_epoch saw.
+def _scaled_loss(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, t: dict[str, torch.Tensor]
+) -> LossOutput:
+    out = cross_entropy_loss(model, x, y)
+    # The row of the step, cut to the batch (its padding, zeros, would add nothing anyway).
+    row = t["row"][: x.shape[0]].sum()
+    aux = {"samples": torch.ones_like(y, dtype=torch.float64).sum(), "row": row}
+    return LossOutput(out.loss * t["scale"].to(out.loss.dtype), out.features, out.logits, aux)
+
+
+def _count_step(
+    carried: dict[str, torch.Tensor], aux: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    return {
+        **carried,
+        "seen": carried["seen"] + aux["samples"],
+        "rows": carried["rows"] + aux["row"],
+    }
+
+
+def _count_epoch(carried: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {
+        **carried,
+        "seen": torch.zeros_like(carried["seen"]),
+        "epochs": carried["epochs"] + 1,
+        "last_epoch": carried["seen"],
+    }
+
+
+def _seam_plan(sizes: list[int], results: list[TrainResult]) -> PlainTraining:
+    """A plan for batches of ``sizes``, step after step: scale 1 + s / 100, and a row of
+    s + 1 over the step's real batch; ``finish`` keeps the TrainResult in ``results``."""
+    row = torch.zeros(len(sizes), max(sizes), dtype=torch.float64)
+    for s, n in enumerate(sizes):
+        row[s, :n] = s + 1
+    zero = torch.zeros((), dtype=torch.float64)
+    steps = len(sizes)
+
+    def finish(result: TrainResult) -> Message:
+        results.append(result)
+        return Message("trained")
+
+    return PlainTraining(
+        finish,
+        loss=_scaled_loss,
+        step_tensors={"scale": 1 + torch.arange(steps, dtype=torch.float64) / 100, "row": row},
+        carried={name: zero.clone() for name in ("seen", "rows", "epochs", "last_epoch")},
+        after_step=_count_step,
+        after_epoch=_count_epoch,
+    )
+
+
+def test_step_tensors_and_carried_state_follow_each_client() -> None:
+    """Trained together, each client's loss sees its own step rows (of its own widths), and
+    its carried state is updated after each of its steps and at each of its own epoch ends
+    (clients of 4, 1, 3 and 1 batches an epoch): the final values one after another gives,
+    and the numbers they must be."""
+    cfg = ExperimentConfig(num_clients=4, workers=0, device="cpu")
+    prep = prepare(cfg)
+    train = LocalTrainConfig(epochs=2, batch_size=8, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    datas = []
+    for k, size in enumerate([33, 9, 20, 2]):
+        data = prep.fed.client(k)
+        data.indices = data.indices[:size]
+        datas.append(data)
+    model = new_model(prep)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    plans, alone, results = [], [], []
+    for k, data in enumerate(datas):
+        sizes = [b - a for a, b in batch_bounds(len(data), 8)] * 2
+        plans.append(_seam_plan(sizes, []))
+        plan = _seam_plan(sizes, results)
+        set_arrays(model, start)
+        run_plain(plan, ClientContext(k, 0, 7, data, model, ClientState(), train))
+        alone.append((plan.carried, {n: v.clone() for n, v in model.state_dict().items()}))
+        rows = sum(n * (s + 1) for s, n in enumerate(sizes))
+        assert {n: float(v) for n, v in plan.carried.items()} == {
+            "seen": 0.0, "rows": rows, "epochs": 2.0, "last_epoch": len(data),
+        }  # fmt: skip
+    gens = [torch_rng(7, 0, k, "train") for k in range(4)]
+    got, finals = train_together(
+        model, datas, train, gens, [start] * 4, [2] * 4, loss=_scaled_loss,
+        step_tensors=[p.step_tensors for p in plans], carried=[p.carried for p in plans],
+        after_step=_count_step, after_epoch=_count_epoch,
+    )  # fmt: skip
+    for k, (carried, weights) in enumerate(alone):
+        assert {n: float(v) for n, v in plans[k].carried.items()} == {
+            n: float(v) for n, v in carried.items()
+        }, k
+        assert got[k].steps == results[k].steps
+        assert got[k].mean_loss == pytest.approx(results[k].mean_loss, rel=1e-4)
+        for name, value in weights.items():
+            torch.testing.assert_close(finals[k][name], value, **F32_WEIGHTS, msg=name)
 
 
 @pytest.mark.parametrize(

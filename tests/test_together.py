@@ -102,6 +102,8 @@ CASES = {
     "fedavg-bn-augment-clip": {"model": TINY_BN, "augment": True, "grad_clip": 0.5},
     "fednh-bn": {"algorithm": "fednh", "model": TINY_BN},
     "creff": {"algorithm": "creff", "params": {"match_epochs": 3, "crt_epochs": 5}},
+    # Step tensors and carried state on the device too (gpu_check.sh runs the cuda cases).
+    "fedacd-bn-augment": {"algorithm": "fedacd", "model": TINY_BN, "augment": True},
 }
 EXACT = ("fedavg-mlp", "fedavg-bn-augment-clip")  # run in float64 below (FedNH's means: fp32)
 

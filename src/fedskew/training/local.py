@@ -335,14 +335,17 @@ class _StepwiseLoss:
     def __call__(
         self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
     ) -> LossOutput | torch.Tensor:
+        if self.plan.after_epoch is not None and self.batches_per_epoch < 1:
+            raise ValueError("after_epoch needs the number of batches per epoch (loss_fn's)")
         rows = {name: t[self.step] for name, t in self.plan.step_tensors.items()}
         out = self.loss(model, x, y, {**self.fixed, **self.carried, **rows})
         if self.plan.after_step is not None:
             if not isinstance(out, LossOutput):
                 raise TypeError("after_step needs a loss that returns a LossOutput (its aux)")
-            self.carried = self.plan.after_step(self.carried, out.aux)
+            aux = {name: t.detach() for name, t in out.aux.items()}
+            self.carried = self.plan.after_step(self.carried, aux)
         self.step += 1
-        if self.plan.after_epoch is not None and self.step % max(self.batches_per_epoch, 1) == 0:
+        if self.plan.after_epoch is not None and self.step % self.batches_per_epoch == 0:
             self.carried = self.plan.after_epoch(self.carried)
         return out
 

@@ -741,6 +741,50 @@ def _ops_per_step(monkeypatch: pytest.MonkeyPatch, clients: int) -> list[Counter
     return steps[1:]  # the first holds the stacking and the drawing of batches
 
 
+def test_a_ragged_step_makes_no_tensor_from_python_numbers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step of an algorithm's loss on batches of different sizes (one vmap per size), with
+    step tensors and carried state updated after the step and at some clients' epoch ends:
+    no tensor is made from Python numbers while it runs (on CUDA that copy waits for the
+    host); the groups' positions and the epoch-end mask are made before training."""
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 4, 4), 3, hidden=8)
+    sizes = [12, 10, 7]  # batches of 4: [4, 4, 4], [4, 4, 2], [4, 3] an epoch
+    x, y = torch.randn(sum(sizes), 1, 4, 4), torch.randint(0, 3, (sum(sizes),))
+    offsets = [0, 12, 22]
+    datas = [
+        ClientData(x, y, torch.arange(o, o + n), 3) for o, n in zip(offsets, sizes, strict=True)
+    ]
+    plans = []
+    for data in datas:
+        batches = [b - a for a, b in batch_bounds(len(data), 4)] * 2
+        plans.append(_seam_plan(batches, []))
+    gens = [torch.Generator().manual_seed(k) for k in range(3)]
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    train = LocalTrainConfig(epochs=2, batch_size=4, momentum=0.9)
+    mode = _CountOps()
+    steps: list[Counter[str]] = []
+    real = together._sgd_step
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        real(*args, **kwargs)
+        steps.append(mode.ops)
+        mode.ops = Counter()
+
+    monkeypatch.setattr(together, "_sgd_step", counted)
+    with mode:
+        train_together(
+            model, datas, train, gens, [start] * 3, [2] * 3, loss=_scaled_loss,
+            step_tensors=[p.step_tensors for p in plans], carried=[p.carried for p in plans],
+            after_step=_count_step, after_epoch=_count_epoch,
+        )  # fmt: skip
+    assert len(steps) == 6
+    # Steps 1, 2, 3 and 5 are ragged (one vmap per size, buffers and state copied back).
+    assert [step["index_copy"] > 0 for step in steps] == [False, True, True, True, False, True]
+    assert [step["lift_fresh"] for step in steps[1:]] == [0] * 5
+
+
 def test_a_whole_stack_step_slices_nothing_and_costs_the_same_for_more_clients(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -309,6 +309,7 @@ class _Schedule:
         self.sizes = sizes  # per step, the batch size of each active client
         self.width = [max(z) for z in sizes]
         self.padded = [min(z) != max(z) for z in sizes]
+        self.groups = _size_groups(sizes, device)
 
     def batches(
         self, step: int, x: torch.Tensor, y: torch.Tensor, which: torch.Tensor | int, width: int
@@ -331,6 +332,25 @@ class _Schedule:
             stacked = draws[..., :width].permute(1, 0, 2).reshape(3, index.numel())
             xb = crop_and_flip(flat, stacked).reshape(xb.shape)
         return xb, y[index]
+
+
+def _size_groups(
+    sizes: Sequence[Sequence[int]], device: torch.device
+) -> list[list[tuple[int, torch.Tensor]]]:
+    """Per step, its clients grouped by batch size: (size, their positions in the stack),
+    one group when every batch is the same size. The positions of all steps reach the device
+    in one copy: a ragged step of an algorithm's loss (``_loss_step``) builds no tensor from
+    Python numbers, which on CUDA would wait for the host."""
+    by_step = []
+    for step_sizes in sizes:
+        by_size: dict[int, list[int]] = {}
+        for position, size in enumerate(step_sizes):
+            by_size.setdefault(size, []).append(position)
+        by_step.append(list(by_size.items()))
+    flat = [position for groups in by_step for _, group in groups for position in group]
+    moved = torch.tensor(flat, dtype=torch.int64, device="cpu").to(device, non_blocking=True)
+    parts = iter(moved.split([len(group) for groups in by_step for _, group in groups]))
+    return [[(size, next(parts)) for size, _ in groups] for groups in by_step]
 
 
 def _batch_positions(
@@ -710,9 +730,7 @@ def _loss_step(
     size, without padding.
 
     Carried tensors are replaced, not written in place: the step's graph may hold them."""
-    by_size: dict[int, list[int]] = {}
-    for position, size in enumerate(schedule.sizes[step]):
-        by_size.setdefault(size, []).append(position)
+    groups = schedule.groups[step]
     updates = bound.after_step is not None
 
     # The model's weights go to functional_call; tensors trained beside it (``_BESIDE``, in
@@ -724,7 +742,7 @@ def _loss_step(
         return functional_call(bound, state, (x, y, t, c))
 
     mapped = vmap(one)
-    if len(by_size) == 1:
+    if len(groups) == 1:
         xb, yb = schedule.batches(step, x_all, y_all, active, schedule.width[step])
         p_now = {name: _prefix(p, active) for name, p in params.items() if name[0] != "\0"}
         b_now = {name: _prefix(b, active) for name, b in buffers.items()}
@@ -738,8 +756,7 @@ def _loss_step(
             }
         return losses, None, carry
     parts, where = [], []
-    for size, positions in by_size.items():
-        index = torch.tensor(positions, device=x_all.device)
+    for size, index in groups:
         xb, yb = schedule.batches(step, x_all, y_all, index, size)
         p_now = {name: p.index_select(0, index) for name, p in params.items() if name[0] != "\0"}
         # Copies: BatchNorm's running statistics go back to the stack after the forward.

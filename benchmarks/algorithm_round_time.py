@@ -171,14 +171,14 @@ EXTRA_WORK: dict[str, ExtraWork] = {
         "anchor aggregation; model average every a rounds",
         "fedfm_lite.py FedFMLiteClient.on_lite_train",
     ),
-    # fedacd.py FedACDClient.on_train: soft_confusion (body + head, no grad, all local data)
-    # before training (margin=true) and after training (weighting != uniform);
-    # FedACDLoss.__call__ per step: mixup of the batch, flat KL, CE on both mixed labels
-    # (one forward), confusion accumulation.
+    # fedacd.py FedACDClient.plain_train: soft_confusion (body + head, no grad, all local
+    # data) before training (margin=true) and after training (weighting != uniform);
+    # acd_loss per step: mixup of the batch, flat KL, CE on both mixed labels (one forward);
+    # add_to_confusion after it.
     "fedacd": ExtraWork(
         2, 0, "2 (full model: P at round start, score after training)",
         "mixup, flat KL, two CE on one forward, confusion sums", "1", "score weights",
-        "fedacd.py FedACDClient.on_train (soft_confusion x2), FedACDLoss.__call__",
+        "fedacd.py FedACDClient.plain_train (soft_confusion x2), acd_loss",
     ),
     # fedcme.py FedCMEClient.finish: class_feature_means (body, no grad, all local data,
     # mu > 0) and client_eval_vector (full model, no grad, on eval_fraction = 0.2 of the data);

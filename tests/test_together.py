@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fedskew.assembly.prepare as prepare_module
 from fedskew import algorithms
 from fedskew.algorithms.feature_matching import InnerMatchingLoss, with_feature_matching
+from fedskew.algorithms.fedacd import FedACDServer
 from fedskew.algorithms.fedavg import FedAvg, FedAvgClient
 from fedskew.assembly.prepare import new_model, prepare
 from fedskew.config import ExperimentConfig
@@ -41,13 +42,18 @@ from fedskew.models import build_model
 from fedskew.runs.loop import RunState, evaluate_global_model, play_round, server_setup
 from fedskew.training.interface import ClientContext, ClientLogic, LocalTrainConfig
 from fedskew.training.local import (
+    LossOutput,
+    PlainTraining,
+    TrainResult,
+    batch_bounds,
     cross_entropy_loss,
     local_train,
+    run_plain,
     set_arrays,
     train_client,
     trained_reply,
 )
-from fedskew.training.protocol import Message
+from fedskew.training.protocol import ClientState, Message
 
 NO_CUDA = "no CUDA device here (CPU-only torch or no GPU): benchmarks/gpu_check.sh runs these"
 DEVICES = [
@@ -98,6 +104,8 @@ CASES = {
     "fedavg-bn-augment-clip": {"model": TINY_BN, "augment": True, "grad_clip": 0.5},
     "fednh-bn": {"algorithm": "fednh", "model": TINY_BN},
     "creff": {"algorithm": "creff", "params": {"match_epochs": 3, "crt_epochs": 5}},
+    # Step tensors and carried state on the device too (gpu_check.sh runs the cuda cases).
+    "fedacd-bn-augment": {"algorithm": "fedacd", "model": TINY_BN, "augment": True},
 }
 EXACT = ("fedavg-mlp", "fedavg-bn-augment-clip")  # run in float64 below (FedNH's means: fp32)
 
@@ -229,6 +237,9 @@ FM_CASES: dict[str, dict] = {
     "fedcme+fm": {"algorithm": "fedcme", "params": {"mu": 1.0}},
     # The personal head trained beside the model (among the loss's tensors, with the anchors).
     "fedrod+fm": {"algorithm": "fedrod", "params": {"phead_init": "generic"}},
+    # Step tensors and carried state (mixup draws, margins) under the plug-in's loss; FedACD
+    # has a lam of its own, so the plug-in's is fm_lam.
+    "fedacd+fm": {"algorithm": "fedacd", "params": {"lam": 1.0, "fm_lam": 5.0}},
 }
 
 
@@ -322,6 +333,73 @@ def test_feature_matching_plug_in_trains_together_as_one_after_another_in_float6
         assert b["accuracy"] == a["accuracy"]
 
 
+# FedACD through the step tensors (each batch's mixup draws) and the carried state (the
+# margins' table and the confusion sums, grown after each step, the table recomputed at each
+# client's own epoch end): 3 local epochs, so the table is recomputed twice mid-round, on
+# clients whose epochs have different numbers of batches (ragged steps, one vmap per size).
+ACD = {"algorithm": "fedacd", "local_epochs": 3, **SEAMED}
+ACD_PARAMS: dict[str, dict] = {
+    "margins-mixup": {},
+    "margins-no-mixup": {"mixup": False, "lam": 0.5},
+    "mixup-no-margins": {"margin": False},
+    "lam-0": {"lam": 0.0},
+    "pq-softmax-alpha-0.2": {"flat_kl": "pq", "weighting": "softmax", "mixup_alpha": 0.2},
+    "all-off": {"lam": 0.0, "margin": False, "mixup": False, "weighting": "uniform"},
+}
+
+
+def _fedacd_rounds(
+    mode: str, params: dict, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list, RunState, list[dict]]:
+    """``_rounds`` of FedACD in float64, with every round's replies as the server got them."""
+    replies: list[dict] = []
+    weights = FedACDServer.weights
+
+    def kept(self, got, clients):  # type: ignore[no-untyped-def]
+        replies.append({c: got[c] for c in clients})
+        return weights(self, got, clients)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(FedACDServer, "weights", kept)
+        records, state = _rounds(mode, dtype=torch.float64, params=params, **ACD)
+    return records, state, replies
+
+
+@pytest.mark.parametrize("case", sorted(ACD_PARAMS))
+def test_fedacd_trains_together_as_one_after_another_in_float64(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each client's reply (trained weights, mean loss, divergence) and the global models
+    equal one after another's to 1e-10 in float64, every client trained together."""
+    expected, alone, wanted = _fedacd_rounds("off", ACD_PARAMS[case], monkeypatch)
+    sizes = _chunks_seen(monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, together, replies = _fedacd_rounds("vmap", ACD_PARAMS[case], monkeypatch)
+    assert sizes == [4] * len(expected)
+    assert not [str(w.message) for w in caught if "performance drop" in str(w.message)]
+    # The test's point: clients whose epochs end at different steps, within one stack.
+    epoch_steps = [
+        {len(batch_bounds(len(together.prep.fed.client(c)), 16)) for c in r["clients"]} for r in got
+    ]
+    assert all(len(steps) > 1 for steps in epoch_steps), epoch_steps
+    difference = 0.0
+    for want_round, got_round in zip(wanted, replies, strict=True):
+        assert sorted(want_round) == sorted(got_round)
+        for cid, want in want_round.items():
+            reply = got_round[cid]
+            assert sorted(reply.scalars) == sorted(want.scalars)
+            for key, value in want.scalars.items():
+                assert reply.scalars[key] == pytest.approx(value, rel=1e-10, abs=1e-12), key
+            for name, value in want.arrays.items():
+                gap = (reply.arrays[name].double() - value.double()).abs().max()
+                difference = max(difference, float(gap))
+    print(f"{case}: max float64 difference of the clients' weights {difference:.2e}")
+    assert difference < 1e-10
+    assert _max_difference(alone, together) < 1e-10
+    _compare(expected, alone, got, together, {"rtol": 0.0, "atol": 1e-10, "metrics": 1e-10})
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_vmap_matches_one_after_another_in_fp32(case: str, device: str) -> None:
@@ -372,6 +450,103 @@ class _NonPlainClient(ClientLogic):
 class _NonPlain(FedAvg):
     name = "non-plain"
     Client = _NonPlainClient
+
+
+# The step-tensor and carried-state seam on its own: a loss scaled by its step's row, its
+# carried tensors counting what after_step and after_epoch saw.
+def _scaled_loss(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, t: dict[str, torch.Tensor]
+) -> LossOutput:
+    out = cross_entropy_loss(model, x, y)
+    # The row of the step, cut to the batch (its padding, zeros, would add nothing anyway).
+    row = t["row"][: x.shape[0]].sum()
+    aux = {"samples": torch.ones_like(y, dtype=torch.float64).sum(), "row": row}
+    return LossOutput(out.loss * t["scale"].to(out.loss.dtype), out.features, out.logits, aux)
+
+
+def _count_step(
+    carried: dict[str, torch.Tensor], aux: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    return {
+        **carried,
+        "seen": carried["seen"] + aux["samples"],
+        "rows": carried["rows"] + aux["row"],
+    }
+
+
+def _count_epoch(carried: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {
+        **carried,
+        "seen": torch.zeros_like(carried["seen"]),
+        "epochs": carried["epochs"] + 1,
+        "last_epoch": carried["seen"],
+    }
+
+
+def _seam_plan(sizes: list[int], results: list[TrainResult]) -> PlainTraining:
+    """A plan for batches of ``sizes``, step after step: scale 1 + s / 100, and a row of
+    s + 1 over the step's real batch; ``finish`` keeps the TrainResult in ``results``."""
+    row = torch.zeros(len(sizes), max(sizes), dtype=torch.float64)
+    for s, n in enumerate(sizes):
+        row[s, :n] = s + 1
+    zero = torch.zeros((), dtype=torch.float64)
+    steps = len(sizes)
+
+    def finish(result: TrainResult) -> Message:
+        results.append(result)
+        return Message("trained")
+
+    return PlainTraining(
+        finish,
+        loss=_scaled_loss,
+        step_tensors={"scale": 1 + torch.arange(steps, dtype=torch.float64) / 100, "row": row},
+        carried={name: zero.clone() for name in ("seen", "rows", "epochs", "last_epoch")},
+        after_step=_count_step,
+        after_epoch=_count_epoch,
+    )
+
+
+def test_step_tensors_and_carried_state_follow_each_client() -> None:
+    """Trained together, each client's loss sees its own step rows (of its own widths), and
+    its carried state is updated after each of its steps and at each of its own epoch ends
+    (clients of 4, 1, 3 and 1 batches an epoch): the final values one after another gives,
+    and the numbers they must be."""
+    cfg = ExperimentConfig(num_clients=4, workers=0, device="cpu")
+    prep = prepare(cfg)
+    train = LocalTrainConfig(epochs=2, batch_size=8, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    datas = []
+    for k, size in enumerate([33, 9, 20, 2]):
+        data = prep.fed.client(k)
+        data.indices = data.indices[:size]
+        datas.append(data)
+    model = new_model(prep)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    plans, alone, results = [], [], []
+    for k, data in enumerate(datas):
+        sizes = [b - a for a, b in batch_bounds(len(data), 8)] * 2
+        plans.append(_seam_plan(sizes, []))
+        plan = _seam_plan(sizes, results)
+        set_arrays(model, start)
+        run_plain(plan, ClientContext(k, 0, 7, data, model, ClientState(), train))
+        alone.append((plan.carried, {n: v.clone() for n, v in model.state_dict().items()}))
+        rows = sum(n * (s + 1) for s, n in enumerate(sizes))
+        assert {n: float(v) for n, v in plan.carried.items()} == {
+            "seen": 0.0, "rows": rows, "epochs": 2.0, "last_epoch": len(data),
+        }  # fmt: skip
+    gens = [torch_rng(7, 0, k, "train") for k in range(4)]
+    got, finals = train_together(
+        model, datas, train, gens, [start] * 4, [2] * 4, loss=_scaled_loss,
+        step_tensors=[p.step_tensors for p in plans], carried=[p.carried for p in plans],
+        after_step=_count_step, after_epoch=_count_epoch,
+    )  # fmt: skip
+    for k, (carried, weights) in enumerate(alone):
+        assert {n: float(v) for n, v in plans[k].carried.items()} == {
+            n: float(v) for n, v in carried.items()
+        }, k
+        assert got[k].steps == results[k].steps
+        assert got[k].mean_loss == pytest.approx(results[k].mean_loss, rel=1e-4)
+        for name, value in weights.items():
+            torch.testing.assert_close(finals[k][name], value, **F32_WEIGHTS, msg=name)
 
 
 @pytest.mark.parametrize(
@@ -715,6 +890,50 @@ def _ops_per_step(monkeypatch: pytest.MonkeyPatch, clients: int) -> list[Counter
     with mode:
         train_together(model, datas, train, gens, [start] * clients, [2] * clients)
     return steps[1:]  # the first holds the stacking and the drawing of batches
+
+
+def test_a_ragged_step_makes_no_tensor_from_python_numbers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step of an algorithm's loss on batches of different sizes (one vmap per size), with
+    step tensors and carried state updated after the step and at some clients' epoch ends:
+    no tensor is made from Python numbers while it runs (on CUDA that copy waits for the
+    host); the groups' positions and the epoch-end mask are made before training."""
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 4, 4), 3, hidden=8)
+    sizes = [12, 10, 7]  # batches of 4: [4, 4, 4], [4, 4, 2], [4, 3] an epoch
+    x, y = torch.randn(sum(sizes), 1, 4, 4), torch.randint(0, 3, (sum(sizes),))
+    offsets = [0, 12, 22]
+    datas = [
+        ClientData(x, y, torch.arange(o, o + n), 3) for o, n in zip(offsets, sizes, strict=True)
+    ]
+    plans = []
+    for data in datas:
+        batches = [b - a for a, b in batch_bounds(len(data), 4)] * 2
+        plans.append(_seam_plan(batches, []))
+    gens = [torch.Generator().manual_seed(k) for k in range(3)]
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    train = LocalTrainConfig(epochs=2, batch_size=4, momentum=0.9)
+    mode = _CountOps()
+    steps: list[Counter[str]] = []
+    real = together._sgd_step
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        real(*args, **kwargs)
+        steps.append(mode.ops)
+        mode.ops = Counter()
+
+    monkeypatch.setattr(together, "_sgd_step", counted)
+    with mode:
+        train_together(
+            model, datas, train, gens, [start] * 3, [2] * 3, loss=_scaled_loss,
+            step_tensors=[p.step_tensors for p in plans], carried=[p.carried for p in plans],
+            after_step=_count_step, after_epoch=_count_epoch,
+        )  # fmt: skip
+    assert len(steps) == 6
+    # Steps 1, 2, 3 and 5 are ragged (one vmap per size, buffers and state copied back).
+    assert [step["index_copy"] > 0 for step in steps] == [False, True, True, True, False, True]
+    assert [step["lift_fresh"] for step in steps[1:]] == [0] * 5
 
 
 def test_a_whole_stack_step_slices_nothing_and_costs_the_same_for_more_clients(

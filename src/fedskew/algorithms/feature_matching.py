@@ -206,7 +206,8 @@ class InnerMatchingLoss:
             raise RuntimeError("feature matching needs a loss that returns features (LossOutput)")
         anchors = tensors[MATCH_TENSOR]
         term = scaled_matching_loss(out.features, y, anchors, self.lam, self.settings)
-        return LossOutput(out.loss + term, out.features, out.logits)
+        # aux goes on: the inner algorithm's after_step reads it (FedACD's confusion sums).
+        return LossOutput(out.loss + term, out.features, out.logits, out.aux)
 
 
 def _with_matching(

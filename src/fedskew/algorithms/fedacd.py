@@ -39,10 +39,18 @@ Choices the paper leaves open ([PROPOSAL] in docs/ALGORITHMS.md section 3), defa
 Ablation switches: ``lam=0`` drops L_flat, ``margin=false`` turns L_LA into plain CE,
 ``mixup=false``, ``weighting=uniform``. The paper's CIFAR model is ``-m cnn-cifar``.
 
-Clients train one after another, not together (``fedskew.engines.together``): the loss keeps
-per-client state that changes from step to step (the confusion matrix behind the next epoch's
-margins, mixup drawn from the client's own generator), which one loss mapped over stacked
-clients does not carry.
+Clients train together (``fedskew.engines.together``) through ``PlainTraining``'s step
+tensors and carried state: every batch's mixup draws are made before training (their generator
+is not the batch order's) and reach the loss as step tensors; the margins' table and the
+epoch's confusion sums are carried, the sums grown after each step from the batch's detached
+softmax outputs (``add_to_confusion``) and the table recomputed at each of the client's own
+epoch ends (``margins_of_epoch``). One after another, ``run_plain`` computes what the handler
+computed before the split but for the last bit of the confusion sums: a mixed batch's weighted
+outputs are added as a product, where ``index_add_``'s Python ``alpha`` was a fused
+multiply-add on the CPU (no tensor weight, which clients trained together need, gives that).
+Without mixup or without margins nothing differs; with both, float64 runs differ by about
+1e-14 in the weights after a round, and fp32 and bf16 runs, whose logits see the margins
+rounded to their precision, were bit for bit the same in every case checked.
 """
 
 from __future__ import annotations
@@ -69,15 +77,21 @@ from fedskew.training.interface import (
 )
 from fedskew.training.local import (
     LossOutput,
+    PlainTraining,
+    TrainResult,
     batch_bounds,
     get_arrays,
+    run_plain,
     set_arrays,
-    train_client,
     trained_needs,
 )
 from fedskew.training.protocol import Expected, Message, ScalarSpec
 
 EPS = 1e-8  # added to denominators of P and of Delta
+# PlainTraining.step_tensors: each batch's mixing weight and partner permutation.
+MIX, PARTNER = "mix", "partner"
+# PlainTraining.carried: the margins' table, and the epoch's confusion sums behind the next.
+LOG_DELTA, SUMS, WEIGHTS = "log_delta", "confusion_sums", "confusion_weights"
 WEIGHTINGS = ("inverse", "softmax", "uniform")
 FLAT_KLS = ("qp", "pq")
 SCORE_ROWS = ("mean", "sum")
@@ -167,8 +181,11 @@ def flat_target(probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """q with q_y = p_y and the rest of the mass, 1 - p_y, spread evenly over the others."""
     num_classes = probs.shape[1]
     p_y = probs.gather(1, y.unsqueeze(1))
-    q = ((1.0 - p_y) / (num_classes - 1)).expand_as(probs).clone()
-    return q.scatter_(1, y.unsqueeze(1), p_y)
+    rest = ((1.0 - p_y) / (num_classes - 1)).expand_as(probs)
+    # where, not scatter_ into a copy: scatter_ has no batching rule (clients trained
+    # together compute this under vmap).
+    is_y = torch.arange(num_classes, device=y.device) == y.unsqueeze(1)
+    return torch.where(is_y, p_y, rest)
 
 
 @in_fp32
@@ -192,8 +209,10 @@ def log_margins(confusion: torch.Tensor, present: torch.Tensor, delta: float) ->
     # where, not boolean indexing: nothing read back to the host mid-training.
     table = torch.where(present[None, :], table, math.log(delta))
     table = torch.where(present[:, None], table, 0.0)
-    table.fill_diagonal_(0.0)
-    return table
+    # where, not fill_diagonal_: that has no batching rule, and clients trained together
+    # compute their tables under vmap.
+    eye = torch.eye(table.shape[0], dtype=torch.bool, device=table.device)
+    return torch.where(eye, 0.0, table)
 
 
 class Mixup:
@@ -230,14 +249,123 @@ class Mixup:
             raise RuntimeError(f"mixup: a batch of {n} where the epoch's schedule has {len(perm)}")
         return mix, perm
 
+    def draw_steps(self, epochs: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draws of ``epochs`` epochs of ``batch_sizes``, as :meth:`next_batch` would take
+        them, as step tensors: the mixing weights (steps,) in float64 (the numbers drawn) and
+        the partner permutations (steps, largest batch), zero-padded at the end, each moved
+        to ``device`` in one copy."""
+        draws = [self.draw(n) for _ in range(epochs) for n in self.batch_sizes]
+        host = self.gen.device  # named: a default device (meta, cuda) must not take them
+        widest = max(self.batch_sizes, default=0)
+        partners = torch.zeros(len(draws), widest, dtype=torch.int64, device=host)
+        for step, (_, perm) in enumerate(draws):
+            partners[step, : len(perm)] = perm
+        mixes = torch.tensor([mix for mix, _ in draws], dtype=torch.float64, device=host)
+        return mixes.to(device, non_blocking=True), partners.to(device, non_blocking=True)
+
+
+def label_loss(
+    params: FedACDParams, logits: torch.Tensor, y: torch.Tensor, log_delta: torch.Tensor | None
+) -> torch.Tensor:
+    """The loss of the (possibly mixed) inputs against one label vector, batch-averaged."""
+    shifted = logits
+    if log_delta is not None:
+        shifted = logits + log_delta.to(logits.dtype)[y]
+    loss = F.cross_entropy(shifted, y)
+    if params.lam > 0:
+        loss = loss + params.lam * flat_kl(logits, y, params.flat_kl).mean()
+    return loss
+
+
+def acd_loss(
+    params: FedACDParams,
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    tensors: Mapping[str, torch.Tensor],
+) -> LossOutput:
+    """L_LA + lam * L_flat of one batch, mixed with the batch's draws in ``tensors`` (MIX,
+    PARTNER) and shifted by the margins there (LOG_DELTA); its ``aux`` holds what the
+    confusion sums need when margins are kept.
+
+    The mixing weight is a float64 tensor cast as a Python number would be (to the
+    operand's dtype after ``1 - mix`` in float64): one after another computes as before the
+    draws became tensors."""
+    mix, y_b = tensors.get(MIX), y
+    if mix is not None:
+        perm = tensors[PARTNER][: x.shape[0]]
+        x = mix.to(x.dtype) * x + (1.0 - mix).to(x.dtype) * x[perm]
+        y_b = y[perm]
+    features = model.body(x)
+    logits = model.head(features)
+    log_delta = tensors.get(LOG_DELTA)
+    loss = label_loss(params, logits, y, log_delta)
+    if mix is not None:
+        other = label_loss(params, logits, y_b, log_delta)
+        loss = mix.to(loss.dtype) * loss + (1.0 - mix).to(loss.dtype) * other
+    aux: dict[str, torch.Tensor] = {}
+    if log_delta is not None:
+        aux = {"probs": F.softmax(logits.detach().float(), dim=1), "y_a": y, "y_b": y_b}
+        if mix is not None:
+            aux["mix"] = mix
+    return LossOutput(loss, features, logits, aux)
+
+
+def start_carried(
+    num_classes: int, delta: float, start: tuple[torch.Tensor, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The carried state at the start of training: the margins of the start-of-round P
+    (and its per-class counts) and empty confusion sums."""
+    confusion, counts = start
+    f64, device = torch.float64, confusion.device
+    return {
+        LOG_DELTA: log_margins(confusion, counts > 0, delta),
+        SUMS: torch.zeros(num_classes, num_classes, dtype=f64, device=device),
+        WEIGHTS: torch.zeros(num_classes, dtype=f64, device=device),
+    }
+
+
+def add_to_confusion(
+    carried: Mapping[str, torch.Tensor], aux: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The confusion sums with a batch's softmax outputs added (``acd_loss``'s aux): each
+    sample to row y_a with weight mix, to row y_b with 1 - mix (in float64, as
+    ``ConfusionAccumulator.add``). Without mixup, to row y_a with weight 1."""
+    probs = aux["probs"].to(torch.float64)
+    sums, weights = carried[SUMS], carried[WEIGHTS]
+    mix = aux.get("mix")
+    if mix is None:
+        rows = aux["y_a"]
+        sums = sums.index_add(0, rows, probs)
+        weights = weights.index_add(0, rows, torch.ones_like(rows, dtype=torch.float64))
+    else:
+        w = mix.to(torch.float64)
+        for rows, share in ((aux["y_a"], w), (aux["y_b"], 1.0 - w)):
+            sums = sums.index_add(0, rows, probs * share)
+            weights = weights.index_add(0, rows, share.expand(rows.shape))
+    return {**carried, SUMS: sums, WEIGHTS: weights}
+
+
+def margins_of_epoch(carried: Mapping[str, torch.Tensor], delta: float) -> dict[str, torch.Tensor]:
+    """At an epoch's end: the next epoch's margins from this epoch's P, and empty sums."""
+    sums, weights = carried[SUMS], carried[WEIGHTS]
+    confusion = sums / (weights.unsqueeze(1) + EPS)
+    return {
+        LOG_DELTA: log_margins(confusion, weights > 0, delta),
+        SUMS: torch.zeros_like(sums),
+        WEIGHTS: torch.zeros_like(weights),
+    }
+
 
 class FedACDLoss:
-    """The local objective as a ``loss_fn(model, x, y) -> LossOutput`` for ``train_client``.
+    """One client's local objective as a stateful ``loss_fn(model, x, y) -> LossOutput`` for
+    ``train_client``: the functions the client's plain split gives the shared loop
+    (``acd_loss``, ``add_to_confusion``, ``margins_of_epoch``) with the client's state kept
+    here, the mixup draws taken batch by batch from ``mixer``.
 
-    It also keeps P up to date: the batches of one epoch build the P whose margins the next
-    epoch uses. An epoch ends after ``epoch_size`` samples, since the shared loop visits every
-    local sample exactly once per epoch (and keeping one ``train_client`` call keeps its
-    batch order the same as FedAvg's)."""
+    The batches of one epoch build the P whose margins the next epoch uses. An epoch ends
+    after ``epoch_size`` samples, since the shared loop visits every local sample exactly
+    once per epoch."""
 
     def __init__(
         self,
@@ -250,48 +378,33 @@ class FedACDLoss:
         if num_classes < 2:
             raise UsageError("fedacd needs at least 2 classes")
         self.params = params
-        self.num_classes = num_classes
         self.epoch_size = epoch_size
         self.mixer = mixer
-        self.log_delta: torch.Tensor | None = None
-        self.acc: ConfusionAccumulator | None = None
+        self.carried: dict[str, torch.Tensor] = {}
         if params.margin:
             if start is None:
                 raise ValueError("margins need the start-of-round confusion matrix")
-            self.log_delta = log_margins(start[0], start[1] > 0, params.delta)
-            self.acc = ConfusionAccumulator(num_classes, start[0].device)
+            self.carried = start_carried(num_classes, params.delta, start)
         self.seen = 0
 
-    def single(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The loss of the (possibly mixed) inputs against one label vector, batch-averaged."""
-        shifted = logits
-        if self.log_delta is not None:
-            shifted = logits + self.log_delta.to(logits.dtype)[y]
-        loss = F.cross_entropy(shifted, y)
-        if self.params.lam > 0:
-            loss = loss + self.params.lam * flat_kl(logits, y, self.params.flat_kl).mean()
-        return loss
+    @property
+    def log_delta(self) -> torch.Tensor | None:
+        return self.carried.get(LOG_DELTA)
 
     def __call__(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
-        mix, y_b = 1.0, y
+        tensors = dict(self.carried)
         if self.mixer is not None:
             mix, perm = self.mixer.next_batch(x.shape[0], x.device)
-            x = mix * x + (1.0 - mix) * x[perm]
-            y_b = y[perm]
-        features = model.body(x)
-        logits = model.head(features)
-        loss = self.single(logits, y)
-        if mix < 1.0:
-            loss = mix * loss + (1.0 - mix) * self.single(logits, y_b)
-        if self.acc is not None:
-            self.acc.add(F.softmax(logits.detach().float(), dim=1), y, y_b, mix)
+            tensors[MIX] = torch.tensor(mix, dtype=torch.float64, device=x.device)
+            tensors[PARTNER] = perm
+        out = acd_loss(self.params, model, x, y, tensors)
+        if self.carried:
+            self.carried = add_to_confusion(self.carried, out.aux)
             self.seen += int(y.shape[0])
             if self.seen >= self.epoch_size:
-                confusion, weights = self.acc.result()
-                self.log_delta = log_margins(confusion, weights > 0, self.params.delta)
-                self.acc = ConfusionAccumulator(self.num_classes, logits.device)
+                self.carried = margins_of_epoch(self.carried, self.params.delta)
                 self.seen = 0
-        return LossOutput(loss, features, logits)
+        return out
 
 
 # --- the score and the aggregation weights ------------------------------------------------
@@ -389,25 +502,61 @@ class FedACDServer(FedAvgServer):
 
 class FedACDClient(ClientLogic):
     def on_train(self, msg: Message, ctx: ClientContext) -> Message:
+        return run_plain(self.plain_train(msg, ctx), ctx)
+
+    def plain_train(self, msg: Message, ctx: ClientContext) -> PlainTraining:
+        """Load the global model; before training, P of the received model over the local
+        data (the first epoch's margins; skipped when they are off) and every batch's mixup
+        draws; after it, the score of the trained model."""
         p: FedACDParams = self.params
         set_arrays(ctx.model, msg.arrays)
         num_classes = ctx.data.num_classes
-        # P only feeds the margins, so it is skipped when they are off.
-        start = soft_confusion(ctx.model, ctx.data, num_classes) if p.margin else None
-        mixer = None
+        if num_classes < 2:
+            raise UsageError("fedacd needs at least 2 classes")
+        carried: dict[str, torch.Tensor] = {}
+        if p.margin:
+            start = soft_confusion(ctx.model, ctx.data, num_classes)
+            carried = start_carried(num_classes, p.delta, start)
+        steps: dict[str, torch.Tensor] = {}
         if p.mixup:
             bounds = batch_bounds(len(ctx.data), ctx.train.batch_size)
-            sizes = [stop - start for start, stop in bounds]
-            mixer = Mixup(p.mixup_alpha, ctx.rng("fedacd-mixup"), sizes)
-        loss_fn = FedACDLoss(p, num_classes, len(ctx.data), start, mixer)
-        result = train_client(ctx, loss_fn=loss_fn)
-        scalars = {"loss": result.mean_loss}
-        if p.weighting != "uniform":
-            confusion, counts = soft_confusion(ctx.model, ctx.data, num_classes)
-            scalars["divergence"] = adaptability_divergence(
-                confusion, counts > 0, p.tau, p.score_rows
-            )
-        return Message("trained", arrays=get_arrays(ctx.model), scalars=scalars)
+            mixer = Mixup(p.mixup_alpha, ctx.rng("fedacd-mixup"), [b - a for a, b in bounds])
+            steps[MIX], steps[PARTNER] = mixer.draw_steps(ctx.train.epochs, ctx.data.device)
+
+        def finish(result: TrainResult) -> Message:
+            scalars = {"loss": result.mean_loss}
+            if p.weighting != "uniform":
+                confusion, counts = soft_confusion(ctx.model, ctx.data, num_classes)
+                scalars["divergence"] = adaptability_divergence(
+                    confusion, counts > 0, p.tau, p.score_rows
+                )
+            return Message("trained", arrays=get_arrays(ctx.model), scalars=scalars)
+
+        return PlainTraining(
+            finish,
+            loss=self.loss,
+            step_tensors=steps,
+            carried=carried,
+            after_step=self.after_step if carried else None,
+            after_epoch=self.after_epoch if carried else None,
+        )
+
+    def loss(
+        self,
+        model: torch.nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        t: Mapping[str, torch.Tensor],
+    ) -> LossOutput:
+        return acd_loss(self.params, model, x, y, t)
+
+    def after_step(
+        self, carried: Mapping[str, torch.Tensor], aux: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        return add_to_confusion(carried, aux)
+
+    def after_epoch(self, carried: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return margins_of_epoch(carried, self.params.delta)
 
 
 class FedACD(Algorithm):

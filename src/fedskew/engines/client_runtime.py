@@ -286,21 +286,30 @@ class ClientRuntime:
                     "on the context, which clients trained together do not see"
                 )
             starts[cid] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        loss = plans[chunk[0]][0].loss
+        first = plans[chunk[0]][0]
+        loss, after_step, after_epoch = first.loss, first.after_step, first.after_epoch
         # One function mapped over every client: a per-client closure would silently be
         # the first client's for all (bound methods of one client logic compare equal).
-        if any(plans[c][0].loss != loss for c in chunk):
-            raise ValueError(
-                f"{type(self.client_logic).__name__}.plain_{messages[chunk[0]].kind} gives "
-                "each client its own loss function: per-client values belong in its tensors"
-            )
+        for what in ("loss", "after_step", "after_epoch"):
+            if any(getattr(plans[c][0], what) != getattr(first, what) for c in chunk):
+                raise ValueError(
+                    f"{type(self.client_logic).__name__}.plain_{messages[chunk[0]].kind} gives "
+                    f"each client its own {what} function: per-client values belong in its "
+                    "tensors"
+                )
         # Tensors stack only where every client has them: clients that bring different ones
         # (MOON's previous model, absent at a client's first participation) train in
         # separate stacks, each client exactly as it would in one.
         stacks: dict[tuple[tuple[str, ...], ...], list[int]] = {}
         for c in chunk:
             plan = plans[c][0]
-            names = (tuple(plan.tensors), tuple(plan.grad_shift), tuple(plan.trained))
+            names = (
+                tuple(plan.tensors),
+                tuple(plan.grad_shift),
+                tuple(plan.trained),
+                tuple(plan.step_tensors),
+                tuple(plan.carried),
+            )
             stacks.setdefault(names, []).append(c)
         trained: dict[int, tuple[TrainResult, dict[str, torch.Tensor]]] = {}
         for members in stacks.values():
@@ -318,6 +327,10 @@ class ClientRuntime:
                 tensors=[plans[c][0].tensors for c in members],
                 grad_shifts=[plans[c][0].grad_shift for c in members],
                 trained=[plans[c][0].trained for c in members],
+                step_tensors=[plans[c][0].step_tensors for c in members],
+                carried=[plans[c][0].carried for c in members],
+                after_step=after_step,
+                after_epoch=after_epoch,
             )
             trained.update(zip(members, zip(results, finals, strict=True), strict=True))
         return plans, [trained[c] for c in chunk]

@@ -36,32 +36,40 @@ each client's stacked weights swapped in (``functional_call`` on a module holdin
 so ``model.parameters()`` inside the loss are the client's); per-client ``tensors`` (a global
 model, an anchor, class counts, a control variate), stacked along dim 0 and mapped with the
 weights; a per-parameter ``grad_shift`` added to each client's gradient after clipping,
-before the step; and ``ctx.state``, read by ``plain_<kind>`` before training and written by
+before the step; step tensors, a row per step drawn before training (stacked as (steps,
+clients, ...), zero-padded to the largest row), whose row ``s`` the loss finds at step ``s``;
+carried state, per-client tensors the loss reads that ``after_step`` replaces from the loss's
+``LossOutput.aux`` in the same vmap as the loss (the aux has the batch's shape, which differs
+between the vmaps of a ragged step) and ``after_epoch`` at each client's own epoch end (a
+(steps, clients) mask made before training picks the clients, ``torch.where`` keeps the
+others' values); and ``ctx.state``, read by ``plain_<kind>`` before training and written by
 ``finish`` after it, as one after another.
 
 Which algorithms. A handler split into ``plain_<kind>`` (``PlainTraining``: the shared loop
-and optimiser, the algorithm's loss, per-client tensors, gradient shift and tensors trained
-beside the model given as data) trains together: FedAvg, CReFF and FedNH (cross-entropy),
-FedProx, FedLC, FedRS, FedDecorr, FedNTD (the global model as the teacher's per-client
-tensors; its kl_div has no batching rule, so that one op runs client by client), SCAFFOLD
-(its correction as the gradient shift), FedDyn (g_k and the server model as tensors),
-FedNova (cross-entropy; its normalised update in ``finish``), FedProto (the global
-prototypes as tensors), FedCME (train, train_first and train_rest; the global class features
-as tensors; its evaluate exchange trains nothing), MOON (the frozen global and previous
-models' weights as tensors; clients with and without a previous model train in separate
-stacks), FedROD (its personal head trained beside the model), FedFM and FedFM-Lite (the
-matching term in ``AnchorMatchingLoss``, the global anchors as tensors; FedFM's anchor
-exchange trains nothing), and the feature-matching plug-in around any of these (``<inner>+fm``:
-a client logic that wraps the handlers and says how, see ``plain_handler``; the inner plan
-with ``InnerMatchingLoss``). FedACD does not (its docstring says why). Every other exchange, a
-client logic that wraps the handlers without saying how, and a model with dropout or with a
+and optimiser, the algorithm's loss, per-client tensors, gradient shift, tensors trained
+beside the model, step tensors and carried state given as data) trains together: FedAvg,
+CReFF and FedNH (cross-entropy), FedProx, FedLC, FedRS, FedDecorr, FedNTD (the global model
+as the teacher's per-client tensors; its kl_div has no batching rule, so that one op runs
+client by client), SCAFFOLD (its correction as the gradient shift), FedDyn (g_k and the
+server model as tensors), FedNova (cross-entropy; its normalised update in ``finish``),
+FedProto (the global prototypes as tensors), FedCME (train, train_first and train_rest; the
+global class features as tensors; its evaluate exchange trains nothing), MOON (the frozen
+global and previous models' weights as tensors; clients with and without a previous model
+train in separate stacks), FedROD (its personal head trained beside the model), FedFM and
+FedFM-Lite (the matching term in ``AnchorMatchingLoss``, the global anchors as tensors;
+FedFM's anchor exchange trains nothing), FedACD (its mixup draws as step tensors; the
+margins' table and the confusion sums as carried state, grown after each step and turned
+into the next epoch's margins at each client's epoch end), and the feature-matching plug-in
+around any of these (``<inner>+fm``: a client logic that wraps the handlers and says how, see
+``plain_handler``; the inner plan with ``InnerMatchingLoss``). Every other exchange, a client
+logic that wraps the handlers without saying how, and a model with dropout or with a
 BatchNorm without running statistics are trained one after another, and the reason is logged
 once. ``--precision bf16`` trains together too: autocast does not reach the kernels
 inside ``vmap`` (they would run in fp32), so ``_AutocastInVmap`` makes its casts explicitly;
 the curves stay within bf16's own rounding spread of one after another (tests). The memory
 estimate (``together_memory``) counts the model's copies, not an algorithm's per-client
-tensors (MOON's two frozen models, FedDyn's two tensors per parameter); a chunk that runs out
-of GPU memory is halved.
+tensors (MOON's two frozen models, FedDyn's two tensors per parameter); a chunk that runs
+out of GPU memory is halved.
 """
 
 from __future__ import annotations
@@ -84,8 +92,10 @@ from fedskew.training.interface import ClientLogic, LocalTrainConfig
 from fedskew.training.local import (
     AUGMENT_PAD,
     ClientLoss,
+    EpochUpdate,
     LossOutput,
     PlainTraining,
+    StepUpdate,
     TrainResult,
     batch_bounds,
     crop_and_flip,
@@ -338,6 +348,7 @@ class _Schedule:
         self.sizes = sizes  # per step, the batch size of each active client
         self.width = [max(z) for z in sizes]
         self.padded = [min(z) != max(z) for z in sizes]
+        self.groups = _size_groups(sizes, device)
 
     def batches(
         self, step: int, x: torch.Tensor, y: torch.Tensor, which: torch.Tensor | int, width: int
@@ -362,6 +373,25 @@ class _Schedule:
         return xb, y[index]
 
 
+def _size_groups(
+    sizes: Sequence[Sequence[int]], device: torch.device
+) -> list[list[tuple[int, torch.Tensor]]]:
+    """Per step, its clients grouped by batch size: (size, their positions in the stack),
+    one group when every batch is the same size. The positions of all steps reach the device
+    in one copy: a ragged step of an algorithm's loss (``_loss_step``) builds no tensor from
+    Python numbers, which on CUDA would wait for the host."""
+    by_step = []
+    for step_sizes in sizes:
+        by_size: dict[int, list[int]] = {}
+        for position, size in enumerate(step_sizes):
+            by_size.setdefault(size, []).append(position)
+        by_step.append(list(by_size.items()))
+    flat = [position for groups in by_step for _, group in groups for position in group]
+    moved = torch.tensor(flat, dtype=torch.int64, device="cpu").to(device, non_blocking=True)
+    parts = iter(moved.split([len(group) for groups in by_step for _, group in groups]))
+    return [[(size, next(parts)) for size, _ in groups] for groups in by_step]
+
+
 def _batch_positions(
     bounds: Sequence[tuple[int, int]], width: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -383,16 +413,31 @@ class _LossModule(nn.Module):
     the stacked weights in for the whole loss: the model's forward and any
     ``model.parameters()`` the loss reads."""
 
-    def __init__(self, model: nn.Module, loss: ClientLoss) -> None:
+    def __init__(
+        self, model: nn.Module, loss: ClientLoss, after_step: StepUpdate | None = None
+    ) -> None:
         super().__init__()
         self.model = model
         self.loss = loss
+        self.after_step = after_step
 
     def forward(
-        self, x: torch.Tensor, y: torch.Tensor, tensors: Mapping[str, torch.Tensor]
-    ) -> torch.Tensor:
-        out = self.loss(self.model, x, y, tensors)
-        return out.loss if isinstance(out, LossOutput) else out
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        tensors: Mapping[str, torch.Tensor],
+        carried: Mapping[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss, and the carried tensors after the step (``after_step``, in the same
+        vmap: its aux keeps the batch's shape, which differs between vmaps of a ragged
+        step; the carried tensors do not)."""
+        out = self.loss(self.model, x, y, {**tensors, **carried})
+        loss = out.loss if isinstance(out, LossOutput) else out
+        if self.after_step is None:
+            return loss, {}
+        if not isinstance(out, LossOutput):
+            raise TypeError("after_step needs a loss that returns a LossOutput (its aux)")
+        return loss, self.after_step(carried, {k: v.detach() for k, v in out.aux.items()})
 
 
 def train_together(
@@ -407,13 +452,18 @@ def train_together(
     tensors: Sequence[Mapping[str, torch.Tensor]] = (),
     grad_shifts: Sequence[Mapping[str, torch.Tensor]] = (),
     trained: Sequence[Mapping[str, torch.Tensor]] = (),
+    step_tensors: Sequence[Mapping[str, torch.Tensor]] = (),
+    carried: Sequence[Mapping[str, torch.Tensor]] = (),
+    after_step: StepUpdate | None = None,
+    after_epoch: EpochUpdate | None = None,
 ) -> tuple[list[TrainResult], list[dict[str, torch.Tensor]]]:
     """Train client k from ``starts[k]`` (a state dict) on ``datas[k]`` for ``epochs[k]``
     epochs with generator ``gens[k]``, all clients at once; ``model`` gives the architecture
     (its own weights are not used). ``loss``, ``tensors[k]`` and ``grad_shifts[k]`` are
-    ``PlainTraining``'s (None: cross-entropy; empty: none), and so is ``trained[k]``, whose
-    tensors hold client k's trained values afterwards. Returns each client's TrainResult and
-    trained state."""
+    ``PlainTraining``'s (None: cross-entropy; empty: none), and so are ``trained[k]`` and
+    ``carried[k]``, whose tensors hold client k's trained and final values afterwards, and
+    ``step_tensors[k]``, ``after_step`` and ``after_epoch``. Returns each client's
+    TrainResult and trained state."""
     augment = cfg.augment and bool(datas) and datas[0].x.dim() == 4
     clients = [
         _Client(d, g, e, cfg.batch_size, augment)
@@ -435,6 +485,13 @@ def train_together(
     beside = {name: t.detach().requires_grad_(True) for name, t in _stacked(trained, order).items()}
     if beside and loss is None:
         raise ValueError("tensors trained beside the model need the loss that uses them")
+    carry = _stacked(carried, order)
+    if (carry or any(step_tensors)) and loss is None:
+        raise ValueError("step tensors and carried state need the loss that uses them")
+    by_step = _stacked_steps(step_tensors, order, [clients[k].steps for k in order])
+    names = [*extra, *carry, *by_step]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a loss's tensors must have distinct names, got {sorted(names)}")
     clipped = set(params)  # the model's parameters, as train_client clips them
     params.update({_BESIDE + name: t for name, t in beside.items()})
     extra.update(beside)
@@ -446,9 +503,10 @@ def train_together(
     model.train()
     x_all, y_all = (first.data.x, first.data.y) if first is not None else (None, None)
     max_steps = clients[order[0]].steps if clients else 0
-    bound = None if loss is None else _LossModule(model, loss)
+    bound = None if loss is None else _LossModule(model, loss, after_step)
     schedule = _Schedule([clients[k] for k in order], device)
     running = [sum(1 for c in clients if c.steps > step) for step in range(max_steps)]
+    ends = _EpochEnds([clients[k] for k in order], device) if after_epoch and carry else None
 
     for step in range(max_steps):
         active = running[step]
@@ -465,16 +523,24 @@ def train_together(
                 )
                 positions = None
             else:
-                losses, positions = _loss_step(
-                    bound, params, buffers, extra, schedule, active, step, x_all, y_all
-                )
+                rows = {name: t[step] for name, t in by_step.items()}
+                losses, positions, carry = _loss_step(
+                    bound, params, buffers, {**extra, **rows}, carry, schedule, active, step,
+                    x_all, y_all,
+                )  # fmt: skip
         losses.sum().backward()
         with torch.no_grad():
             _sgd_step(params, momentum, active, cfg, step == 0, shifts, clipped)
+            # Each loss added as train_client adds it (to the fp32 sum in the loss's dtype,
+            # then rounded): a float64 run's mean losses are one after another's.
             if positions is None:
-                _prefix(loss_sums, active).add_(losses.detach().float())
+                _prefix(loss_sums, active).add_(losses.detach())
             else:
-                loss_sums.index_add_(0, positions, losses.detach().float())
+                added = loss_sums.index_select(0, positions) + losses.detach()
+                loss_sums.index_copy_(0, positions, added.to(loss_sums.dtype))
+            if ends is not None and ends.any[step]:
+                assert after_epoch is not None
+                carry = ends.update(after_epoch, carry, active, step)
 
     loss_host = loss_sums.tolist()
     results: list[TrainResult | None] = [None] * len(clients)
@@ -489,7 +555,70 @@ def train_together(
         with torch.no_grad():
             for name, t in beside.items():
                 trained[k][name].copy_(t[position])
+            for name, t in carry.items():
+                carried[k][name].copy_(t[position])
     return results, finals  # type: ignore[return-value]
+
+
+def _stacked_steps(
+    per_client: Sequence[Mapping[str, torch.Tensor]], order: Sequence[int], steps: Sequence[int]
+) -> dict[str, torch.Tensor]:
+    """Each client's step tensors (``PlainTraining.step_tensors``: a row per step) stacked as
+    (steps, clients, ...): a step reads its rows with one index. Rows are zero-padded at the
+    end to the largest of the stack, and after a client's last step."""
+    if not per_client or not per_client[0]:
+        return {}
+    names = list(per_client[0])
+    if any(list(t) != names for t in per_client):
+        raise ValueError("clients trained together must give the same step tensors, by name")
+    out = {}
+    for name in names:
+        parts = [per_client[k][name] for k in order]
+        for part, n in zip(parts, steps, strict=True):
+            if part.dim() != parts[0].dim() or part.shape[0] != n:
+                raise ValueError(f"step tensor '{name}' has {tuple(part.shape)} rows for {n} steps")
+        shape = [max(part.shape[d] for part in parts) for d in range(1, parts[0].dim())]
+        stack = parts[0].new_zeros(max(steps, default=0), len(parts), *shape)
+        for i, part in enumerate(parts):
+            stack[(slice(0, part.shape[0]), i, *(slice(0, w) for w in part.shape[1:]))] = part
+        out[name] = stack
+    return out
+
+
+class _EpochEnds:
+    """The steps at which clients of the stack end an epoch (each after its own number of
+    batches), as a (steps, clients) mask made before training, so that a step picks its
+    clients with no tensor made from Python numbers while it runs."""
+
+    def __init__(self, clients: Sequence[_Client], device: torch.device) -> None:
+        steps = max((c.steps for c in clients), default=0)
+        ending = [[False] * len(clients) for _ in range(steps)]
+        for i, c in enumerate(clients):
+            for step in range(len(c.bounds) - 1, c.steps, len(c.bounds)):
+                ending[step][i] = True
+        self.any = [any(row) for row in ending]
+        host = torch.tensor(ending, dtype=torch.bool, device="cpu").reshape(steps, len(clients))
+        self.mask = host.to(device, non_blocking=True)
+
+    def update(
+        self,
+        after_epoch: EpochUpdate,
+        carry: dict[str, torch.Tensor],
+        active: int,
+        step: int,
+    ) -> dict[str, torch.Tensor]:
+        """The carried tensors after ``after_epoch`` for the clients whose epoch ends at
+        ``step`` (mapped over the active ones, kept where the mask says), as they were for
+        the others."""
+        now = {name: _prefix(t, active) for name, t in carry.items()}
+        new = vmap(after_epoch)(now)
+        mask = _prefix(self.mask[step], active)
+        out = {}
+        for name, t in carry.items():
+            ends = mask.reshape(-1, *([1] * (t.dim() - 1)))
+            merged = torch.where(ends, new[name], now[name])
+            out[name] = merged if active == t.shape[0] else torch.cat([merged, t[active:]])
+        return out
 
 
 # Autocast's CPU/CUDA op lists, as far as a model's forward and its loss reach them:
@@ -624,49 +753,64 @@ def _loss_step(
     params: dict[str, torch.Tensor],
     buffers: dict[str, torch.Tensor],
     extra: dict[str, torch.Tensor],
+    carry: dict[str, torch.Tensor],
     schedule: _Schedule,
     active: int,
     step: int,
     x_all: torch.Tensor,
     y_all: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """An algorithm's loss of each of the first ``active`` clients' batch ``step``:
-    the losses and, when the batches differ in size, their positions in the stack.
+    the losses, when the batches differ in size their positions in the stack, and the
+    carried tensors after the step (``carry`` itself without an ``after_step``).
 
     An algorithm's loss may use the whole batch (batch statistics, a batch mean), so padding
     cannot be masked out of it: clients whose batches differ in size run in one vmap per
-    size, without padding."""
-    by_size: dict[int, list[int]] = {}
-    for position, size in enumerate(schedule.sizes[step]):
-        by_size.setdefault(size, []).append(position)
+    size, without padding.
+
+    Carried tensors are replaced, not written in place: the step's graph may hold them."""
+    groups = schedule.groups[step]
+    updates = bound.after_step is not None
 
     # The model's weights go to functional_call; tensors trained beside it (``_BESIDE``, in
     # ``extra`` too) reach the loss among its tensors.
-    def one(p: dict, b: dict, t: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def one(
+        p: dict, b: dict, t: dict, c: dict, x: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         state = {"model." + k: v for k, v in {**p, **b}.items()}
-        return functional_call(bound, state, (x, y, t))
+        return functional_call(bound, state, (x, y, t, c))
 
     mapped = vmap(one)
-    if len(by_size) == 1:
+    if len(groups) == 1:
         xb, yb = schedule.batches(step, x_all, y_all, active, schedule.width[step])
         p_now = {name: _prefix(p, active) for name, p in params.items() if name[0] != "\0"}
         b_now = {name: _prefix(b, active) for name, b in buffers.items()}
         t_now = {name: _prefix(t, active) for name, t in extra.items()}
-        return mapped(p_now, b_now, t_now, xb, yb), None
+        c_now = {name: _prefix(c, active) for name, c in carry.items()}
+        losses, new = mapped(p_now, b_now, t_now, c_now, xb, yb)
+        if updates:
+            carry = {
+                name: new[name] if active == c.shape[0] else torch.cat([new[name], c[active:]])
+                for name, c in carry.items()
+            }
+        return losses, None, carry
     parts, where = [], []
-    for size, positions in by_size.items():
-        index = torch.tensor(positions, device=x_all.device)
+    for size, index in groups:
         xb, yb = schedule.batches(step, x_all, y_all, index, size)
         p_now = {name: p.index_select(0, index) for name, p in params.items() if name[0] != "\0"}
         # Copies: BatchNorm's running statistics go back to the stack after the forward.
         b_now = {name: b.index_select(0, index) for name, b in buffers.items()}
         t_now = {name: t.index_select(0, index) for name, t in extra.items()}
-        parts.append(mapped(p_now, b_now, t_now, xb, yb))
+        c_now = {name: c.index_select(0, index) for name, c in carry.items()}
+        losses, new = mapped(p_now, b_now, t_now, c_now, xb, yb)
+        parts.append(losses)
         with torch.no_grad():
             for name, b in buffers.items():
                 b.index_copy_(0, index, b_now[name])
+        if updates:
+            carry = {name: c.index_copy(0, index, new[name]) for name, c in carry.items()}
         where.append(index)
-    return torch.cat(parts), torch.cat(where)
+    return torch.cat(parts), torch.cat(where), carry
 
 
 def _gather(

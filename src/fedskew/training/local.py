@@ -24,6 +24,8 @@ class LossOutput:
     loss: torch.Tensor
     features: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    # Detached tensors the loss hands to PlainTraining.after_step (FedACD's softmax outputs).
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 # loss_fn(model, x, y) -> LossOutput (or a bare loss tensor). Algorithms write their loss here.
@@ -39,6 +41,12 @@ ClientLoss = Callable[
     [torch.nn.Module, torch.Tensor, torch.Tensor, Mapping[str, torch.Tensor]],
     "LossOutput | torch.Tensor",
 ]
+# after_step(carried, aux) -> carried and after_epoch(carried) -> carried: one client's
+# carried tensors anew, after a step from its loss's LossOutput.aux, or at an epoch's end.
+StepUpdate = Callable[
+    [Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], dict[str, torch.Tensor]
+]
+EpochUpdate = Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
 def cross_entropy_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
@@ -230,6 +238,22 @@ class PlainTraining:
     they hold the trained values. Inside ``loss``, ``model.parameters()`` and the model's forward
     see the weights being trained, whichever way the engine trains.
 
+    Step tensors and carried state, for a loss whose inputs change while the client trains
+    (FedACD's). ``step_tensors`` are drawn before training, one row per step (``(steps, ...)``,
+    steps = epochs x batches per epoch, epochs after one another): at the client's step ``s``
+    the loss finds row ``s`` of each among its tensors. Trained together, rows of different
+    shapes are zero-padded at the end to the largest of the stack, so the loss takes what it
+    needs (FedACD: the first ``len(x)`` entries of a batch's partner permutation).
+    ``carried`` are per-client tensors the loss finds among its tensors and that change as it
+    trains: after every step ``after_step(carried, aux)`` gives their new values from the
+    detached tensors the loss returned in ``LossOutput.aux``, and at the end of each of the
+    client's epochs ``after_epoch(carried)`` gives them anew. Like ``loss``, each is one
+    function for every client, written for one client's tensors; it returns new tensors,
+    changes none in place and reads nothing back to the host: trained together, both are
+    mapped over the stack (``vmap``), ``after_epoch`` with only the clients whose epoch ends
+    at that step taking its values. After training the ``carried`` tensors hold the client's
+    final values.
+
     An algorithm whose handler ``on_<kind>`` is ``run_plain(self.plain_<kind>(msg, ctx), ctx)``
     lets an engine train several clients' local steps together (``fedskew.engines.together``):
     the engine calls ``plain_<kind>`` per client (which loads the model and may compute what
@@ -244,11 +268,26 @@ class PlainTraining:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     grad_shift: dict[str, torch.Tensor] = field(default_factory=dict)
     trained: dict[str, torch.Tensor] = field(default_factory=dict)
+    step_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    carried: dict[str, torch.Tensor] = field(default_factory=dict)
+    after_step: StepUpdate | None = None
+    after_epoch: EpochUpdate | None = None
 
-    def loss_fn(self) -> LossFn:
-        """The loss as ``train_client`` takes it, ``tensors`` and ``trained`` bound."""
+    @property
+    def stepwise(self) -> bool:
+        """Whether the loss's tensors change from step to step (step tensors, carried state)."""
+        return bool(self.step_tensors or self.carried)
+
+    def loss_fn(self, batches_per_epoch: int = 0) -> LossFn:
+        """The loss as ``train_client`` takes it, ``tensors`` and ``trained`` bound; a
+        stepwise one (step tensors, carried state) for one client's training, whose epochs
+        end every ``batches_per_epoch`` steps."""
         if self.loss is None:
+            if self.stepwise:
+                raise ValueError("step tensors and carried state need the loss that uses them")
             return cross_entropy_loss
+        if self.stepwise:
+            return _StepwiseLoss(self, batches_per_epoch)
         loss, tensors = self.loss, {**self.tensors, **self.trained}
         return lambda model, x, y: loss(model, x, y, tensors)
 
@@ -279,16 +318,57 @@ class PlainTraining:
         return add_shift
 
 
+class _StepwiseLoss:
+    """One client's loss with its step tensors and carried state, as the stacked loop gives
+    them: row ``s`` of the step tensors at step ``s``, the carried tensors anew after each
+    step (``after_step``) and at each epoch's end (``after_epoch``)."""
+
+    def __init__(self, plan: PlainTraining, batches_per_epoch: int) -> None:
+        assert plan.loss is not None
+        self.loss = plan.loss
+        self.plan = plan
+        self.fixed = {**plan.tensors, **plan.trained}
+        self.carried = dict(plan.carried)
+        self.batches_per_epoch = batches_per_epoch
+        self.step = 0
+
+    def __call__(
+        self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
+    ) -> LossOutput | torch.Tensor:
+        if self.plan.after_epoch is not None and self.batches_per_epoch < 1:
+            raise ValueError("after_epoch needs the number of batches per epoch (loss_fn's)")
+        rows = {name: t[self.step] for name, t in self.plan.step_tensors.items()}
+        out = self.loss(model, x, y, {**self.fixed, **self.carried, **rows})
+        if self.plan.after_step is not None:
+            if not isinstance(out, LossOutput):
+                raise TypeError("after_step needs a loss that returns a LossOutput (its aux)")
+            aux = {name: t.detach() for name, t in out.aux.items()}
+            self.carried = self.plan.after_step(self.carried, aux)
+        self.step += 1
+        if self.plan.after_epoch is not None and self.step % self.batches_per_epoch == 0:
+            self.carried = self.plan.after_epoch(self.carried)
+        return out
+
+    def keep_final(self) -> None:
+        """The final carried values into the plan's tensors."""
+        with torch.no_grad():
+            for name, t in self.plan.carried.items():
+                t.copy_(self.carried[name])
+
+
 def run_plain(plan: PlainTraining, ctx: ClientContext) -> Message:
     """Train one client as ``plan`` says and return its reply."""
+    loss_fn = plan.loss_fn(len(batch_bounds(len(ctx.data), ctx.train.batch_size)))
     result = train_client(
         ctx,
-        loss_fn=plan.loss_fn(),
+        loss_fn=loss_fn,
         epochs=plan.epochs,
         before_step=plan.before_step(),
         optimizer=plan.optimizer(ctx.model, ctx.train),
         purpose=plan.purpose,
     )
+    if isinstance(loss_fn, _StepwiseLoss):
+        loss_fn.keep_final()
     return plan.finish(result)
 
 

@@ -33,9 +33,11 @@ from fedskew.engines.together import plain_handler, resolve_mode, train_together
 from fedskew.engines.together_memory import (
     MODEL_COPIES,
     SAFETY,
+    STACK_COPIES,
     VMAP_ACTIVATIONS,
     client_bytes,
     model_bytes,
+    plan_stack_bytes,
     saved_activation_bytes,
 )
 from fedskew.models import build_model
@@ -813,6 +815,51 @@ def test_auto_chunks_by_the_memory_estimate(monkeypatch, caplog) -> None:
         _rounds("vmap", **CHUNKED)
     assert sizes == [2, 2, 2, 2]
     assert "2 at a time (--clients-together-max N sets the number)" in caplog.text
+
+
+def test_the_estimate_counts_an_algorithms_own_tensors() -> None:
+    """plan_stack_bytes: what stacking one client's plan adds, per kind of tensor (STACK_COPIES
+    copies each): nothing for plain cross-entropy."""
+    f64 = torch.zeros(10, dtype=torch.float64)  # 80 bytes
+    f32 = torch.zeros(5)  # 20 bytes
+    plan = PlainTraining(
+        lambda result: Message("trained"),
+        tensors={"a": f64, "b": f32},
+        step_tensors={"s": f32},
+        grad_shift={"g": f32},
+        carried={"c": f64},
+        trained={"t": f32},
+    )
+    assert (
+        plan_stack_bytes(plan)
+        == 100 * STACK_COPIES["tensors"]
+        + 20 * (STACK_COPIES["step_tensors"] + STACK_COPIES["grad_shift"] + STACK_COPIES["trained"])
+        + 80 * STACK_COPIES["carried"]
+    )
+    assert plan_stack_bytes(PlainTraining(lambda result: Message("trained"))) == 0
+
+
+@pytest.mark.parametrize("algorithm, pieces", [("fedprox", [2, 2, 2, 2]), ("fedavg", [4, 4])])
+def test_auto_trains_a_chunk_in_pieces_that_hold_its_tensors(
+    algorithm: str, pieces: list[int], monkeypatch, caplog
+) -> None:
+    """The estimate lets all 4 clients in (room for 4.2), but FedProx's plans bring
+    per-client tensors (the global model) that stacking copies: counted as one more client's
+    estimate each, the chunk is trained in pieces of 2, said once. FedAvg brings none."""
+    cfg = ExperimentConfig(model=TINY_BN, num_clients=6, workers=0, device="cpu")
+    prep = prepare(cfg)
+    x, y = prep.fed.client(0).batch(torch.arange(16))
+    per_client = client_bytes(new_model(prep), x, y)
+    monkeypatch.setattr(client_runtime, "free_bytes", lambda device: int(4.2 * per_client / SAFETY))
+    monkeypatch.setattr(
+        client_runtime, "plan_stack_bytes", lambda plan: per_client if plan.tensors else 0
+    )
+    sizes = _chunks_seen(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="fedskew"):
+        _rounds("vmap", algorithm=algorithm, **CHUNKED)
+    assert sizes == pieces
+    said = [r.getMessage() for r in caplog.records if "their own tensors add" in r.getMessage()]
+    assert len(said) == (1 if algorithm == "fedprox" else 0)
 
 
 def test_the_memory_estimate_counts_what_stacking_holds() -> None:

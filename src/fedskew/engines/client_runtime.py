@@ -31,7 +31,12 @@ from fedskew.core.device import apply_settings, to_cpu, to_device
 from fedskew.data.datasets import Dataset
 from fedskew.data.federated import FederatedData
 from fedskew.engines.together import model_obstacle, plain_handler, resolve_mode, train_together
-from fedskew.engines.together_memory import client_bytes, clients_that_fit, free_bytes
+from fedskew.engines.together_memory import (
+    client_bytes,
+    clients_that_fit,
+    free_bytes,
+    plan_stack_bytes,
+)
 from fedskew.training.interface import ClientContext, ClientLogic, LocalTrainConfig
 from fedskew.training.local import PlainTraining, TrainResult, set_arrays
 from fedskew.training.local_evaluation import LOCAL_EVALUATION, answer_local_evaluation
@@ -312,7 +317,9 @@ class ClientRuntime:
             )
             stacks.setdefault(names, []).append(c)
         trained: dict[int, tuple[TrainResult, dict[str, torch.Tensor]]] = {}
-        for members in stacks.values():
+        extra = max(plan_stack_bytes(plans[c][0]) for c in chunk)
+        pieces = [piece for members in stacks.values() for piece in self._pieces(members, extra)]
+        for members in pieces:
             results, finals = train_together(
                 self.model,
                 [plans[c][1].data for c in members],
@@ -361,6 +368,27 @@ class ClientRuntime:
                 key="estimate",
             )
         return min(size, fits)
+
+    def _pieces(self, members: list[int], extra: int) -> list[list[int]]:
+        """``members`` in pieces that the free memory holds now that their plans exist, each
+        client needing the estimate plus ``extra``, the bytes stacking its per-client tensors
+        adds (``plan_stack_bytes``); one piece where --clients-together-max is a number, on the
+        CPU, or when they fit."""
+        if not extra or self.clients_together_max != "auto" or self._client_bytes is None:
+            return [members]
+        free = free_bytes(self.device)
+        if free is None:
+            return [members]
+        fits = clients_that_fit(free, self._client_bytes + extra)
+        if fits >= len(members):
+            return [members]
+        self._say(
+            f"clients trained together: their own tensors add about {extra / 2**20:.0f} MiB "
+            f"each, {free / 2**30:.1f} GiB free on {self.device}: {fits} at a time "
+            "(--clients-together-max N sets the number)",
+            key="estimate-tensors",
+        )
+        return [members[i : i + fits] for i in range(0, len(members), fits)]
 
     def _say(self, line: str, warn: bool = False, key: str | None = None) -> None:
         """Log ``line`` once per runtime (once per ``key`` where given: lines whose numbers

@@ -67,9 +67,10 @@ BatchNorm without running statistics are trained one after another, and the reas
 once. ``--precision bf16`` trains together too: autocast does not reach the kernels
 inside ``vmap`` (they would run in fp32), so ``_AutocastInVmap`` makes its casts explicitly;
 the curves stay within bf16's own rounding spread of one after another (tests). The memory
-estimate (``together_memory``) counts the model's copies, not an algorithm's per-client
-tensors (MOON's two frozen models, FedDyn's two tensors per parameter); a chunk that runs
-out of GPU memory is halved.
+estimate (``together_memory``) counts the model's copies and activations before a chunk, and
+an algorithm's per-client tensors (MOON's two frozen models, FedDyn's two tensors per
+parameter) once the chunk's plans exist, training the chunk in pieces where they would not
+fit; a chunk that runs out of GPU memory is halved.
 """
 
 from __future__ import annotations

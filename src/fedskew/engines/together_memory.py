@@ -9,13 +9,17 @@ fit an 80 GB card: the clients of an exchange are trained in chunks that the fre
 The estimate, made before the first stacked step: one training forward pass of one client's
 batch, counting the bytes of the tensors it saves for backward, times ACTIVATION_FACTOR, plus
 MODEL_COPIES times the model's bytes; the chunk is what SAFETY of the free memory holds. An
-estimate can be wrong (another process takes memory, the allocator fragments), so the
-runtime also halves a chunk that runs out of memory and goes on.
+algorithm's own per-client tensors (MOON's two frozen models, FedDyn's two tensors per
+parameter, FedACD's mixup draws) are known only once each client's ``plain_<kind>`` has made
+them: the stacks then add ``plan_stack_bytes`` per client, and a chunk's stack that would not
+fit with them is trained in pieces that do. An estimate can be wrong (another process takes
+memory, the allocator fragments), so the runtime also halves a chunk that runs out of memory
+and goes on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -38,6 +42,23 @@ ACTIVATION_FACTOR = VMAP_ACTIVATIONS * BACKWARD_TRANSIENT
 # Of the free memory, the share the chunk may take (the rest: the allocator's rounding and
 # fragmentation, cuDNN workspaces, the evaluation).
 SAFETY = 0.85
+
+
+# What the stacked loop holds per client beyond the plan's own tensors (engines/together.py):
+# a stacked copy of its tensors, step tensors and gradient shift; of the carried state the
+# stack and each step's replacement; of tensors trained beside the model the stack, its
+# gradient and its momentum.
+STACK_COPIES = {"tensors": 1, "step_tensors": 1, "grad_shift": 1, "carried": 2, "trained": 3}
+
+
+def _bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def plan_stack_bytes(plan: object) -> int:
+    """The bytes stacking adds for one client's ``PlainTraining`` ``plan`` (its per-client
+    tensors, STACK_COPIES times each kind): 0 for plain cross-entropy."""
+    return sum(n * _bytes(getattr(plan, kind)) for kind, n in STACK_COPIES.items())
 
 
 def model_bytes(model: nn.Module) -> int:

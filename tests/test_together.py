@@ -188,6 +188,20 @@ def _max_difference(alone: RunState, together: RunState) -> float:
     return max(float((b.double() - a.double()).abs().max()) for b, a in pairs)
 
 
+def _assert_float64_equal(
+    case: str, expected: list, alone: RunState, got: list, together: RunState
+) -> None:
+    """Weights and states equal to 1e-10, the round records too (train_loss, summed in a
+    float32 accumulator by both loops, to 1e-6), loss and accuracy of the global model."""
+    difference = _max_difference(alone, together)
+    print(f"{case}: max float64 difference of weights and states {difference:.2e}")
+    assert difference < 1e-10
+    _compare(expected, alone, got, together, {"rtol": 0.0, "atol": 1e-10, "metrics": 1e-6})
+    for a, b in zip(expected, got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-10)
+        assert b["accuracy"] == a["accuracy"]
+
+
 @pytest.mark.parametrize("case", sorted(SEAMS))
 def test_algorithm_trains_together_as_one_after_another_in_float64(
     case: str, monkeypatch: pytest.MonkeyPatch
@@ -214,14 +228,7 @@ def test_algorithm_trains_together_as_one_after_another_in_float64(
         if "performance drop" in str(w.message)
     }
     assert slow <= ({"aten::kl_div"} if case == "fedntd" else set()), slow
-    difference = _max_difference(alone, together)
-    print(f"{case}: max float64 difference of weights and states {difference:.2e}")
-    assert difference < 1e-10
-    # train_loss is summed in a float32 accumulator by both loops: 1e-7 apart at most.
-    _compare(expected, alone, got, together, {"rtol": 0.0, "atol": 1e-10, "metrics": 1e-6})
-    for a, b in zip(expected, got, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-10)
-        assert b["accuracy"] == a["accuracy"]
+    _assert_float64_equal(case, expected, alone, got, together)
 
 
 # The feature-matching plug-in around algorithms that train together: three rounds, the
@@ -326,13 +333,7 @@ def test_feature_matching_plug_in_trains_together_as_one_after_another_in_float6
         before += n
     assert [r["fm_active"] for r in expected] == [0.0, 1.0, 1.0]
     _assert_same_replies(replies_alone, replies_together)
-    difference = _max_difference(alone, together)
-    print(f"{case}: max float64 difference of weights and states {difference:.2e}")
-    assert difference < 1e-10
-    _compare(expected, alone, got, together, {"rtol": 0.0, "atol": 1e-10, "metrics": 1e-6})
-    for a, b in zip(expected, got, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-10)
-        assert b["accuracy"] == a["accuracy"]
+    _assert_float64_equal(case, expected, alone, got, together)
 
 
 # FedACD through the step tensors (each batch's mixup draws) and the carried state (the
@@ -914,16 +915,9 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _ops_per_step(monkeypatch: pytest.MonkeyPatch, clients: int) -> list[Counter[str]]:
-    """The aten operators of each step of clients with equal data (every step is the whole
-    stack, unpadded), a step running from the end of one SGD step to the end of the next."""
-    torch.manual_seed(0)
-    model = build_model("mlp", (1, 4, 4), 3, hidden=8)
-    x, y = torch.randn(12 * clients, 1, 4, 4), torch.randint(0, 3, (12 * clients,))
-    datas = [ClientData(x, y, torch.arange(12 * k, 12 * k + 12), 3) for k in range(clients)]
-    gens = [torch.Generator().manual_seed(k) for k in range(clients)]
-    start = {k: v.clone() for k, v in model.state_dict().items()}
-    train = LocalTrainConfig(epochs=2, batch_size=4, momentum=0.9, weight_decay=1e-3)
+def _steps_counted(monkeypatch: pytest.MonkeyPatch) -> tuple[_CountOps, list[Counter[str]]]:
+    """A counting mode whose counts are cut at the end of each SGD step: the list gets one
+    Counter per step (the first also holds what came before the first step)."""
     mode = _CountOps()
     steps: list[Counter[str]] = []
     real = together._sgd_step
@@ -934,6 +928,20 @@ def _ops_per_step(monkeypatch: pytest.MonkeyPatch, clients: int) -> list[Counter
         mode.ops = Counter()
 
     monkeypatch.setattr(together, "_sgd_step", counted)
+    return mode, steps
+
+
+def _ops_per_step(monkeypatch: pytest.MonkeyPatch, clients: int) -> list[Counter[str]]:
+    """The aten operators of each step of clients with equal data (every step is the whole
+    stack, unpadded), a step running from the end of one SGD step to the end of the next."""
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 4, 4), 3, hidden=8)
+    x, y = torch.randn(12 * clients, 1, 4, 4), torch.randint(0, 3, (12 * clients,))
+    datas = [ClientData(x, y, torch.arange(12 * k, 12 * k + 12), 3) for k in range(clients)]
+    gens = [torch.Generator().manual_seed(k) for k in range(clients)]
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    train = LocalTrainConfig(epochs=2, batch_size=4, momentum=0.9, weight_decay=1e-3)
+    mode, steps = _steps_counted(monkeypatch)
     with mode:
         train_together(model, datas, train, gens, [start] * clients, [2] * clients)
     return steps[1:]  # the first holds the stacking and the drawing of batches
@@ -961,16 +969,7 @@ def test_a_ragged_step_makes_no_tensor_from_python_numbers(
     gens = [torch.Generator().manual_seed(k) for k in range(3)]
     start = {k: v.clone() for k, v in model.state_dict().items()}
     train = LocalTrainConfig(epochs=2, batch_size=4, momentum=0.9)
-    mode = _CountOps()
-    steps: list[Counter[str]] = []
-    real = together._sgd_step
-
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        real(*args, **kwargs)
-        steps.append(mode.ops)
-        mode.ops = Counter()
-
-    monkeypatch.setattr(together, "_sgd_step", counted)
+    mode, steps = _steps_counted(monkeypatch)
     with mode:
         train_together(
             model, datas, train, gens, [start] * 3, [2] * 3, loss=_scaled_loss,

@@ -274,3 +274,23 @@ def test_the_default_storage_is_named_by_its_place_not_its_absolute_path(tmp_pat
     tune = tune_from(raw, str(file), {}, None, {"out_dir": out})
     first = budget_lines(tune)[0]
     assert "db.example/studies" in first and "secret" not in first
+
+
+def test_pruner_steps_run_on_from_one_tuning_seed_to_the_next(tmp_path):
+    """The step a trial reports a round at and the (seed, round) a report names read back
+    each other: seed after seed, one step per round."""
+    from fedskew.grid.tune import step_round, trial_step, tune_from
+
+    file = tune_file(tmp_path, 2, ONE_METHOD)
+    file.write_text(file.read_text().replace("seeds = [100]", "seeds = [100, 101]"))
+    tune = tune_from(read_file(file), str(file), {}, None, {})
+    rounds = tune.runs["fedavg"][100].cfg.rounds
+    assert rounds == 2
+    steps = [trial_step(tune, "fedavg", i, rnd) for i in range(2) for rnd in (1, 2)]
+    assert steps == [1, 2, 3, 4]
+    assert [step_round(tune, "fedavg", s) for s in steps] == [
+        (100, 1),
+        (100, 2),
+        (101, 1),
+        (101, 2),
+    ]

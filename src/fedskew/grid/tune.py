@@ -338,24 +338,35 @@ class TrialOutcome:
     detail: str = ""
 
 
+def trial_step(tune: Tune, method: str, seed_index: int, rnd: int) -> int:
+    """The pruner's step of round ``rnd`` (1-based) of a trial's ``seed_index``-th tuning
+    seed: steps run on from one seed to the next, one per round."""
+    return seed_index * tune.runs[method][tune.seeds[0]].cfg.rounds + rnd
+
+
+def step_round(tune: Tune, method: str, step: int) -> tuple[int, int]:
+    """(tuning seed, round) of a pruner's step, as ``trial_step`` numbers them."""
+    rounds = tune.runs[method][tune.seeds[0]].cfg.rounds
+    return tune.seeds[min((step - 1) // rounds, len(tune.seeds) - 1)], (step - 1) % rounds + 1
+
+
 def run_trial(tune: Tune, method: str, study: optuna.Study, trial: optuna.Trial) -> TrialOutcome:
     """Draw the trial's values, run its folders seed after seed (reporting each evaluated
     round to the pruner), and tell the study the objective."""
     params = suggest(trial, tune.spaces[method])
     stem = trial.user_attrs["folder"]
-    rounds = tune.runs[method][tune.seeds[0]].cfg.rounds
     values: list[float] = []
     try:
         for index, (seed, name) in enumerate(trial_folders(tune, method, stem).items()):
             planned = tune.runs[method][seed]
             cfg_values = with_values(planned.values, params, f"trial {trial.number}")
             cfg_values.update(name=name, out_dir=str(tune.trials_dir.resolve()))
-            offset = index * rounds  # steps run on over the seeds, one per round
 
-            def report(row: dict[str, Any], offset: int = offset, seed: int = seed) -> None:
+            def report(row: dict[str, Any], index: int = index, seed: int = seed) -> None:
                 if row.get("accuracy") is None:
                     return
-                trial.report(100 * float(row["accuracy"]), offset + int(row["round"]))
+                step = trial_step(tune, method, index, int(row["round"]))
+                trial.report(100 * float(row["accuracy"]), step)
                 if trial.should_prune():
                     raise Pruned(f"pruned at round {row['round']} of seed {seed}")
 

@@ -12,7 +12,7 @@ import optuna
 
 from fedskew.core.durable import write_bytes_durably
 from fedskew.grid.plan import merge, typed_values
-from fedskew.grid.tune import TrialState, Tune, redacted, retried, trial_folders
+from fedskew.grid.tune import TrialState, Tune, redacted, retried, step_round, trial_folders
 from fedskew.grid.tune_plots import history_png, slices_png
 from fedskew.report.document import (
     Block,
@@ -152,10 +152,7 @@ def last_round(tune: Tune, method: str, trial: optuna.trial.FrozenTrial) -> tupl
     """(tuning seed, round) of a trial's last reported round; None without any."""
     if not trial.intermediate_values:
         return None
-    step = max(trial.intermediate_values)  # steps run on from one seed to the next
-    rounds = tune.runs[method][tune.seeds[0]].cfg.rounds
-    seed = tune.seeds[min((step - 1) // rounds, len(tune.seeds) - 1)]
-    return seed, (step - 1) % rounds + 1
+    return step_round(tune, method, max(trial.intermediate_values))
 
 
 def stopped_at(tune: Tune, method: str, trial: optuna.trial.FrozenTrial) -> str:

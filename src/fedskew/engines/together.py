@@ -49,8 +49,8 @@ Which algorithms. A handler split into ``plain_<kind>`` (``PlainTraining``: the 
 and optimiser, the algorithm's loss, per-client tensors, gradient shift, tensors trained
 beside the model, step tensors and carried state given as data) trains together: FedAvg,
 CReFF and FedNH (cross-entropy), FedProx, FedLC, FedRS, FedDecorr, FedNTD (the global model
-as the teacher's per-client tensors; its kl_div has no batching rule, so that one op runs
-client by client), SCAFFOLD (its correction as the gradient shift), FedDyn (g_k and the
+as the teacher's per-client tensors; its KL written out, as kl_div has no batching rule),
+SCAFFOLD (its correction as the gradient shift), FedDyn (g_k and the
 server model as tensors), FedNova (cross-entropy; its normalised update in ``finish``),
 FedProto (the global prototypes as tensors), FedCME (train, train_first and train_rest; the
 global class features as tensors; its evaluate exchange trains nothing), MOON (the frozen

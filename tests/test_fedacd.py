@@ -11,16 +11,20 @@ import torch
 from torch import nn
 
 from fedskew.algorithms.fedacd import (
-    ConfusionAccumulator,
+    LOG_DELTA,
+    MIX,
+    PARTNER,
     FedACD,
     FedACDClient,
-    FedACDLoss,
     FedACDParams,
     FedACDServer,
     Mixup,
     adaptability_divergence,
+    add_to_confusion,
     aggregation_weights,
     capped_weights,
+    confusion_of,
+    empty_confusion,
     flat_kl,
     flat_target,
     log_margins,
@@ -34,7 +38,7 @@ from fedskew.core.rng import torch_rng
 from fedskew.data.federated import ClientData
 from fedskew.models import BodyHeadModel, build_model
 from fedskew.training.interface import ClientContext, LocalTrainConfig, ServerSetup
-from fedskew.training.local import get_arrays
+from fedskew.training.local import LossFn, get_arrays
 from fedskew.training.protocol import ClientState, Message
 
 # --- helpers written for the tests, independent of the implementation ---------------------
@@ -71,6 +75,18 @@ def close(a: float, b: float, tol: float = 1e-6) -> bool:
     return abs(a - b) <= tol * max(1.0, abs(b))
 
 
+def acd_loss_fn(
+    params: FedACDParams,
+    start: tuple[torch.Tensor, torch.Tensor] | None = None,
+    steps: dict[str, torch.Tensor] | None = None,
+    batches_per_epoch: int = 100,
+) -> LossFn:
+    """One client's loss as run_plain gives it to train_client: FedACD's plan for 3 classes
+    from ``start`` and the step draws ``steps``, epochs of ``batches_per_epoch`` batches."""
+    plan = FedACDClient(params).plan(lambda result: Message("trained"), 3, start, steps or {})
+    return plan.loss_fn(batches_per_epoch)
+
+
 # --- the soft confusion matrix ------------------------------------------------------------
 
 
@@ -101,10 +117,12 @@ def test_soft_confusion_is_the_class_mean_softmax_in_eval_mode():
 
 
 def test_accumulator_splits_a_mixed_sample_between_its_two_labels():
-    acc = ConfusionAccumulator(3)
     probs = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])
-    acc.add(probs, torch.tensor([0, 1]), torch.tensor([1, 2]), mix=0.75)
-    confusion, weights = acc.result()
+    mixed = {
+        "probs": probs, "y_a": torch.tensor([0, 1]), "y_b": torch.tensor([1, 2]),
+        "mix": torch.tensor(0.75, dtype=torch.float64),
+    }  # fmt: skip
+    confusion, weights = confusion_of(add_to_confusion(empty_confusion(3, "cpu"), mixed))
     assert weights.tolist() == [0.75, 1.0, 0.25]
     row0 = [0.75 * v for v in (0.5, 0.3, 0.2)]
     row1 = [0.25 * a + 0.75 * b for a, b in zip((0.5, 0.3, 0.2), (0.1, 0.1, 0.8), strict=True)]
@@ -151,11 +169,11 @@ def test_loss_is_ce_plus_lam_times_flat_and_plain_ce_when_both_off():
     model = identity_model(3)
     ce_mean = sum(ce(r, int(c)) for r, c in zip(rows, y.tolist(), strict=True)) / 2
     flat_mean = sum(flat_kl_by_hand(r, int(c)) for r, c in zip(rows, y.tolist(), strict=True)) / 2
-    full = FedACDLoss(loss_params(margin=False, mixup=False, lam=1.5), 3, 100)
+    full = acd_loss_fn(loss_params(margin=False, mixup=False, lam=1.5))
     out = full(model, x, y)
     assert close(out.loss.item(), ce_mean + 1.5 * flat_mean, 1e-5)
     assert torch.equal(out.logits, x) and torch.equal(out.features, x)
-    plain = FedACDLoss(loss_params(margin=False, mixup=False, lam=0.0), 3, 100)
+    plain = acd_loss_fn(loss_params(margin=False, mixup=False, lam=0.0))
     assert close(plain(model, x, y).loss.item(), ce_mean, 1e-5)
 
 
@@ -204,7 +222,7 @@ def test_margin_loss_is_the_pairwise_logit_adjusted_ce():
     ]
     x = torch.tensor([[1.0, 0.5, 2.0], [0.3, -0.2, 0.1], [0.0, 1.0, 1.0]])
     y = [0, 1, 1]
-    fn = FedACDLoss(loss_params(mixup=False, lam=0.0), 3, 100, (confusion, weights))
+    fn = acd_loss_fn(loss_params(mixup=False, lam=0.0), (confusion, weights))
     out = fn(identity_model(3), x, torch.tensor(y))
     f = x.tolist()
     by_hand = [
@@ -220,16 +238,6 @@ def test_margin_loss_is_the_pairwise_logit_adjusted_ce():
     assert torch.allclose(xg.grad, want, atol=1e-6)
 
 
-class StubMixer:
-    """Fixed mixing draws, so the test knows what the loss mixed."""
-
-    def __init__(self, mix: float, perm: list[int]) -> None:
-        self.mix, self.perm = mix, torch.tensor(perm)
-
-    def next_batch(self, n: int, device: torch.device) -> tuple[float, torch.Tensor]:
-        return self.mix, self.perm.to(device)
-
-
 def test_mixup_loss_and_its_contribution_to_the_next_epochs_margins():
     # A symmetric start matrix with every class present: all margins start at 0.
     start = torch.full((3, 3), 0.2, dtype=torch.float64).fill_diagonal_(0.6)
@@ -237,7 +245,13 @@ def test_mixup_loss_and_its_contribution_to_the_next_epochs_margins():
     y = [0, 1, 2]
     perm = [2, 0, 1]
     mix = 0.7
-    fn = FedACDLoss(loss_params(), 3, 6, (start, torch.ones(3)), StubMixer(mix, perm))
+    # Fixed mixing draws for both steps, so the test knows what the loss mixed; an epoch of
+    # two batches of 3.
+    steps = {
+        MIX: torch.tensor([mix, mix], dtype=torch.float64),
+        PARTNER: torch.tensor([perm, perm]),
+    }
+    fn = acd_loss_fn(loss_params(), (start, torch.ones(3)), steps, batches_per_epoch=2)
     out = fn(identity_model(3), x, torch.tensor(y))
 
     xs = x.tolist()
@@ -251,7 +265,8 @@ def test_mixup_loss_and_its_contribution_to_the_next_epochs_margins():
     assert torch.allclose(out.logits, torch.tensor(mixed), atol=1e-6)
 
     # Half an epoch seen: the margins still come from the (symmetric) start matrix.
-    assert torch.allclose(fn.log_delta, torch.zeros(3, 3, dtype=torch.float64), atol=1e-6)
+    zeros = torch.zeros(3, 3, dtype=torch.float64)
+    assert torch.allclose(fn.carried[LOG_DELTA], zeros, atol=1e-6)
     fn(identity_model(3), x, torch.tensor(y))
     # A full epoch (6 samples, the same batch twice): the margins now come from the mixed
     # outputs, each one counted with weight mix on row y_a and 1 - mix on row y_b.
@@ -267,7 +282,7 @@ def test_mixup_loss_and_its_contribution_to_the_next_epochs_margins():
     for i in range(3):
         for j in range(3):
             want = 0.0 if i == j else math.log(confusion[i][j] / (confusion[j][i] + 1e-8))
-            assert close(fn.log_delta[i, j].item(), want, 1e-6), (i, j)
+            assert close(fn.carried[LOG_DELTA][i, j].item(), want, 1e-6), (i, j)
 
 
 def test_mixup_draws_are_beta_and_addressed():
@@ -276,17 +291,17 @@ def test_mixup_draws_are_beta_and_addressed():
     first, second = a.draw(6), b.draw(6)
     assert first[0] == second[0] and torch.equal(first[1], second[1])
     assert sorted(first[1].tolist()) == list(range(6))
-    # An epoch's draws at once (one copy to the device) are the batches' draws in order,
-    # epoch after epoch: the training stream is unchanged.
+    # The round's draws at once (one copy to the device) are the batches' draws in order,
+    # epoch after epoch, each permutation zero-padded to the largest batch.
     sizes = [4, 4, 3]
     whole = Mixup(1.0, torch_rng(0, 3, 5, "fedacd-mixup"), sizes)
     single = Mixup(1.0, torch_rng(0, 3, 5, "fedacd-mixup"))
-    for n in sizes * 2:
-        mix, perm = whole.next_batch(n, torch.device("cpu"))
+    mixes, partners = whole.draw_steps(2, torch.device("cpu"))
+    assert mixes.dtype == torch.float64 and partners.shape == (6, 4)
+    for step, n in enumerate(sizes * 2):
         want_mix, want_perm = single.draw(n)
-        assert mix == want_mix and torch.equal(perm, want_perm)
-    with pytest.raises(RuntimeError, match="a batch of 2 where the epoch's schedule has 4"):
-        whole.next_batch(2, torch.device("cpu"))
+        assert mixes[step].item() == want_mix and torch.equal(partners[step, :n], want_perm)
+        assert not partners[step, n:].any()
     for alpha in (1.0, 0.2):
         m = Mixup(alpha, torch_rng(1, 0, 0, "fedacd-mixup"))
         draws = torch.tensor([m.draw(2)[0] for _ in range(4000)], dtype=torch.float64)

@@ -56,7 +56,7 @@ rounded to their precision, were bit for bit the same in every case checked.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,28 +132,19 @@ class FedACDParams:
 # --- the soft confusion matrix ------------------------------------------------------------
 
 
-class ConfusionAccumulator:
-    """Weighted per-class sums of softmax outputs; ``result()`` gives P and the row weights."""
+def empty_confusion(num_classes: int, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Confusion sums with nothing added yet: per row (true class) the weighted sum of
+    softmax outputs and the sum of weights, in float64."""
+    f64 = torch.float64
+    return {
+        SUMS: torch.zeros(num_classes, num_classes, dtype=f64, device=device),
+        WEIGHTS: torch.zeros(num_classes, dtype=f64, device=device),
+    }
 
-    def __init__(self, num_classes: int, device: torch.device | str = "cpu") -> None:
-        f64 = torch.float64
-        self.sums = torch.zeros(num_classes, num_classes, dtype=f64, device=device)
-        self.weights = torch.zeros(num_classes, dtype=f64, device=device)
 
-    def add(
-        self, probs: torch.Tensor, y_a: torch.Tensor, y_b: torch.Tensor, mix: float = 1.0
-    ) -> None:
-        """Add a batch: each sample to row y_a with weight ``mix``, to row y_b with 1 - mix."""
-        probs = probs.detach().to(torch.float64)
-        for rows, w in ((y_a, mix), (y_b, 1.0 - mix)):
-            if w == 0.0:
-                continue
-            self.sums.index_add_(0, rows, probs, alpha=w)
-            ones = torch.full(rows.shape, w, dtype=torch.float64, device=rows.device)
-            self.weights.index_add_(0, rows, ones)
-
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.sums / (self.weights.unsqueeze(1) + EPS), self.weights.clone()
+def confusion_of(sums: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """P from the confusion sums (each row over its weight, EPS added) and the row weights."""
+    return sums[SUMS] / (sums[WEIGHTS].unsqueeze(1) + EPS), sums[WEIGHTS]
 
 
 @torch.no_grad()
@@ -165,13 +156,14 @@ def soft_confusion(
     Rows of classes the client lacks are zero; their count (0) marks them as undefined."""
     was_training = model.training
     model.eval()
-    acc = ConfusionAccumulator(num_classes, data.device)
+    sums = empty_confusion(num_classes, data.device)
     n = len(data)
     for start in range(0, n, batch_size):
         xb, yb = data.batch(torch.arange(start, min(start + batch_size, n), device=data.device))
-        acc.add(F.softmax(model.head(model.body(xb)).float(), dim=1), yb, yb)
+        probs = F.softmax(model.head(model.body(xb)).float(), dim=1)
+        sums = add_to_confusion(sums, {"probs": probs, "y_a": yb})
     model.train(was_training)
-    return acc.result()
+    return confusion_of(sums)
 
 
 # --- the local losses ---------------------------------------------------------------------
@@ -226,7 +218,6 @@ class Mixup:
         seed = torch.randint(0, 2**62, (1,), generator=gen, device=gen.device)
         self._np = np.random.default_rng(int(seed))
         self.batch_sizes = list(batch_sizes)
-        self._epoch: list[tuple[float, torch.Tensor]] = []
 
     def draw(self, n: int) -> tuple[float, torch.Tensor]:
         """The mixing weight and the partner permutation of one batch of ``n`` (in host
@@ -234,24 +225,9 @@ class Mixup:
         mix = float(self._np.beta(self.alpha, self.alpha))
         return mix, torch.randperm(n, generator=self.gen, device=self.gen.device)
 
-    def next_batch(self, n: int, device: torch.device) -> tuple[float, torch.Tensor]:
-        """The draws of the next batch of ``n``, its permutation on ``device``. At an epoch's
-        first batch the whole epoch (``batch_sizes``) is drawn, batch by batch exactly as
-        :meth:`draw` would, and its permutations reach the device in one copy: no step
-        waits for a host copy."""
-        if not self._epoch:
-            draws = [self.draw(size) for size in (self.batch_sizes or [n])]
-            sizes = [len(perm) for _, perm in draws]
-            moved = torch.cat([perm for _, perm in draws]).to(device, non_blocking=True)
-            self._epoch = list(zip([mix for mix, _ in draws], moved.split(sizes), strict=True))
-        mix, perm = self._epoch.pop(0)
-        if len(perm) != n:
-            raise RuntimeError(f"mixup: a batch of {n} where the epoch's schedule has {len(perm)}")
-        return mix, perm
-
     def draw_steps(self, epochs: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The draws of ``epochs`` epochs of ``batch_sizes``, as :meth:`next_batch` would take
-        them, as step tensors: the mixing weights (steps,) in float64 (the numbers drawn) and
+        """The draws of ``epochs`` epochs of ``batch_sizes``, batch after batch as :meth:`draw`
+        makes them, as step tensors: the mixing weights (steps,) in float64 (the numbers drawn) and
         the partner permutations (steps, largest batch), zero-padded at the end, each moved
         to ``device`` in one copy."""
         draws = [self.draw(n) for _ in range(epochs) for n in self.batch_sizes]
@@ -317,11 +293,9 @@ def start_carried(
     """The carried state at the start of training: the margins of the start-of-round P
     (and its per-class counts) and empty confusion sums."""
     confusion, counts = start
-    f64, device = torch.float64, confusion.device
     return {
         LOG_DELTA: log_margins(confusion, counts > 0, delta),
-        SUMS: torch.zeros(num_classes, num_classes, dtype=f64, device=device),
-        WEIGHTS: torch.zeros(num_classes, dtype=f64, device=device),
+        **empty_confusion(num_classes, confusion.device),
     }
 
 
@@ -330,7 +304,7 @@ def add_to_confusion(
 ) -> dict[str, torch.Tensor]:
     """The confusion sums with a batch's softmax outputs added (``acd_loss``'s aux): each
     sample to row y_a with weight mix, to row y_b with 1 - mix (in float64, as
-    ``ConfusionAccumulator.add``). Without mixup, to row y_a with weight 1."""
+    ``soft_confusion`` adds). Without mixup, to row y_a with weight 1."""
     probs = aux["probs"].to(torch.float64)
     sums, weights = carried[SUMS], carried[WEIGHTS]
     mix = aux.get("mix")
@@ -348,63 +322,12 @@ def add_to_confusion(
 
 def margins_of_epoch(carried: Mapping[str, torch.Tensor], delta: float) -> dict[str, torch.Tensor]:
     """At an epoch's end: the next epoch's margins from this epoch's P, and empty sums."""
-    sums, weights = carried[SUMS], carried[WEIGHTS]
-    confusion = sums / (weights.unsqueeze(1) + EPS)
+    confusion, weights = confusion_of(carried)
     return {
         LOG_DELTA: log_margins(confusion, weights > 0, delta),
-        SUMS: torch.zeros_like(sums),
+        SUMS: torch.zeros_like(carried[SUMS]),
         WEIGHTS: torch.zeros_like(weights),
     }
-
-
-class FedACDLoss:
-    """One client's local objective as a stateful ``loss_fn(model, x, y) -> LossOutput`` for
-    ``train_client``: the functions the client's plain split gives the shared loop
-    (``acd_loss``, ``add_to_confusion``, ``margins_of_epoch``) with the client's state kept
-    here, the mixup draws taken batch by batch from ``mixer``.
-
-    The batches of one epoch build the P whose margins the next epoch uses. An epoch ends
-    after ``epoch_size`` samples, since the shared loop visits every local sample exactly
-    once per epoch."""
-
-    def __init__(
-        self,
-        params: FedACDParams,
-        num_classes: int,
-        epoch_size: int,
-        start: tuple[torch.Tensor, torch.Tensor] | None = None,
-        mixer: Mixup | None = None,
-    ) -> None:
-        if num_classes < 2:
-            raise UsageError("fedacd needs at least 2 classes")
-        self.params = params
-        self.epoch_size = epoch_size
-        self.mixer = mixer
-        self.carried: dict[str, torch.Tensor] = {}
-        if params.margin:
-            if start is None:
-                raise ValueError("margins need the start-of-round confusion matrix")
-            self.carried = start_carried(num_classes, params.delta, start)
-        self.seen = 0
-
-    @property
-    def log_delta(self) -> torch.Tensor | None:
-        return self.carried.get(LOG_DELTA)
-
-    def __call__(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> LossOutput:
-        tensors = dict(self.carried)
-        if self.mixer is not None:
-            mix, perm = self.mixer.next_batch(x.shape[0], x.device)
-            tensors[MIX] = torch.tensor(mix, dtype=torch.float64, device=x.device)
-            tensors[PARTNER] = perm
-        out = acd_loss(self.params, model, x, y, tensors)
-        if self.carried:
-            self.carried = add_to_confusion(self.carried, out.aux)
-            self.seen += int(y.shape[0])
-            if self.seen >= self.epoch_size:
-                self.carried = margins_of_epoch(self.carried, self.params.delta)
-                self.seen = 0
-        return out
 
 
 # --- the score and the aggregation weights ------------------------------------------------
@@ -511,12 +434,7 @@ class FedACDClient(ClientLogic):
         p: FedACDParams = self.params
         set_arrays(ctx.model, msg.arrays)
         num_classes = ctx.data.num_classes
-        if num_classes < 2:
-            raise UsageError("fedacd needs at least 2 classes")
-        carried: dict[str, torch.Tensor] = {}
-        if p.margin:
-            start = soft_confusion(ctx.model, ctx.data, num_classes)
-            carried = start_carried(num_classes, p.delta, start)
+        start = soft_confusion(ctx.model, ctx.data, num_classes) if p.margin else None
         steps: dict[str, torch.Tensor] = {}
         if p.mixup:
             bounds = batch_bounds(len(ctx.data), ctx.train.batch_size)
@@ -532,6 +450,25 @@ class FedACDClient(ClientLogic):
                 )
             return Message("trained", arrays=get_arrays(ctx.model), scalars=scalars)
 
+        return self.plan(finish, num_classes, start, steps)
+
+    def plan(
+        self,
+        finish: Callable[[TrainResult], Message],
+        num_classes: int,
+        start: tuple[torch.Tensor, torch.Tensor] | None,
+        steps: dict[str, torch.Tensor],
+    ) -> PlainTraining:
+        """The local training from the start-of-round P and its class counts (``start``,
+        None without margins) and every step's mixup draws (``steps``, empty without
+        mixup)."""
+        if num_classes < 2:
+            raise UsageError("fedacd needs at least 2 classes")
+        carried: dict[str, torch.Tensor] = {}
+        if self.params.margin:
+            if start is None:
+                raise ValueError("margins need the start-of-round confusion matrix")
+            carried = start_carried(num_classes, self.params.delta, start)
         return PlainTraining(
             finish,
             loss=self.loss,

@@ -617,8 +617,7 @@ class _EpochEnds:
         out = {}
         for name, t in carry.items():
             ends = mask.reshape(-1, *([1] * (t.dim() - 1)))
-            merged = torch.where(ends, new[name], now[name])
-            out[name] = merged if active == t.shape[0] else torch.cat([merged, t[active:]])
+            out[name] = _new_prefix(t, torch.where(ends, new[name], now[name]))
         return out
 
 
@@ -706,6 +705,13 @@ def _prefix(t: torch.Tensor, n: int) -> torch.Tensor:
     return t if n == t.shape[0] else t[:n]
 
 
+def _new_prefix(t: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """A stacked tensor whose first clients are ``first`` (new values of ``_prefix``'s
+    rows), the others as ``t`` holds them: ``first`` itself when that is all of them."""
+    n = first.shape[0]
+    return first if n == t.shape[0] else torch.cat([first, t[n:]])
+
+
 def _stacked(
     per_client: Sequence[Mapping[str, torch.Tensor]], order: Sequence[int]
 ) -> dict[str, torch.Tensor]:
@@ -790,10 +796,7 @@ def _loss_step(
         c_now = {name: _prefix(c, active) for name, c in carry.items()}
         losses, new = mapped(p_now, b_now, t_now, c_now, xb, yb)
         if updates:
-            carry = {
-                name: new[name] if active == c.shape[0] else torch.cat([new[name], c[active:]])
-                for name, c in carry.items()
-            }
+            carry = {name: _new_prefix(c, new[name]) for name, c in carry.items()}
         return losses, None, carry
     parts, where = [], []
     for size, index in groups:

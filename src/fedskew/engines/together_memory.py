@@ -19,12 +19,14 @@ and goes on.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fedskew.training.local import PlainTraining
 
 # Model-sized tensors per client while it trains stacked: the message's weights moved to the
 # device, the starting state dict, the stacked parameters, their gradients, the momentum
@@ -51,20 +53,20 @@ SAFETY = 0.85
 STACK_COPIES = {"tensors": 1, "step_tensors": 1, "grad_shift": 1, "carried": 2, "trained": 3}
 
 
-def _bytes(tensors: Mapping[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes of ``tensors``' elements."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def plan_stack_bytes(plan: object) -> int:
-    """The bytes stacking adds for one client's ``PlainTraining`` ``plan`` (its per-client
-    tensors, STACK_COPIES times each kind): 0 for plain cross-entropy."""
-    return sum(n * _bytes(getattr(plan, kind)) for kind, n in STACK_COPIES.items())
+def plan_stack_bytes(plan: PlainTraining) -> int:
+    """The bytes stacking adds for one client's ``plan`` (its per-client tensors,
+    STACK_COPIES times each kind): 0 for plain cross-entropy."""
+    return sum(n * tensor_bytes(getattr(plan, kind).values()) for kind, n in STACK_COPIES.items())
 
 
 def model_bytes(model: nn.Module) -> int:
     """The bytes of the model's parameters and buffers."""
-    tensors = [*model.parameters(), *model.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return tensor_bytes([*model.parameters(), *model.buffers()])
 
 
 @contextmanager

@@ -325,6 +325,8 @@ class _StepwiseLoss:
 
     def __init__(self, plan: PlainTraining, batches_per_epoch: int) -> None:
         assert plan.loss is not None
+        if plan.after_epoch is not None and batches_per_epoch < 1:
+            raise ValueError("after_epoch needs the number of batches per epoch (loss_fn's)")
         self.loss = plan.loss
         self.plan = plan
         self.fixed = {**plan.tensors, **plan.trained}
@@ -335,8 +337,6 @@ class _StepwiseLoss:
     def __call__(
         self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
     ) -> LossOutput | torch.Tensor:
-        if self.plan.after_epoch is not None and self.batches_per_epoch < 1:
-            raise ValueError("after_epoch needs the number of batches per epoch (loss_fn's)")
         rows = {name: t[self.step] for name, t in self.plan.step_tensors.items()}
         out = self.loss(model, x, y, {**self.fixed, **self.carried, **rows})
         if self.plan.after_step is not None:

@@ -8,8 +8,8 @@ and the mean of the last rounds of each mode, and each mode's difference from fp
 (paired: same partition and clients).
 
     python benchmarks/precision_accuracy.py [--rounds 15] [--seeds 0 1 2] [--jobs 2]
-    python benchmarks/precision_accuracy.py --device cuda --modes fp32 tf32 bf16 --jobs 1 \\
-        --out benchmarks/results/runs/precision-cuda \\
+    python benchmarks/precision_accuracy.py --device cuda --modes fp32 tf32 bf16 --rounds 10 \\
+        --jobs 3 --threads 4 --out benchmarks/results/runs/precision-cuda \\
         --report benchmarks/results/precision_accuracy_cuda.md       # on a GPU machine
 """
 

@@ -18,12 +18,16 @@ from fedskew.data.partition import (
 )
 from fedskew.report.partition_plot import plot_partition
 
-SCHEMES = ["iid", "dirichlet", "shards", "classes", "niid2", "missing", "quantity"]
-FULL_COVER = {"iid", "dirichlet", "shards", "quantity"}
+SCHEMES = [
+    "iid", "dirichlet", "dirichlet-niidbench", "shards", "shards-fedavg", "classes", "niid2",
+    "missing", "quantity",
+]  # fmt: skip
+FULL_COVER = {"iid", "dirichlet", "dirichlet-niidbench", "shards", "shards-fedavg", "quantity"}
 # niid2 defaults need 2,300 samples per class for 10 clients; keep the generic tests small.
 SMALL_PARAMS: dict[str, dict[str, object]] = {
     "niid2": {"dominant_shards": 4, "tail_shards": 1, "shard_size": 10},
     "dirichlet": {"min_size": 5},
+    "dirichlet-niidbench": {"min_size": 5},
     "quantity": {"min_size": 5},
 }
 
@@ -82,35 +86,42 @@ def test_iid_equal_sizes(labels: np.ndarray) -> None:
     assert sizes[0] == 100 and sizes[-1] == 101 and sum(sizes) == 1003
 
 
+DIRICHLETS = ["dirichlet", "dirichlet-niidbench"]
+
+
+@pytest.mark.parametrize("scheme", DIRICHLETS)
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("beta", [0.01, 0.1, 0.5, 5.0])
-def test_dirichlet_min_size(beta: float, seed: int) -> None:
+def test_dirichlet_min_size(beta: float, seed: int, scheme: str) -> None:
     labels = mnist_like_labels()[:6000]
-    parts = make_partition(labels, 100, "dirichlet", seed, beta=beta, min_size=20)
+    parts = make_partition(labels, 100, scheme, seed, beta=beta, min_size=20)
     assert min(len(p) for p in parts) >= 20
     assert sum(len(p) for p in parts) == labels.size
 
 
-def test_dirichlet_extreme_terminates() -> None:
+@pytest.mark.parametrize("scheme", DIRICHLETS)
+def test_dirichlet_extreme_terminates(scheme: str) -> None:
     labels = mnist_like_labels()
-    parts = make_partition(labels, 1000, "dirichlet", 0, beta=0.01, min_size=10)
+    parts = make_partition(labels, 1000, scheme, 0, beta=0.01, min_size=10)
     assert len(parts) == 1000
     assert min(len(p) for p in parts) >= 10
     flat = np.concatenate(parts)
     assert flat.size == labels.size and np.unique(flat).size == labels.size
 
 
-def test_dirichlet_min_size_exactly_feasible() -> None:
+@pytest.mark.parametrize("scheme", DIRICHLETS)
+def test_dirichlet_min_size_exactly_feasible(scheme: str) -> None:
     labels = balanced_labels(10, 100)
-    parts = make_partition(labels, 100, "dirichlet", 0, beta=0.05, min_size=10)
+    parts = make_partition(labels, 100, scheme, 0, beta=0.05, min_size=10)
     assert all(len(p) == 10 for p in parts)
 
 
-def test_dirichlet_smaller_beta_more_skew() -> None:
+@pytest.mark.parametrize("scheme", DIRICHLETS)
+def test_dirichlet_smaller_beta_more_skew(scheme: str) -> None:
     labels = mnist_like_labels()
 
     def mean_classes(beta: float) -> float:
-        parts = make_partition(labels, 100, "dirichlet", 0, beta=beta, min_size=10)
+        parts = make_partition(labels, 100, scheme, 0, beta=beta, min_size=10)
         return float((partition_stats(parts, labels, 10) > 0).sum(axis=1).mean())
 
     skewed, flat = mean_classes(0.01), mean_classes(10.0)
@@ -261,6 +272,8 @@ def test_registry() -> None:
     for name, info in PARTITIONS.items():
         assert info.name == name and info.description and "\n" not in info.description
     assert PARTITIONS["dirichlet"].params == {"beta": 0.5, "min_size": 10}
+    assert PARTITIONS["dirichlet-niidbench"].params == PARTITIONS["dirichlet"].params
+    assert PARTITIONS["shards-fedavg"].params == PARTITIONS["shards"].params
 
 
 def test_partition_stats() -> None:

@@ -18,7 +18,12 @@ from fedskew.core.errors import UsageError
 from fedskew.core.machine import usable_cores
 from fedskew.core.precision import check_precision
 from fedskew.core.structured_text import parse_structured_text
-from fedskew.data.partition import read_partition_file
+from fedskew.data.partition import (
+    PARTITION_VERSION,
+    current_scheme,
+    read_partition_file,
+    stable_name,
+)
 
 
 def option(default: Any = dataclasses.MISSING, *, factory: Any = None, **metadata: Any) -> Any:
@@ -99,6 +104,18 @@ class ExperimentConfig:
         None, exclusive="clients", help="number of clients per round (instead of participation)"
     )
     partition: str = option("dirichlet", command="experiment", help="partition scheme")
+    # Which meaning of the scheme names the run has (data.partition.PARTITION_VERSION): 2,
+    # dirichlet and shards place the classes in a random order per draw, and their index-order
+    # forms are dirichlet-niidbench and shards-fedavg; 1, dirichlet and shards were those. A
+    # run folder written before the key existed ran with 1 (``legacy``) and reads back with
+    # its scheme under today's name (validate), so that it rebuilds and resumes the partition
+    # it ran with. Not hashed itself: the scheme's name says what is computed (hashed_values).
+    partition_version: int = option(
+        2, cli=False, legacy=1, command="experiment",
+        help="what the partition names mean: 2 (today), or 1 (before the key existed: "
+        "dirichlet and shards meant today's dirichlet-niidbench and shards-fedavg); run "
+        "folders without the key ran with 1",
+    )
     partition_params: dict[str, Any] = option(
         factory=dict, short="-P", flag="--partition-param", action="pairs", command="experiment",
         shortcuts={
@@ -422,6 +439,13 @@ class ExperimentConfig:
         if self.name is not None:
             check_run_name(self.name)
         self.track = parse_trackers(self.track)
+        version = self.partition_version
+        if isinstance(version, bool) or version not in range(1, PARTITION_VERSION + 1):
+            raise UsageError(
+                f"partition-version must be an integer from 1 to {PARTITION_VERSION}, "
+                f"got {version!r}"
+            )
+        self.partition = current_scheme(self.partition, version)
         if self.partition_file is not None and self.partition == "natural":
             raise UsageError("give either partition natural or a partition file, not both")
         if self.reply_timeout < 0:
@@ -580,13 +604,18 @@ def check_run_name(name: str) -> None:
 def hashed_values(cfg: ExperimentConfig) -> dict[str, Any]:
     """The part of a configuration that says what a run computes: every key but
     EXECUTION_ONLY and MEASUREMENT_ONLY, and but a key that holds its LEGACY value (left out
-    so that the hash is the one a run made before the key existed recorded)."""
-    skip = EXECUTION_ONLY + MEASUREMENT_ONLY
-    return {
+    so that the hash is the one a run made before the key existed recorded); the partition
+    scheme by its data.partition.stable_name, partition_version left out."""
+    skip = EXECUTION_ONLY + MEASUREMENT_ONLY + ("partition_version",)
+    values = {
         k: v
         for k, v in cfg.to_dict().items()
         if k not in skip and not (k in LEGACY and v == LEGACY[k])
     }
+    # The scheme under the name that says what it computes in any partition version (see
+    # partition_version): a folder of version 1 keeps the hash its checkpoint recorded.
+    values["partition"] = stable_name(current_scheme(cfg.partition, cfg.partition_version))
+    return values
 
 
 def config_hash(cfg: ExperimentConfig) -> str:

@@ -200,6 +200,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
         print(header)
         for k, row in enumerate(counts):
             print(f"{k:>6} " + " ".join(f"{v:>5}" for v in row) + f"  {row.sum():>5}")
+    print_class_spread(counts)
     if args.plot is not None:
         from fedskew.report.partition_plot import plot_partition
 
@@ -212,6 +213,35 @@ def cmd_partition(args: argparse.Namespace) -> int:
         )
         print(f"  partition written to {args.save}")
     return 0
+
+
+def print_class_spread(counts: object) -> None:
+    """Per class, how many clients hold it and the largest one's share: the view in which a
+    partition can make some classes look like minority classes."""
+    import numpy as np
+
+    from fedskew.data.partition import HOLDER_SHARE, class_holders, largest_share
+
+    holders, largest = class_holders(counts), largest_share(counts)
+    num_classes = len(holders)
+    print(
+        f"  per class: holders = clients with >= {HOLDER_SHARE:.0%} of the class's samples, "
+        "largest = the largest client's share"
+    )
+    if num_classes <= 20:
+        print("  class   " + " ".join(f"{c:>5}" for c in range(num_classes)))
+        print("  holders " + " ".join(f"{h:>5}" for h in holders))
+        print("  largest " + " ".join("    -" if np.isnan(x) else f"{x:>5.2f}" for x in largest))
+        return
+    for name, values, form in (("holders", holders, "d"), ("largest", largest, ".2f")):
+        known = np.flatnonzero(~np.isnan(values.astype(np.float64)))
+        if known.size == 0:
+            continue
+        lo, hi = known[np.argmin(values[known])], known[np.argmax(values[known])]
+        print(
+            f"  {name}: min {values[lo]:{form}} (class {lo}), median "
+            f"{np.median(values[known]):.2f}, max {values[hi]:{form}} (class {hi})"
+        )
 
 
 def _check_output_file(text: str) -> None:

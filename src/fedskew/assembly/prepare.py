@@ -25,6 +25,7 @@ from fedskew.data.local_test import split_local_test
 from fedskew.data.partition import (
     PARTITIONS,
     check_partition,
+    current_scheme,
     make_partition,
     partition_digest,
     read_partition_file,
@@ -119,7 +120,8 @@ def build_partition(cfg: ExperimentConfig, dataset: Dataset) -> list[np.ndarray]
     return make_partition(
         labels,
         cfg.num_clients,
-        cfg.partition,
+        # validate gives partition today's name; a config built without it may not have it.
+        current_scheme(cfg.partition, cfg.partition_version),
         seed=cfg.seed,
         num_classes=dataset.num_classes,
         **cfg.partition_params,

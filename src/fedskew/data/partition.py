@@ -40,12 +40,27 @@ PARTITIONS: dict[str, PartitionInfo] = {
         PartitionInfo("iid", "random equal split", {}),
         PartitionInfo(
             "dirichlet",
-            "label skew: per class, client proportions ~ Dir(beta); every client >= min_size",
+            "label skew: per class, client proportions ~ Dir(beta), classes visited in a "
+            "random order, full clients (N/K) closed; every client >= min_size",
+            {"beta": 0.5, "min_size": 10},
+        ),
+        PartitionInfo(
+            "dirichlet-niidbench",
+            "NIID-Bench's noniid-labeldir: dirichlet with classes visited in index order (the "
+            "last classes go to fewer clients); what dirichlet was before partition_version 2",
             {"beta": 0.5, "min_size": 10},
         ),
         PartitionInfo(
             "shards",
-            "pathological label skew (FedAvg): label-sorted shards dealt out at random",
+            "pathological label skew (FedAvg): label-sorted shards dealt out at random, the "
+            "classes sorted in a random order",
+            {"shards_per_client": 2},
+        ),
+        PartitionInfo(
+            "shards-fedavg",
+            "shards with the classes sorted in index order, as FedAvg's code (a class at a "
+            "fixed position is always cut by the same shard boundaries); shards before "
+            "partition_version 2",
             {"shards_per_client": 2},
         ),
         PartitionInfo(
@@ -75,6 +90,36 @@ PARTITIONS: dict[str, PartitionInfo] = {
         ),
     )
 }
+
+# What the scheme names mean changes with the partition version (a config key, so that a run
+# folder says which it ran with). Version 1 placed the classes in index order: dirichlet
+# visited them in that order (NIID-Bench's loop: the classes visited last are split among
+# fewer, larger clients), shards sorted the labels in it (a class at a fixed position is
+# always cut by the same shard boundaries). Version 2 gives those schemes a fresh random class
+# order per draw, and keeps version 1's under the names of where they come from.
+PARTITION_VERSION = 2
+# {today's name: its name in version 1}, for the version-1 schemes whose name now means
+# another scheme.
+VERSION_1_NAMES = {"dirichlet-niidbench": "dirichlet", "shards-fedavg": "shards"}
+
+
+def current_scheme(name: str, version: int) -> str:
+    """Today's name of the scheme that ``name`` meant in partition version ``version``."""
+    if version == 1:
+        return {old: new for new, old in VERSION_1_NAMES.items()}.get(name, name)
+    return name
+
+
+def stable_name(scheme: str) -> str:
+    """The name under which a scheme draws its randomness and enters a configuration's hash:
+    a version-1 scheme under its version-1 name (so it draws what it drew, and the run
+    folders made with it keep their hash), a name reused since with its version."""
+    if scheme in VERSION_1_NAMES:
+        return VERSION_1_NAMES[scheme]
+    if scheme in VERSION_1_NAMES.values():
+        return f"{scheme}@{PARTITION_VERSION}"
+    return scheme
+
 
 # Resampling only helps when the draw is nearly feasible; at extreme skew (1,000 clients,
 # beta 0.01) no number of tries succeeds, which is why NIID-Bench-style loops never end.
@@ -223,14 +268,26 @@ def _iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list
 
 
 def _dirichlet_counts(
-    class_sizes: np.ndarray, num_clients: int, beta: float, rng: np.random.Generator
+    class_sizes: np.ndarray,
+    num_clients: int,
+    beta: float,
+    rng: np.random.Generator,
+    order: np.ndarray | None = None,
 ) -> np.ndarray:
-    """One NIID-Bench draw as a (clients, classes) count matrix."""
+    """One capped Dirichlet draw as a (clients, classes) count matrix, visiting the classes
+    in ``order`` (None: 0..C-1, NIID-Bench's loop).
+
+    The cap closes clients that hold N/K samples to the classes visited after that, so a
+    class visited late is split among fewer, larger clients than one visited early: with the
+    classes in index order that ties the skew to the class index, with a fresh random order
+    per draw it falls on each class alike (docs/partitions.md has the numbers)."""
     n = int(class_sizes.sum())
     counts = np.zeros((num_clients, class_sizes.size), dtype=np.int64)
     totals = np.zeros(num_clients, dtype=np.int64)
     cap = n / num_clients
-    for c, n_c in enumerate(class_sizes.tolist()):
+    visits = range(class_sizes.size) if order is None else order.tolist()
+    for c in visits:
+        n_c = int(class_sizes[c])
         p = _dirichlet(rng, beta, num_clients)
         if n_c == 0:
             continue  # drawn anyway so later classes do not depend on empty ones
@@ -279,45 +336,70 @@ def _repair_min_size(counts: np.ndarray, min_size: int) -> None:
 
 
 def _dirichlet_scheme(
-    labels: np.ndarray, num_clients: int, num_classes: int, rng: np.random.Generator, p: dict
+    labels: np.ndarray,
+    num_clients: int,
+    num_classes: int,
+    rng: np.random.Generator,
+    p: dict,
+    scheme: str,
 ) -> list[np.ndarray]:
-    beta = _as_beta("dirichlet", p["beta"])
-    min_size = _as_int("dirichlet", "min_size", p["min_size"], 0)
+    """``dirichlet`` (a fresh random class order per draw) and ``dirichlet-niidbench``
+    (classes in index order; it must keep drawing exactly what it always drew, so that run
+    folders made with it rebuild their partition: no extra draws from ``rng`` on its path)."""
+    beta = _as_beta(scheme, p["beta"])
+    min_size = _as_int(scheme, "min_size", p["min_size"], 0)
     n = labels.size
     if num_clients * min_size > n:
         raise UsageError(
-            f"partition 'dirichlet': {num_clients} clients x min_size {min_size} needs "
+            f"partition '{scheme}': {num_clients} clients x min_size {min_size} needs "
             f"{num_clients * min_size} samples, only {n} available (lower min_size)"
         )
+    shuffled = scheme == "dirichlet"
     class_sizes = np.bincount(labels, minlength=num_classes)
-    best, best_deficit = None, None
+    best, best_order, best_deficit = None, None, None
     for _ in range(_DIRICHLET_TRIES):
-        counts = _dirichlet_counts(class_sizes, num_clients, beta, rng)
+        order = rng.permutation(num_classes) if shuffled else np.arange(num_classes)
+        counts = _dirichlet_counts(class_sizes, num_clients, beta, rng, order)
         deficit = int(np.maximum(min_size - counts.sum(axis=1), 0).sum())
         if best_deficit is None or deficit < best_deficit:
-            best, best_deficit = counts, deficit
+            best, best_order, best_deficit = counts, order, deficit
         if deficit == 0:
             break
-    assert best is not None
-    _repair_min_size(best, min_size)
+    assert best is not None and best_order is not None
+    # The repair breaks ties between classes by position: it works on the columns in the
+    # draw's visiting order, so that no class index is favoured there either.
+    visited = best[:, best_order]
+    _repair_min_size(visited, min_size)
+    best[:, best_order] = visited
     pools = _class_pools(labels, num_classes, rng)
     return _group(*_deal_counts(pools, best), num_clients)
 
 
 def _shards_scheme(
-    labels: np.ndarray, num_clients: int, rng: np.random.Generator, p: dict
+    labels: np.ndarray,
+    num_clients: int,
+    num_classes: int,
+    rng: np.random.Generator,
+    p: dict,
+    scheme: str,
 ) -> list[np.ndarray]:
-    per_client = _as_int("shards", "shards_per_client", p["shards_per_client"], 1)
+    """``shards`` (the classes sorted in a fresh random order per draw) and ``shards-fedavg``
+    (in index order; it draws exactly what it always drew)."""
+    per_client = _as_int(scheme, "shards_per_client", p["shards_per_client"], 1)
     n = labels.size
     num_shards = num_clients * per_client
     if num_shards > n:
         raise UsageError(
-            f"partition 'shards': {num_clients} clients x {per_client} shards = {num_shards} "
+            f"partition '{scheme}': {num_clients} clients x {per_client} shards = {num_shards} "
             f"shards, more than the {n} samples"
         )
+    # Where the shard boundaries cut depends on each class's position in the sorted labels
+    # (unless every class is a whole number of shards): a random position per draw, so that
+    # which classes are cut is not tied to their index.
+    rank = rng.permutation(num_classes) if scheme == "shards" else np.arange(num_classes)
     # A random permutation before the stable sort gives a random order within each label.
     perm = rng.permutation(n)
-    order = perm[np.argsort(labels[perm], kind="stable")]
+    order = perm[np.argsort(rank[labels[perm]], kind="stable")]
     shard_of_position = np.repeat(np.arange(num_shards), _even_sizes(n, num_shards))
     owner_of_shard = np.empty(num_shards, dtype=np.int64)
     owner_of_shard[rng.permutation(num_shards)] = np.arange(num_shards) // per_client
@@ -456,13 +538,26 @@ def make_partition(
         raise UsageError(
             f"partition '{scheme}': more clients ({num_clients}) than samples ({labels.size})"
         )
-    rng = numpy_rng(seed, -1, -1, f"partition:{scheme}")
+    rng = numpy_rng(seed, -1, -1, f"partition:{stable_name(scheme)}")
+    partition = _draw(labels, num_clients, num_classes, scheme, rng, p)
+    _refuse_empty_clients(partition, labels, num_classes, scheme, p)
+    return partition
+
+
+def _draw(
+    labels: np.ndarray,
+    num_clients: int,
+    num_classes: int,
+    scheme: str,
+    rng: np.random.Generator,
+    p: dict,
+) -> list[np.ndarray]:
     if scheme == "iid":
         return _iid(labels, num_clients, rng)
-    if scheme == "dirichlet":
-        return _dirichlet_scheme(labels, num_clients, num_classes, rng, p)
-    if scheme == "shards":
-        return _shards_scheme(labels, num_clients, rng, p)
+    if scheme in ("dirichlet", "dirichlet-niidbench"):
+        return _dirichlet_scheme(labels, num_clients, num_classes, rng, p, scheme)
+    if scheme in ("shards", "shards-fedavg"):
+        return _shards_scheme(labels, num_clients, num_classes, rng, p, scheme)
     if scheme == "classes":
         return _classes_scheme(labels, num_clients, num_classes, rng, p)
     if scheme == "missing":
@@ -472,6 +567,30 @@ def make_partition(
     if scheme == "quantity":
         return _quantity_scheme(labels, num_clients, rng, p)
     raise AssertionError(f"partition {scheme!r} is listed but not implemented")
+
+
+def _refuse_empty_clients(
+    partition: list[np.ndarray], labels: np.ndarray, num_classes: int, scheme: str, p: dict
+) -> None:
+    """A client without samples cannot train (and divides by zero in weighted averages): no
+    scheme hands one out, whatever its parameters allowed."""
+    empty = [k for k, idx in enumerate(partition) if idx.size == 0]
+    if not empty:
+        return
+    absent = np.flatnonzero(np.bincount(labels, minlength=num_classes) == 0)
+    if scheme in ("dirichlet", "dirichlet-niidbench", "quantity"):
+        hint = f"min_size {p['min_size']} allows it; use min_size >= 1"
+    elif absent.size:
+        hint = (
+            f"class(es) {', '.join(map(str, absent[:5].tolist()))} have no samples; give "
+            "num_classes as the labels hold them, fewer clients or another partition"
+        )
+    else:
+        hint = "use fewer clients or another partition"
+    raise UsageError(
+        f"partition '{scheme}' leaves {len(empty)} of {len(partition)} client(s) without "
+        f"samples (first: client {empty[0]}): {hint}"
+    )
 
 
 def partition_stats(
@@ -492,6 +611,28 @@ def partition_stats(
         owners * num_classes + client_labels, minlength=num_clients * num_classes
     )
     return flat_counts.reshape(num_clients, num_classes)
+
+
+# A client "holds" a class when it has at least this share of the class's samples: a few
+# strays left by rounding or the min_size repair are not a holding.
+HOLDER_SHARE = 0.01
+
+
+def class_holders(counts: np.ndarray, min_share: float = HOLDER_SHARE) -> np.ndarray:
+    """Per class, the clients holding at least ``min_share`` of its samples (0 for a class
+    without samples), from a (clients, classes) count matrix."""
+    counts = np.asarray(counts)
+    totals = counts.sum(axis=0)
+    held = counts >= min_share * totals[None, :]
+    return np.where(totals > 0, (held & (counts > 0)).sum(axis=0), 0)
+
+
+def largest_share(counts: np.ndarray) -> np.ndarray:
+    """Per class, the largest client's share of its samples (NaN for a class without any)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    totals = counts.sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(totals > 0, counts.max(axis=0, initial=0) / totals, np.nan)
 
 
 def _json_default(obj: object) -> object:

@@ -36,9 +36,11 @@ from fedskew.runs.loop import run  # noqa: E402
 from fedskew.training.local import set_arrays  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+# NIID-Bench's loop (dirichlet-niidbench: dirichlet before partition_version 2), as in
+# the comparison whose runs this replays (configs/compare/methods.toml).
 SETTING = dict(
     algorithm="fedfm", dataset="fmnist", model="simple-cnn", num_clients=20,
-    clients_per_round=8, partition="dirichlet", partition_params={"beta": 0.1},
+    clients_per_round=8, partition="dirichlet-niidbench", partition_params={"beta": 0.1},
     local_epochs=5, batch_size=64, lr=0.01, momentum=0.9, weight_decay=1e-5,
 )  # fmt: skip
 

@@ -156,3 +156,34 @@ def test_committed_run_folders_read_back_with_the_loop_they_ran():
         assert cfg.partition == {v: k for k, v in OLD_NAMES.items()}[config["partition"]]
         config.pop("resolved", None)
         assert config_hash(cfg) == old_hash({**cfg.to_dict(), "partition": config["partition"]})
+
+
+REPRODUCTION_GRIDS = sorted(
+    p.relative_to(ROOT).as_posix()
+    for p in [*(ROOT / "reproduction").glob("*.toml"), *ROOT.glob("reproduction/runs/*/tuned.json")]
+)
+
+
+@pytest.mark.parametrize("grid_file", REPRODUCTION_GRIDS)
+def test_reproduction_grids_plan_what_their_committed_runs_computed(grid_file):
+    """The reproduction grids (and the compare file fedskew tune wrote for the tuned
+    evaluation) pin dirichlet-niidbench: a rerun of one plans each committed run folder with
+    the configuration hash it has (so it is "done before", not "holds a run with another
+    configuration"), and so the partition the folder ran with."""
+    from fedskew.apps import compare
+
+    file = ROOT / grid_file
+    grid = compare.grid_from(compare.read_file(file), str(file), {}, None, {})
+    grid.out_dir = ROOT / grid.out_dir
+    planned = {r.folder: r for r in compare.plan(grid)}
+    committed = [p.parent for p in grid.out_dir.rglob("config.json")]
+    if not committed:
+        pytest.skip(f"{grid_file} has no committed runs")
+    matched = 0
+    for folder in committed:
+        run_ = planned.get(folder.relative_to(grid.out_dir).as_posix())
+        if run_ is None:
+            continue  # a run the grid no longer plans
+        matched += 1
+        assert compare.saved_hash(folder) == config_hash(run_.cfg), folder
+    assert matched, f"no committed run of {grid_file} is planned"

@@ -162,3 +162,26 @@ def test_list_and_partition_commands(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "dirichlet partition of digits" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_partition_prints_holders_and_largest_share_per_class(capsys):
+    """Per class, the clients holding >= 1 % of it and the largest one's share, as computed
+    from the printed counts."""
+    assert main(["partition", "-n", "10", "--partition", "dirichlet-niidbench"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("client "))
+    counts = [[int(v) for v in line.split()[1:-1]] for line in lines[start + 1 : start + 11]]
+    by_class = list(zip(*counts, strict=True))
+    holders = next(line for line in lines if line.startswith("  holders ")).split()[1:]
+    largest = next(line for line in lines if line.startswith("  largest ")).split()[1:]
+    assert [int(h) for h in holders] == [
+        sum(v >= 0.01 * sum(col) and v > 0 for v in col) for col in by_class
+    ]
+    assert [float(x) for x in largest] == [round(max(col) / sum(col), 2) for col in by_class]
+
+
+def test_partition_with_an_empty_client_is_one_line(capsys):
+    assert main(["partition", "-n", "100", "--beta", "0.01", "--min-size", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "partition 'dirichlet' leaves" in err and "min_size >= 1" in err

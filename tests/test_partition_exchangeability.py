@@ -181,3 +181,52 @@ def test_no_scheme_hands_out_an_empty_client(scheme, labels, clients, params, cl
         make_partition(labels, clients, scheme, 0, num_classes=classes, **params)
     text = str(caught.value)
     assert "\n" not in text and f"partition '{scheme}' leaves" in text
+
+
+# ------------------------------------------------------- the committed measurement
+
+
+@pytest.fixture(scope="module")
+def bench():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(
+        "partition_exchangeability_under_test", folder / "partition_exchangeability.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    sys.path.remove(str(folder))
+
+
+def test_committed_results_and_docs_are_the_scripts_output(bench):
+    """results/partition_exchangeability.md and docs/partitions.md's measured block are
+    what the script writes from the committed .json (nothing typed in), and the .json holds
+    50 seeds of both schemes in the four settings the issue names."""
+    import json
+
+    data = json.loads(bench.RESULTS.read_text(encoding="utf-8"))
+    assert bench.RESULTS.with_suffix(".md").read_text(encoding="utf-8") == bench.markdown(data)
+    assert bench.doc_block(data) in bench.DOC.read_text(encoding="utf-8")
+    assert data["seeds"] == "0..49" and data["machine"]["cores"] >= 1
+    assert [(s["beta"], s["clients"]) for s in data["settings"]] == bench.SETTINGS
+    for s in data["settings"]:
+        assert [r["scheme"] for r in s["rows"]] == [*bench.SCHEMES, bench.NO_CAP]
+
+
+def test_the_script_measures_what_it_reports(bench, monkeypatch):
+    """A small run (4 seeds, one setting): holders and shares per class, p-values, balance."""
+    monkeypatch.setattr(bench, "SETTINGS", [(0.5, 10)])
+    data = bench.run(seeds=4, permutations=19)
+    rows = {r["scheme"]: r for r in data["settings"][0]["rows"]}
+    assert set(rows) == {"dirichlet", "dirichlet-niidbench", bench.NO_CAP}
+    for row in rows.values():
+        assert len(row["holders"]) == 10 and all(1 <= h <= 10 for h in row["holders"])
+        assert all(0 < x <= 1 for x in row["largest"]) and row["size_cv"] > 0
+        assert all(0.05 <= p <= 1 for p in row["p"].values())  # >= 1 / (19 + 1)
+    assert len(rows["dirichlet"]["holders_by_position"]) == 10
+    assert bench.conclusions(data)[-1].startswith("In every setting")

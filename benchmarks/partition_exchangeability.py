@@ -140,8 +140,7 @@ def run(seeds: int, permutations: int) -> dict[str, Any]:
         settings.append({"beta": beta, "clients": clients, "rows": rows})
         print(f"beta {beta}, {clients} clients: done ({time.time() - started:.0f} s)", flush=True)
     return {
-        "command": "python benchmarks/partition_exchangeability.py "
-        + shlex.join(sys.argv[1:]),
+        "command": "python benchmarks/partition_exchangeability.py " + shlex.join(sys.argv[1:]),
         "machine": machine_facts(),
         "labels": f"CIFAR-10-shaped: {CLASSES} classes x {PER_CLASS} samples (synthetic labels)",
         "seeds": f"0..{seeds - 1}",

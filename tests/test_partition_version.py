@@ -224,3 +224,19 @@ def test_committed_run_folders_rebuild_the_partition_they_recorded(dataset):
         cfg = saved_config(items[0][0], {"device": "cpu"})
         rebuilt = partition_digest(build_partition(cfg, data))
         assert {digest for _, digest in items} == {rebuilt}, items[0][0]
+
+
+def test_a_grid_report_says_which_partition_version_old_folders_ran(tmp_path):
+    """The comparison's configuration table fills a key an old folder lacks with the value
+    it ran with (config.LEGACY), not today's default: partition_version 1, which makes its
+    "dirichlet" NIID-Bench's loop."""
+    import shutil
+
+    from fedskew.apps.cli import main
+
+    grid = tmp_path / "fedcme-fmnist"
+    shutil.copytree(ROOT / "reproduction" / "runs" / "fedcme-fmnist", grid)
+    file = ROOT / "reproduction" / "fedcme-fmnist.toml"
+    assert main(["compare", "-c", str(file), "-o", str(grid), "--report-only"]) == 0
+    text = (grid / "comparison.md").read_text()
+    assert "| partition | dirichlet |" in text and "| partition_version | 1 |" in text

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedskew.config import EXECUTION_ONLY, ExperimentConfig
+from fedskew.config import EXECUTION_ONLY, LEGACY, ExperimentConfig
 from fedskew.report.document import Block, Bold, Bullets, Heading, Para, Table, Text
 from fedskew.report.inactive import Marks, Note, recorded_notes
 from fedskew.report.intervals import PairedSummary, paired_summary
@@ -604,8 +604,9 @@ def configuration_blocks(records: list[RunRecord], heading_level: int = 2) -> li
     if not records:
         return []
     h = heading_level
-    # A key a run folder lacks (written before the option existed) had its default.
-    defaults = ExperimentConfig().to_dict()
+    # A key a run folder lacks (written before the option existed) had the value such
+    # folders ran with (config.LEGACY: partition_version 1, IEEE denormals), else its default.
+    defaults = {**ExperimentConfig().to_dict(), **LEGACY}
     configs = [{**defaults, **r.config} for r in records]
     keys = list(dict.fromkeys(k for c in configs for k in c if k not in HIDDEN_KEYS))
     common = [

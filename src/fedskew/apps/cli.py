@@ -288,6 +288,7 @@ def add_latex_options(p: argparse.ArgumentParser | argparse._ArgumentGroup, name
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from fedskew.apps import compare
+    from fedskew.config import plural
     from fedskew.grid.executors import dispatch
     from fedskew.grid.executors.options import executor_overrides
     from fedskew.report.latex import latex_path
@@ -357,7 +358,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(f"full report (curves, partition, provenance): fedskew report {root}")
         if outcomes is None:  # --report-only: what the tables hold
             every = ("finished", "diverged", "failed")
-            print(f"{len(records)} runs in the tables: "
+            print(f"{plural(len(records), 'run')} in the tables: "
                   f"{count_line([r.status for r in records], every)}")  # fmt: skip
     finally:
         # The last line, also when the tables could not be written: a diverged run is a

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedskew.config import config_differences, config_hash
+from fedskew.config import config_differences, config_hash, plural
 from fedskew.core.device import cuda_count
 from fedskew.core.errors import FedskewError, UsageError
 from fedskew.core.locks import Busy, lock, unlock
@@ -156,7 +156,7 @@ def closing_line(outcomes: list[Outcome]) -> str:
             continue
         listed = f" ({', '.join(labels)})" if labels and kind != "finished" else ""
         parts.append(f"{len(labels)} {kind}{listed}")
-    return f"{len(outcomes)} runs: " + ", ".join(parts)
+    return f"{plural(len(outcomes), 'run')}: " + ", ".join(parts)
 
 
 def stop_of(folder: Path) -> dict[str, Any] | None:

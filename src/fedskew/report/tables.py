@@ -487,25 +487,27 @@ def scored_values(record: RunRecord, options: Options) -> RunValues | None:
 
 
 def per_run_table(records: list[RunRecord], options: Options) -> Table:
-    """One row per run folder with its status (finished, diverged or failed at round N,
-    running, unfinished); a run whose "last" value averages other than the header's number
-    of rounds says how many beside it."""
+    """One row per run folder, its rounds with its status where it did not finish (diverged
+    or failed at round N, running, unfinished); a run whose "last" value averages other than
+    the header's number of rounds says how many beside it."""
     values = [scored_values(rec, options) for rec in records]
     main = window([("", v.last_rounds) for v in values if v], options.last).main
     header = [
-        "setting", "method", "seed", "rounds", "status", "final (%)", f"last {main} (%)",
+        "setting", "method", "seed", "rounds", "final (%)", f"last {main} (%)",
         "best (%)", "computed on",
     ]  # fmt: skip
     body = []
     for rec, v in zip(records, values, strict=True):
-        done = f"{len(rec.metrics)}/{rec.rounds_planned}"
         status = rec.status
+        done = f"{len(rec.metrics)}/{rec.rounds_planned}" + (
+            "" if status.kind == "finished" else f" ({status.label()})"
+        )
         nums = ["", "", ""]
         if v:
             last = f"{v.last:.2f}" + (f" (last {v.last_rounds})" if v.last_rounds != main else "")
             nums = [f"{v.final:.2f}", last, f"{v.best:.2f}"]
         body.append(
-            [rec.setting or "-", rec.method, str(rec.seed), done, status.label(), *nums,
+            [rec.setting or "-", rec.method, str(rec.seed), done, *nums,
              provenance(rec)["machine"]]
         )  # fmt: skip
     return Table(header, body)

@@ -9,6 +9,9 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -168,8 +171,6 @@ def test_tables_name_diverged_and_failed_runs_with_their_round(stopped_grid):
 def test_a_row_with_some_seeds_diverged_averages_the_others(stopped_grid, tmp_path):
     # fedavg's seed 1 folder copied as a "hot" seed 2 that finished: the row's mean is of it
     # alone, and the diverged seeds are counted beside it.
-    import shutil
-
     shutil.copytree(stopped_grid, tmp_path / "g")
     folder = tmp_path / "g" / "hot-s2"
     shutil.copytree(tmp_path / "g" / "fedavg-s1", folder)
@@ -252,3 +253,20 @@ def test_compare_counts_diverged_and_failed_and_fails_only_on_failed(tmp_path, c
     assert (
         lines[-1] == "1 finished, 1 diverged, 0 training, 0 unfinished, 0 not run"
     )  # no time left
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium")
+def test_chromium_shows_the_divergence_in_the_report(stopped_grid, tmp_path):
+    """The report as a browser renders it (headless Chromium's DOM after layout), not only
+    the HTML text: the divergence and its round are on the page."""
+    assert main(["report", str(stopped_grid), "-o", str(tmp_path)]) == 0
+    page = (tmp_path / "report.html").resolve().as_uri()
+    profile = f"--user-data-dir={tmp_path / 'profile'}"
+    cmd = ["chromium", "--headless", "--no-sandbox", "--disable-gpu",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           "--no-first-run", profile, "--dump-dom", page]  # fmt: skip
+    dom = subprocess.run(cmd, capture_output=True, text=True, timeout=180).stdout
+    text = re.sub(r"<[^>]+>", "", dom)
+    assert "hot seed 1 diverged at round 2" in text
+    assert "0 (+2 diverged: seed 0 at round 1, seed 1 at round 2)" in text
+    assert "2 finished, 2 diverged, 1 failed, 1 unfinished" in text

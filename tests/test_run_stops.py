@@ -163,7 +163,7 @@ def test_tables_name_diverged_and_failed_runs_with_their_round(stopped_grid):
     assert rows_csv["slow"]["unfinished"] == "1" and rows_csv["hot"]["unfinished"] == "0"
 
     tex = comparison_latex(records, options)
-    assert "hot & diverged {\\scriptsize (+2 diverged)}" in tex
+    assert "hot & diverged {\\scriptsize (2 seeds)}" in tex
     assert "hot seed 0 diverged at round 1; hot seed 1 diverged at round 2" in tex
     assert "left out of mean $\\pm$ std" in tex
 
@@ -270,3 +270,52 @@ def test_chromium_shows_the_divergence_in_the_report(stopped_grid, tmp_path):
     assert "hot seed 1 diverged at round 2" in text
     assert "0 (+2 diverged: seed 0 at round 1, seed 1 at round 2)" in text
     assert "2 finished, 2 diverged, 1 failed, 1 unfinished" in text
+
+
+def test_overview_of_settings_counts_the_runs_beside_each_cell():
+    from dataclasses import replace
+
+    from fake_runs import record
+
+    from fedskew.report.tables import group, overview_table
+
+    def diverged(method, seed, setting, at):
+        rec = record(method, seed, [30.0] * (at - 1), setting=setting)
+        return replace(rec, summary=None, stop={"state": "diverged", "round": at, "reason": ""})
+
+    records = [
+        record("fedavg", 0, [50.0, 60.0], setting="a"),
+        record("fedavg", 0, [40.0, 45.0], setting="b"),
+        record("fedfm", 0, [55.0, 65.0], setting="a"),
+        diverged("fedfm", 1, "a", 9),
+        diverged("fedfm", 0, "b", 4),
+    ]
+    options = Options(reference=None, last=2)
+    table = overview_table(group(records, options), options)
+    cells = {plain_text(r[0]): [plain_text(c) for c in r[1:]] for r in table.rows}
+    assert cells["fedfm"] == [
+        "60.00 (1 seed) (+1 diverged)",
+        "diverged (1 seed)",
+    ]
+    blocks = comparison_blocks(records, options)
+    assert any(
+        plain_text(getattr(b, "text", "")).startswith(
+            "Not in the means: fedfm seed 1 diverged at round 9; fedfm seed 0 diverged at round 4."
+        )
+        for b in blocks
+    )
+    tex = comparison_latex(records, options)
+    assert (
+        "fedfm & $\\mathbf{60.00}$ {\\scriptsize (+1 diverged)} & diverged {\\scriptsize (1 seed)}"
+        in tex
+    )
+
+
+def test_a_divergence_travels_back_from_a_ray_task_or_slurm_array():
+    from fedskew.grid.executors.plain_runs import outcome_data, outcome_from
+    from fedskew.grid.launch import Outcome, closing_line
+
+    planned = compare.plan(compare.grid_from({}, "", {"rounds": 2}, ["fedavg"], {}))[0]
+    back = outcome_from(planned, outcome_data(Outcome(planned, "diverged", "NaN", 1.0, 1, 7)))
+    assert (back.status, back.round) == ("diverged", 7)
+    assert closing_line([back]) == "1 run: 0 finished, 1 diverged (fedavg-s0 at round 7), 0 failed"

@@ -84,9 +84,11 @@ def _beside_cell(row: MethodRow) -> str:
 
 
 def _no_result_cell(row: MethodRow) -> str:
-    """A cell without a finished seed: "diverged" where every seed diverged, else ---."""
+    """A cell without a finished seed: "diverged (n seeds)" where every seed diverged, else
+    --- with the runs that did not finish counted beside it."""
     if no_result(row).endswith("diverged"):
-        return "diverged" + _beside_cell(row)
+        n = len(row.diverged)
+        return f"diverged {{\\scriptsize ({n} seed{'s' if n != 1 else ''})}}"
     return "---" + _beside_cell(row)
 
 

@@ -224,6 +224,16 @@ def not_in_means(rows: list[MethodRow], reasons: bool = True) -> list[str]:
     return named
 
 
+def empty_cell(row: MethodRow) -> str:
+    """A short cell for a row without a finished seed: "diverged (2 seeds)" where every seed
+    diverged, else "no finished run (+1 failed; +1 unfinished)"."""
+    if no_result(row).endswith("diverged"):
+        n = len(row.diverged)
+        return f"diverged ({n} seed{'s' if n != 1 else ''})"
+    beside = beside_mean(row, detail=False)
+    return "no finished run" + (f" ({'; '.join(beside)})" if beside else "")
+
+
 def stop_note(rows: list[MethodRow]) -> list[Block]:
     """Under a table: the runs its means leave out, named with their round, and the policy
     (nothing when every run finished)."""
@@ -367,7 +377,7 @@ def overview_table(
                 continue
             beside = beside_mean(row, detail=False)
             if not row.seeds:
-                cells.append(f"{no_result(row)} ({'; '.join(beside)})" if beside else "")
+                cells.append(empty_cell(row))
                 continue
             text = mean_std(row.column("last"))
             cell: Span = _bold(text) if method in best[setting] else text

@@ -20,6 +20,8 @@ FLAGS = [
     "--no-sandbox",
     "--disable-gpu",
     "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
     "--no-first-run",
     "--hide-scrollbars",
 ]

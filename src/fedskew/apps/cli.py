@@ -318,9 +318,11 @@ def add_latex_options(p: argparse.ArgumentParser | argparse._ArgumentGroup, name
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from fedskew.apps import compare
+    from fedskew.config import plural
     from fedskew.grid.executors import dispatch
     from fedskew.grid.executors.options import executor_overrides
     from fedskew.report.latex import latex_path
+    from fedskew.report.run_status import count_line
 
     if args.resume or args.name:
         raise UsageError("compare names and resumes its runs itself; drop --resume and --name")
@@ -330,7 +332,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         "target": args.target, "jobs": args.jobs, "threads": args.threads,
         "out_dir": args.out_dir, **executor_overrides(args),
     }  # fmt: skip
-    failed = 0
+    outcomes = None
     if args.status and args.report_only:
         raise UsageError("--status and --report-only: pick one")
     if args.status and not args.config and not args.methods:
@@ -376,15 +378,24 @@ def cmd_compare(args: argparse.Namespace) -> int:
             outcomes = dispatch.execute(grid, planned, runs, executor, args.dry_run)
             if outcomes is None:  # submitted to Slurm: its last job writes the tables
                 return 0
-            failed = sum(o.status == "failed" for o in outcomes)
     latex = args.latex or args.latex_paired
-    md = compare.write_tables(
-        root, compare.collect(root), options, command, latex, args.latex_paired
-    )
-    print(f"tables: {md}, {root / 'comparison.csv'}, {root / 'runs.csv'}")
-    if latex:
-        print(f"LaTeX table (booktabs): {latex_path(root, 'comparison')}")
-    print(f"full report (curves, partition, provenance): fedskew report {root}")
+    try:
+        records = compare.collect(root)
+        md = compare.write_tables(root, records, options, command, latex, args.latex_paired)
+        print(f"tables: {md}, {root / 'comparison.csv'}, {root / 'runs.csv'}")
+        if latex:
+            print(f"LaTeX table (booktabs): {latex_path(root, 'comparison')}")
+        print(f"full report (curves, partition, provenance): fedskew report {root}")
+        if outcomes is None:  # --report-only: what the tables hold
+            every = ("finished", "diverged", "failed")
+            print(f"{plural(len(records), 'run')} in the tables: "
+                  f"{count_line([r.status for r in records], every)}")  # fmt: skip
+    finally:
+        # The last line, also when the tables could not be written: a diverged run is a
+        # result, a failed one is not (exit status 1).
+        if outcomes is not None:
+            print(compare.closing_line(outcomes))
+    failed = sum(compare.OUTCOME_KINDS.get(o.status, "failed") == "failed" for o in outcomes or [])
     return 1 if failed else 0
 
 

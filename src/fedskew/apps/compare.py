@@ -46,10 +46,12 @@ from __future__ import annotations
 # fedskew.grid.executors, fedskew.apps.reporting, the benchmarks and the tests import from here.
 # A name patched here does not reach the code in fedskew.grid: patch it where it is used.
 from fedskew.grid.launch import (
+    OUTCOME_KINDS,
     SLOTS,
     Children,
     Outcome,
     available_cores,
+    closing_line,
     launch,
     log_of,
     prefetch,
@@ -91,6 +93,7 @@ from fedskew.report.tables import Options
 
 __all__ = [
     "COMPARE_KEYS",
+    "OUTCOME_KINDS",
     "DEFAULT_PARTITION",
     "RUN_KEYS",
     "SECTIONS",
@@ -103,6 +106,7 @@ __all__ = [
     "PlannedRun",
     "available_cores",
     "client_state_memory",
+    "closing_line",
     "collect",
     "command_line",
     "folder_of",

@@ -47,6 +47,7 @@ from fedskew.report.files import Damaged
 from fedskew.report.latex import write_latex
 from fedskew.report.per_class import per_class_section
 from fedskew.report.plots import curves_png, partition_png
+from fedskew.report.run_status import count_line
 from fedskew.report.runs import RunRecord
 from fedskew.report.tables import (
     Options,
@@ -153,7 +154,7 @@ def report_blocks(
     """The report's blocks; ``left_out`` (what was not read or used, one line each) gets
     its section at the top, and the pictures not embedded are added to it."""
     left_out = [] if left_out is None else left_out
-    finished = sum(r.finished for r in records)
+    states = count_line([r.status for r in records])
     settings = _by_setting(records)
     methods = list(dict.fromkeys(r.method for r in records))
     seeds = sorted({r.seed for r in records})
@@ -164,7 +165,7 @@ def report_blocks(
                 f"{len(methods)} method(s) ({', '.join(methods)}) x {len(settings)} setting(s) "
                 f"x seeds {', '.join(map(str, seeds))}: {len(records)} run folder(s) under ",
                 Mono(str(root)),
-                f", {finished} finished. Rebuilt from the run folders' files alone by fedskew "
+                f": {states}. Rebuilt from the run folders' files alone by fedskew "
                 f"{__version__} on {time.strftime('%Y-%m-%d %H:%M %Z')}; rebuild with ",
                 Mono(shlex.join(["fedskew", "report", str(root)])),
                 ".",
@@ -185,7 +186,8 @@ def report_blocks(
                 name,
                 png,
                 "Test accuracy and loss of the global model per round: mean over each "
-                "method's seeds, band from the lowest to the highest seed.",
+                "method's seeds, band from the lowest to the highest seed; runs that diverged "
+                "or failed are left out of the mean and counted in the legend.",
             )
         )
     datasets = _Datasets()

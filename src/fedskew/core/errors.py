@@ -19,6 +19,16 @@ class DataError(FedskewError):
     exit_code = 1
 
 
+class Diverged(FedskewError):
+    """A run stopped by NaN or Inf in a client's reply or in the global model: a result of
+    the method and its hyper-parameters (``round``, 1-based, is where it diverged), not a
+    fault of fedskew or of the machine; a run folder records it apart from a failure."""
+
+    def __init__(self, message: str, round: int) -> None:
+        super().__init__(message)
+        self.round = round
+
+
 class Terminated(KeyboardInterrupt):
     """The interrupt a SIGTERM raises (the command line turns the signal into it); the exit
     status says which signal it was."""

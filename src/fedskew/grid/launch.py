@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedskew.config import config_differences, config_hash
+from fedskew.config import config_differences, config_hash, plural
 from fedskew.core.device import cuda_count
 from fedskew.core.errors import FedskewError, UsageError
 from fedskew.core.locks import Busy, lock, unlock
 from fedskew.core.machine import usable_cores
 from fedskew.data.sources import load_dataset
 from fedskew.grid.plan import Grid, PlannedRun
+from fedskew.report.run_status import DIVERGED, read_stop
 from fedskew.report.runs import INCOMPLETE
 from fedskew.runs.folder import running_elsewhere, saved_config
 from fedskew.runs.tracking import prepare as prepare_tracking
@@ -117,10 +118,54 @@ def log_of(logs: Path, folder: str) -> Path:
 @dataclass
 class Outcome:
     run: PlannedRun
-    status: str  # "done before", "finished", "resumed", "running elsewhere", "failed"
+    # "done before", "finished", "resumed", "diverged before", "diverged", "running
+    # elsewhere", "failed" (OUTCOME_KINDS says which are results)
+    status: str
     detail: str = ""
     seconds: float = 0.0
     returncode: int | None = None  # of the run's process, when it failed; < 0: a signal
+    round: int | None = None  # where a diverged run diverged
+
+
+# What each outcome is, for compare's closing line and exit status: a diverged run is a
+# result of its method (fedskew.report.run_status), a failed one is not.
+OUTCOME_KINDS = {
+    "done before": "finished",
+    "finished": "finished",
+    "resumed": "finished",
+    "diverged before": "diverged",
+    "diverged": "diverged",
+    "running elsewhere": "running elsewhere",
+    "failed": "failed",
+}
+
+
+def closing_line(outcomes: list[Outcome]) -> str:
+    """The line compare ends with, such as "4 runs: 2 finished, 1 diverged (hot-s0 at round
+    3), 1 failed (prox-s1)": finished, diverged and failed always counted, the runs another
+    process trains where there are."""
+    named: dict[str, list[str]] = {k: [] for k in ("finished", "diverged", "failed")}
+    named["running elsewhere"] = []
+    for o in outcomes:
+        kind = OUTCOME_KINDS.get(o.status, "failed")
+        at = f" at round {o.round}" if kind == "diverged" and o.round is not None else ""
+        named[kind].append(o.run.label + at)
+    parts = []
+    for kind, labels in named.items():
+        if kind == "running elsewhere" and not labels:
+            continue
+        listed = f" ({', '.join(labels)})" if labels and kind != "finished" else ""
+        parts.append(f"{len(labels)} {kind}{listed}")
+    return f"{plural(len(outcomes), 'run')}: " + ", ".join(parts)
+
+
+def stop_of(folder: Path) -> dict[str, Any] | None:
+    """The stop record of an unfinished run folder; None where it has none, or one that
+    cannot be read (the run resumes, which replaces it)."""
+    try:
+        return read_stop(folder) if folder.is_dir() else None
+    except FedskewError:
+        return None
 
 
 class Children:
@@ -238,6 +283,9 @@ def run_one(
                 )
     if (finished / "summary.json").is_file():
         return Outcome(run, "done before")
+    before = diverged_before(run, unfinished)
+    if before is not None:
+        return before
     if children.stopping:
         return Outcome(run, "failed", "not started (interrupted)")
     # Another compare on this grid may be starting this very run: its folder appears only
@@ -253,12 +301,26 @@ def run_one(
     try:
         if (finished / "summary.json").is_file():  # the other compare finished it just now
             return Outcome(run, "done before")
+        before = diverged_before(run, unfinished)
+        if before is not None:  # the other compare saw it diverge just now
+            return before
         holder = running_elsewhere(unfinished)
         if holder is not None:  # `fedskew run --resume` by hand is training it now
             return Outcome(run, "running elsewhere", holder)
         return launch(run, threads, logs, finished, unfinished, children, gpus)
     finally:
         unlock(slot)
+
+
+def diverged_before(run: PlannedRun, unfinished: Path) -> Outcome | None:
+    """The outcome of a run that diverged in an earlier attempt: a result, as a finished run
+    is, so it is not run again (the same seed diverges again); None otherwise."""
+    stop = stop_of(unfinished)
+    if stop is None or stop["state"] != DIVERGED or running_elsewhere(unfinished) is not None:
+        return None
+    reason = stop.get("reason") or "NaN or Inf"
+    detail = f"{reason} (not run again: remove {unfinished} to run it anew)"
+    return Outcome(run, "diverged before", detail, round=stop.get("round"))
 
 
 def launch(
@@ -325,6 +387,12 @@ def _launch(
             encoding="utf-8",
         )
         last = (stderr.strip().splitlines() or ["no message"])[-1]
+        stop = stop_of(unfinished)
+        if stop is not None and stop["state"] == DIVERGED:
+            # What the run's folder says, not its exit status: divergence is a result.
+            reason = stop.get("reason") or last
+            return Outcome(run, "diverged", f"{reason} (log: {log})", seconds,
+                           proc.returncode, stop.get("round"))  # fmt: skip
         return Outcome(run, "failed", f"{last} (log: {log})", seconds, proc.returncode)
     # An earlier attempt's failure log would otherwise outlive the run that succeeded.
     log.unlink(missing_ok=True)

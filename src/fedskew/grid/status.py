@@ -10,6 +10,7 @@ from fedskew.grid.plan import Grid, PlannedRun
 from fedskew.report.checks import check_metrics, check_summary
 from fedskew.report.document import one_line
 from fedskew.report.files import Damaged, FolderFiles
+from fedskew.report.run_status import DIVERGED, read_stop, status_from
 from fedskew.report.runs import INCOMPLETE, estimated_seconds, find_runs
 from fedskew.runs.folder import running_elsewhere
 
@@ -26,7 +27,8 @@ def status_lines(grid: Grid, runs: list[PlannedRun]) -> list[str]:
     except FedskewError:  # a grid folder without any run yet
         records = []
     width = max((len(r.label) for r in runs), default=0)
-    lines, counts = [], dict.fromkeys(("finished", "training", "unfinished", "not run"), 0)
+    kinds = ("finished", DIVERGED, "training", "unfinished", "not run")
+    lines, counts = [], dict.fromkeys(kinds, 0)
     left, unknown, failed = 0.0, 0, 0
     for run in runs:
         finished = root / run.folder
@@ -46,7 +48,7 @@ def status_lines(grid: Grid, runs: list[PlannedRun]) -> list[str]:
             counts["finished"] += 1
             lines.append(f"{run.label:<{width}}  {state}")
             continue
-        damage = ""
+        damage, stop = "", None
         if unfinished.is_dir():
             metrics = unfinished / "metrics.jsonl"
             try:
@@ -55,15 +57,30 @@ def status_lines(grid: Grid, runs: list[PlannedRun]) -> list[str]:
             except Damaged as exc:
                 damage = f"; {exc}"
             who = running_elsewhere(unfinished)
+            try:
+                stop = None if who else read_stop(unfinished, files)
+            except Damaged as exc:
+                damage += f"; {exc}"
+            if stop is not None and stop["state"] == DIVERGED:
+                # A result, as a finished run is: compare does not run it again.
+                status = status_from(None, stop, None)
+                counts[DIVERGED] += 1
+                lines.append(f"{run.label:<{width}}  {status.label()}, after {done} of {rounds} "
+                             f"rounds{damage}")  # fmt: skip
+                continue
             kind = "training" if who else "unfinished"
             state = f"{kind}, {done} of {rounds} rounds" + (f" ({who})" if who else "") + damage
+            if stop is not None:  # failed: named from the folder, whatever the log says
+                failure = status_from(None, stop, None).label()
+                state += f"; last attempt {failure}"
+                failed += 1
         else:
             who = holder(slot_of(root, run))
             kind = "training" if who else "not run"
             state = f"starting ({who})" if who else "not run"
         counts[kind] += 1
         log = log_of(root / "logs", run.folder)
-        if not who and files.exists(log):
+        if not who and stop is None and files.exists(log):
             try:
                 text = files.read_bytes(log, "log").decode("utf-8", errors="replace")
                 tail = one_line(text.strip().splitlines()[-1]) if text.strip() else "no message"
@@ -78,10 +95,11 @@ def status_lines(grid: Grid, runs: list[PlannedRun]) -> list[str]:
         else:
             left += whole * max(0.0, 1 - done / max(rounds, 1))
         lines.append(f"{run.label:<{width}}  {state}")
-    lines.append(", ".join(f"{n} {k}" for k, n in counts.items()) + (
+    shown = [f"{n} {k}" for k, n in counts.items() if n or k != DIVERGED]
+    lines.append(", ".join(shown) + (
         f" ({failed} failed at their last attempt)" if failed else ""
     ))  # fmt: skip
-    pending = len(runs) - counts["finished"]
+    pending = len(runs) - counts["finished"] - counts[DIVERGED]
     if pending and unknown == pending:
         lines.append("left: unknown (no finished run in these runs' settings to judge from)")
     elif pending:

@@ -15,8 +15,18 @@ from pathlib import Path
 from fedskew.core.durable import write_bytes_durably
 from fedskew.report.document import one_line
 from fedskew.report.inactive import Marks
+from fedskew.report.run_status import MEANS_POLICY
 from fedskew.report.runs import RunRecord
-from fedskew.report.tables import MethodRow, Options, best_of, group, overview_window
+from fedskew.report.tables import (
+    MethodRow,
+    Options,
+    beside_mean,
+    best_of,
+    group,
+    no_result,
+    not_in_means,
+    overview_window,
+)
 
 _SPECIAL = {
     "\\": r"\textbackslash{}",
@@ -65,6 +75,21 @@ def _accuracy_cell(row: MethodRow, bold: bool) -> str:
     if values.size > 1:
         body += rf" \pm {values.std(ddof=1):.2f}"
     return f"$\\mathbf{{{body}}}$" if bold else f"${body}$"
+
+
+def _beside_cell(row: MethodRow) -> str:
+    """The row's runs not in its mean, counted beside it in small type ("+1 diverged")."""
+    parts = beside_mean(row, detail=False)
+    return f" {{\\scriptsize ({escape('; '.join(parts))})}}" if parts else ""
+
+
+def _no_result_cell(row: MethodRow) -> str:
+    """A cell without a finished seed: "diverged (n seeds)" where every seed diverged, else
+    --- with the runs that did not finish counted beside it."""
+    if no_result(row).endswith("diverged"):
+        n = len(row.diverged)
+        return f"diverged {{\\scriptsize ({n} seed{'s' if n != 1 else ''})}}"
+    return "---" + _beside_cell(row)
 
 
 def _paired_cell(row: MethodRow, reference: str) -> str:
@@ -116,18 +141,23 @@ def comparison_latex(records: list[RunRecord], options: Options, paired: bool = 
         for setting in settings:
             row = next((r for r in grouped[setting] if r.method == method), None)
             if row is None or not row.seeds:
-                cells += ["---"] * per_setting
+                empty = "---" if row is None else _no_result_cell(row)
+                cells += [empty] + ["---"] * (per_setting - 1)
                 continue
             label = f"{method} ({setting})" if setting else method
             symbols = marks.mark(row.row_notes(), label)
             cell = _accuracy_cell(row, method in best[setting])
-            cells.append(cell + (f"$^{{{symbols}}}$" if symbols else ""))
+            cells.append(cell + (f"$^{{{symbols}}}$" if symbols else "") + _beside_cell(row))
             if with_paired:
                 cells.append(_paired_cell(row, str(options.reference)))
         lines.append(" & ".join(cells) + " \\\\")
     lines += ["\\bottomrule", "\\end{tabular}"]
     for symbol, text in marks.footnotes():
         lines.append(f"\\par\\smallskip{{\\footnotesize $^{{{symbol}}}$ {escape(text)}.}}")
+    named = not_in_means([r for rows in grouped.values() for r in rows], reasons=False)
+    if named:
+        note = f"Not in the means: {'; '.join(named)}. {MEANS_POLICY}"
+        lines.append(f"\\par\\smallskip{{\\footnotesize {escape(note)}}}")
     lines.append("\\end{table}")
     return "\n".join(lines) + "\n"
 

@@ -11,6 +11,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from fedskew.report.figures import label, literal_text, log_scale
+from fedskew.report.run_status import DIVERGED, FAILED
 from fedskew.report.runs import RunRecord
 
 
@@ -29,10 +30,18 @@ def _mean_band(series: list[list[tuple[int, float]]]) -> tuple[np.ndarray, ...] 
 @literal_text
 def curves_png(records: list[RunRecord], title: str = "") -> bytes | None:
     """A PNG with two panels (test accuracy in %, test loss) over rounds; None when no run
-    has an evaluated round. Unfinished runs count with the rounds they have."""
+    has an evaluated round. Unfinished runs count with the rounds they have; runs that
+    diverged or failed stay out of the mean, as in the tables (their rounds before the stop
+    would cut every seed's curve there), and are counted in the legend."""
     by_method: dict[str, list[RunRecord]] = {}
+    stopped: dict[str, list[str]] = {}  # method -> "1 diverged", "1 failed"
     for rec in records:
-        by_method.setdefault(rec.method, []).append(rec)
+        by_method.setdefault(rec.method, [])
+        kind = rec.status.kind
+        if kind in (DIVERGED, FAILED):
+            stopped.setdefault(rec.method, []).append(kind)
+        else:
+            by_method[rec.method].append(rec)
     fig = Figure(figsize=(11.0, 4.2), layout="constrained")
     FigureCanvasAgg(fig)
     ax_acc, ax_loss = fig.subplots(1, 2)
@@ -52,7 +61,9 @@ def curves_png(records: list[RunRecord], title: str = "") -> bytes | None:
                     [min(loss_range[0], lo), max(loss_range[1], hi)] if loss_range else [lo, hi]
                 )
             n = len(recs)
-            name = label(f"{method} ({n} seed{'s' if n != 1 else ''})")
+            kinds = stopped.get(method, [])
+            beside = "".join(f", +{kinds.count(k)} {k}" for k in (DIVERGED, FAILED) if k in kinds)
+            name = label(f"{method} ({n} seed{'s' if n != 1 else ''}{beside})")
             (line,) = ax.plot(rounds, scale * mean, color=color, linewidth=1.4)
             if ax is ax_acc:
                 handles.append(line)

@@ -30,6 +30,7 @@ from fedskew.report.checks import (
     check_summary,
 )
 from fedskew.report.files import Damaged, FolderFiles
+from fedskew.report.run_status import RunStatus, live_holder, read_stop, status_from
 
 NOT_RECORDED = "not recorded"
 INCOMPLETE = ".incomplete"
@@ -67,6 +68,8 @@ class RunRecord:
     client_state_bytes: int | None = None
     client_state_clients: int | None = None
     files: FolderFiles | None = None  # what may be read for it; None: its own folder's files
+    stop: dict[str, Any] | None = None  # stopped.json of an unfinished run (run_status)
+    holder: str | None = None  # the live process training it when it was read, if any
 
     @property
     def reader(self) -> FolderFiles:
@@ -75,6 +78,11 @@ class RunRecord:
     @property
     def finished(self) -> bool:
         return self.summary is not None
+
+    @property
+    def status(self) -> RunStatus:
+        """Finished, diverged, failed, running or unfinished (``fedskew.report.run_status``)."""
+        return status_from(self.summary, self.stop, self.holder)
 
     @property
     def rounds_planned(self) -> int:
@@ -151,6 +159,10 @@ def read_run(
     path = folder / "processes.jsonl"
     if files.exists(path):
         processes = check_processes(files.json_lines(path, "processes file"), files.name(path))
+    stop = holder = None
+    if summary is None:
+        stop = read_stop(folder, files)
+        holder = live_holder(folder, files)
     return RunRecord(
         folder=folder,
         setting=setting,
@@ -164,6 +176,8 @@ def read_run(
         partition_digest=recorded_partition_digest(folder, resolved, files),
         images=pictures(folder),
         files=files,
+        stop=stop,
+        holder=holder,
     )
 
 

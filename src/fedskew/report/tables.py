@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fedskew.config import EXECUTION_ONLY, LEGACY, ExperimentConfig
-from fedskew.report.document import Block, Bold, Bullets, Heading, Para, Table, Text
+from fedskew.report.document import Block, Bold, Bullets, Heading, Para, Span, Table, Text
 from fedskew.report.inactive import Marks, Note, recorded_notes
 from fedskew.report.intervals import PairedSummary, paired_summary
+from fedskew.report.run_status import DIVERGED, FAILED, MEANS_POLICY, RunStatus
 from fedskew.report.runs import NOT_RECORDED, RunRecord, machines, provenance
 from fedskew.report.windows import Window, window
 
@@ -87,7 +88,9 @@ class MethodRow:
     method: str
     seeds: list[int] = field(default_factory=list)  # finished seeds
     runs: dict[int, RunValues] = field(default_factory=dict)
-    unfinished: list[int] = field(default_factory=list)
+    unfinished: list[int] = field(default_factory=list)  # running, or stopped without error
+    diverged: dict[int, RunStatus] = field(default_factory=dict)  # seed -> where it diverged
+    failed: dict[int, RunStatus] = field(default_factory=dict)  # seed -> where and why
     paired: dict[int, float] = field(default_factory=dict)  # seed -> last-N difference
     notes: dict[int, list[Note]] = field(default_factory=dict)  # seed -> inactive mechanisms
 
@@ -117,6 +120,11 @@ def group(records: list[RunRecord], options: Options) -> dict[str, list[MethodRo
         row = rows.setdefault(rec.setting, {}).setdefault(
             rec.method, MethodRow(rec.setting, rec.method)
         )
+        status = rec.status
+        if status.kind in (DIVERGED, FAILED):
+            stopped = row.diverged if status.kind == DIVERGED else row.failed
+            stopped.setdefault(rec.seed, status)
+            continue
         values = run_values(rec, options) if rec.finished else None
         if values is None:
             row.unfinished.append(rec.seed)
@@ -168,6 +176,73 @@ def _reached_cell(row: MethodRow) -> str:
     return f"{mean_std(hit, digits=1).replace(' (1 seed)', '')} ({hit.size}/{len(reached)})"
 
 
+def _seeds_at(stopped: dict[int, RunStatus]) -> str:
+    return ", ".join(f"seed {s}{stopped[s].at()}" for s in sorted(stopped))
+
+
+def beside_mean(row: MethodRow, detail: bool = True) -> list[str]:
+    """The row's runs that are not in its means, as counted beside them (MEANS_POLICY):
+    "+1 diverged: seed 1 at round 9", "+1 failed: seed 0 at round 3", "+2 unfinished";
+    without ``detail`` only the counts."""
+    parts = []
+    for kind, stopped in ((DIVERGED, row.diverged), (FAILED, row.failed)):
+        if stopped:
+            parts.append(f"+{len(stopped)} {kind}" + (f": {_seeds_at(stopped)}" if detail else ""))
+    if row.unfinished:
+        parts.append(f"+{len(row.unfinished)} unfinished")
+    return parts
+
+
+def seeds_cell(row: MethodRow) -> str:
+    """The finished seeds the means rest on, and beside them those that are not."""
+    parts = beside_mean(row)
+    return f"{len(row.seeds)}" + (f" ({'; '.join(parts)})" if parts else "")
+
+
+def no_result(row: MethodRow) -> str:
+    """The accuracy cell of a row without a finished seed."""
+    if row.diverged and not (row.failed or row.unfinished):
+        return "none: every seed diverged"
+    return "no finished run"
+
+
+def not_in_means(rows: list[MethodRow], reasons: bool = True) -> list[str]:
+    """Each run the rows' means leave out, named: "fedfm seed 1 diverged at round 9",
+    "prox seed 0 failed at round 3: <its error>" (without the error unless ``reasons``),
+    "fedavg seeds 2, 3 unfinished"."""
+    named = []
+    for row in rows:
+        for stopped in (row.diverged, row.failed):
+            for s in sorted(stopped):
+                status = stopped[s]
+                text = status.label() if reasons else f"{status.kind}{status.at()}"
+                named.append(f"{row.method} seed {s} {text}")
+        if row.unfinished:
+            seeds = ", ".join(map(str, sorted(row.unfinished)))
+            named.append(f"{row.method} seed{'s' if len(row.unfinished) > 1 else ''} {seeds} "
+                         "unfinished")  # fmt: skip
+    return named
+
+
+def empty_cell(row: MethodRow) -> str:
+    """A short cell for a row without a finished seed: "diverged (2 seeds)" where every seed
+    diverged, else "no finished run (+1 failed; +1 unfinished)"."""
+    if no_result(row).endswith("diverged"):
+        n = len(row.diverged)
+        return f"diverged ({n} seed{'s' if n != 1 else ''})"
+    beside = beside_mean(row, detail=False)
+    return "no finished run" + (f" ({'; '.join(beside)})" if beside else "")
+
+
+def stop_note(rows: list[MethodRow]) -> list[Block]:
+    """Under a table: the runs its means leave out, named with their round, and the policy
+    (nothing when every run finished)."""
+    named = not_in_means(rows)
+    if not named:
+        return []
+    return [Para(f"Not in the means: {'; '.join(named)}. {MEANS_POLICY}")]
+
+
 def _paired_cell(row: MethodRow, options: Options) -> str:
     if row.method == options.reference:
         return "reference"
@@ -210,11 +285,9 @@ def comparison_table(rows: list[MethodRow], options: Options, marks: Marks | Non
     best = best_of(rows)
     body = []
     for row in rows:
-        seeds = f"{len(row.seeds)}" + (
-            f" (+{len(row.unfinished)} unfinished)" if row.unfinished else ""
-        )
+        seeds = seeds_cell(row)
         if not row.seeds:
-            cells = [row.method, seeds, "no finished run", "", ""]
+            cells = [row.method, seeds, no_result(row), "", ""]
             cells += [""] * (len(header) - len(cells))
             body.append(cells)
             continue
@@ -243,7 +316,7 @@ def cost_table(rows: list[MethodRow]) -> Table:
     body = []
     for row in rows:
         if not row.seeds:
-            body.append([row.method] + ["no finished run"] + [""] * 4)
+            body.append([row.method] + [no_result(row)] + [""] * 4)
             continue
         states = [v for v in (row.runs[s].client_state_bytes for s in row.seeds) if v is not None]
         unknown = f"{NOT_RECORDED} (in no checkpoint.npz or summary.json)"
@@ -299,13 +372,20 @@ def overview_table(
         cells = [method]
         for setting in settings:
             row = next((r for r in grouped[setting] if r.method == method), None)
-            if not (row and row.seeds):
+            if row is None:
                 cells.append("")
                 continue
+            beside = beside_mean(row, detail=False)
+            if not row.seeds:
+                cells.append(empty_cell(row))
+                continue
             text = mean_std(row.column("last"))
-            cell: Text = _bold(text) if method in best[setting] else text
+            cell: Span = _bold(text) if method in best[setting] else text
             symbols = marks.mark(row.row_notes(), f"{method} ({setting})" if setting else method)
-            cells.append([cell, f" {symbols}"] if symbols else cell)
+            pieces: list[Span] = [cell, f" {symbols}"] if symbols else [cell]
+            if beside:
+                pieces.append(f" ({'; '.join(beside)})")
+            cells.append(pieces if len(pieces) > 1 else cell)
         body.append(cells)
     return Table(["method", *settings], body)
 
@@ -408,10 +488,19 @@ def shared_data_checks(records: list[RunRecord]) -> list[str]:
     return lines
 
 
+def scored_values(record: RunRecord, options: Options) -> RunValues | None:
+    """:func:`run_values` of a run that has a model to score: none for one that diverged or
+    failed (the rounds before the stop were not its end)."""
+    if record.status.kind in (DIVERGED, FAILED):
+        return None
+    return run_values(record, options)
+
+
 def per_run_table(records: list[RunRecord], options: Options) -> Table:
-    """One row per run folder; a run whose "last" value averages other than the header's
-    number of rounds says how many beside it."""
-    values = [run_values(rec, options) for rec in records]
+    """One row per run folder, its rounds with its status where it did not finish (diverged
+    or failed at round N, running, unfinished); a run whose "last" value averages other than
+    the header's number of rounds says how many beside it."""
+    values = [scored_values(rec, options) for rec in records]
     main = window([("", v.last_rounds) for v in values if v], options.last).main
     header = [
         "setting", "method", "seed", "rounds", "final (%)", f"last {main} (%)",
@@ -419,7 +508,10 @@ def per_run_table(records: list[RunRecord], options: Options) -> Table:
     ]  # fmt: skip
     body = []
     for rec, v in zip(records, values, strict=True):
-        done = f"{len(rec.metrics)}/{rec.rounds_planned}" + ("" if rec.finished else " (running)")
+        status = rec.status
+        done = f"{len(rec.metrics)}/{rec.rounds_planned}" + (
+            "" if status.kind == "finished" else f" ({status.label()})"
+        )
         nums = ["", "", ""]
         if v:
             last = f"{v.last:.2f}" + (f" (last {v.last_rounds})" if v.last_rounds != main else "")
@@ -454,6 +546,7 @@ def comparison_blocks(
         marks = Marks()
         blocks.append(overview_table(grouped, options, marks))
         blocks += [Para(line) for line in marks.markdown_lines()]
+        blocks += stop_note([r for rows in grouped.values() for r in rows])
     for setting, rows in grouped.items():
         if multi:
             blocks.append(Heading(h, f"Setting {setting}"))
@@ -461,6 +554,7 @@ def comparison_blocks(
         marks = Marks()
         blocks.append(comparison_table(rows, options, marks))
         blocks += [Para(line) for line in marks.markdown_lines()]
+        blocks += stop_note(rows)
         blocks.append(Bullets(conclusions(rows, options)))
         blocks.append(Heading(h + (1 if multi else 0), "Cost"))
         blocks.append(cost_table(rows))
@@ -479,7 +573,7 @@ def comparison_blocks(
 def explanation(options: Options) -> str:
     text = (
         "Mean ± sample standard deviation over each row's finished seeds (accuracy of the "
-        "global model on the test set, in %). The mean of the last "
+        f"global model on the test set, in %). {MEANS_POLICY} The mean of the last "
         f"{options.last} evaluated rounds (all of them in a run that has fewer; each label "
         "says how many its values average) is steadier than the final accuracy under strong "
         "skew; the highest is in bold."
@@ -664,11 +758,21 @@ def _num(x: float | None, digits: int = 4) -> str:
     return f"{x:.{digits}f}"
 
 
+def _rounds_at(stopped: dict[int, RunStatus]) -> str:
+    """``seed:round`` of each run, ``;`` between them (the round empty where unknown)."""
+    return ";".join(
+        f"{s}:{'' if stopped[s].round is None else stopped[s].round}" for s in sorted(stopped)
+    )
+
+
 def comparison_csv(records: list[RunRecord], options: Options) -> str:
     """One line per (setting, method): the comparison and cost numbers, unformatted.
     ``last_rounds``: the evaluated rounds the last_* values average (``6;10`` where the
     row's seeds differ); ``paired_ci95_*``: the Student-t interval of the paired mean (empty
-    with one seed); ``inactive_mechanisms``: those that never acted in the row's runs."""
+    with one seed); ``inactive_mechanisms``: those that never acted in the row's runs;
+    ``diverged``/``failed``: the row's runs left out of its means for that reason, and
+    ``*_at`` their ``seed:round``; ``unfinished``: those running or stopped without an
+    error."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     header = [
@@ -678,12 +782,16 @@ def comparison_csv(records: list[RunRecord], options: Options) -> str:
         "paired_mean", "paired_std", "paired_ci95_low", "paired_ci95_high", "paired_seeds",
         "paired_seeds_up", "bytes_down_per_round", "bytes_up_per_round",
         "client_state_bytes_max", "seconds_per_round", "machines", "inactive_mechanisms",
+        "diverged", "diverged_at", "failed", "failed_at",
     ]  # fmt: skip
     w.writerow(header)
     for setting, rows in group(records, options).items():
         for row in rows:
+            stops = [len(row.diverged), _rounds_at(row.diverged), len(row.failed),
+                     _rounds_at(row.failed)]  # fmt: skip
             if not row.seeds:
-                w.writerow([setting, row.method, 0, len(row.unfinished)] + [""] * (len(header) - 4))
+                blank = [""] * (len(header) - 4 - len(stops))
+                w.writerow([setting, row.method, 0, len(row.unfinished), *blank, *stops])
                 continue
             final, last, best = row.column("final"), row.column("last"), row.column("best")
             reached = [row.runs[s].reached for s in row.seeds if row.runs[s].reached is not None]
@@ -710,6 +818,7 @@ def comparison_csv(records: list[RunRecord], options: Options) -> str:
                     _num(row.column("seconds").mean(), 3),
                     "; ".join(_row_machines(row)),
                     "; ".join(n.text() for n in row.row_notes()),
+                    *stops,
                 ]
             )  # fmt: skip
     return buf.getvalue()
@@ -723,11 +832,13 @@ def runs_csv(records: list[RunRecord], options: Options) -> str:
     w.writerow(
         ["setting", "method", "seed", "folder", "finished", "rounds_done", "final", "last",
          "last_rounds", "best", "rounds_to_target", "bytes_down_per_round", "bytes_up_per_round",
-         "client_state_bytes_max", "seconds_per_round", *prov_keys]
+         "client_state_bytes_max", "seconds_per_round", *prov_keys,
+         "status", "stopped_round", "stop_reason"]
     )  # fmt: skip
     for rec in records:
-        v = run_values(rec, options)
+        v = scored_values(rec, options)
         p = provenance(rec)
+        status = rec.status
         w.writerow(
             [
                 rec.setting, rec.method, rec.seed, rec.folder.name, rec.finished,
@@ -739,6 +850,7 @@ def runs_csv(records: list[RunRecord], options: Options) -> str:
                 "" if rec.client_state_bytes is None else rec.client_state_bytes,
                 _num(v.seconds if v else None, 3),
                 *(p[k] for k in prov_keys),
+                status.kind, "" if status.round is None else status.round, status.reason,
             ]
         )  # fmt: skip
     return buf.getvalue()

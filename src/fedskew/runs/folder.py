@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from fedskew.core.durable import (
 from fedskew.core.errors import FedskewError, UsageError
 from fedskew.core.locks import Busy, holder, lock, unlock
 from fedskew.data.partition import load_partition, save_partition
+from fedskew.report.run_status import STOPPED
 
 INCOMPLETE = ".incomplete"
 LOCK = "lock"
@@ -229,6 +231,24 @@ class RunFolder:
     def release(self) -> None:
         unlock(self._lock)
         self._lock = None
+
+    def record_stop(self, state: str, round: int | None, rounds_done: int, reason: str) -> None:
+        """Say in the unfinished folder why the run stopped (``fedskew.report.run_status``):
+        ``state`` "diverged" or "failed", the round being played (1-based; None outside
+        the rounds), the rounds finished and the error, so that tables and ``compare`` name
+        a diverged or failed run instead of taking it for one still running."""
+        record = {
+            "state": state,
+            "round": round,
+            "rounds_done": rounds_done,
+            "reason": reason,
+            "stopped": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        _write_json(self.path / STOPPED, record)
+
+    def clear_stop(self) -> None:
+        """A resumed run goes on: the record of how it stopped before no longer holds."""
+        (self.path / STOPPED).unlink(missing_ok=True)
 
     def finish(self, summary: dict[str, Any]) -> Path:
         _write_json(self.path / "summary.json", summary)

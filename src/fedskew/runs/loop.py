@@ -36,7 +36,7 @@ from fedskew.assembly.prepare import (
 from fedskew.config import Execution, ExperimentConfig, config_hash, execution_choice, plural
 from fedskew.core.denormals import denormals_state
 from fedskew.core.device import device_facts, settings_applied
-from fedskew.core.errors import FedskewError, UsageError
+from fedskew.core.errors import Diverged, FedskewError, UsageError
 from fedskew.core.gpu_memory import memory_peaks, reset_peaks, run_peaks
 from fedskew.core.machine import cpu_features, machine_facts, software_facts
 from fedskew.data.federated import sample_clients
@@ -60,7 +60,7 @@ from fedskew.runs.checkpoint import (
     save_checkpoint,
     server_state,
 )
-from fedskew.runs.folder import RunFolder, check_writable
+from fedskew.runs.folder import INCOMPLETE, RunFolder, check_writable
 from fedskew.runs.local_evaluation import evaluate_on_clients, has_personal_part
 from fedskew.runs.measurements import Measurements, due, final_values
 from fedskew.runs.privacy import PrivacyLedger
@@ -168,6 +168,7 @@ def _run(
         if on_start is not None:
             on_start(state.start_round)
         for rnd in range(state.start_round, cfg.rounds):
+            state.playing = rnd + 1
             reset_peaks(prep.device)
             record = play_round(state, rnd)
             record.update(ledger.record(rnd))
@@ -181,8 +182,14 @@ def _run(
             record.update(memory_peaks(prep.device))
             keep_round(state, rnd, record)
             tracking.log_round(record)
+            state.playing = None
             if on_round is not None:
-                on_round(record)
+                try:
+                    on_round(record)
+                except BaseException:
+                    # The caller stopped the run (a pruner, a test): not the run's failure.
+                    state.stopped_by_caller = True
+                    raise
         if cfg.tsne:
             measurements.write_tsne(cfg.rounds - 1, server, state.run_folder.path)
         folder, summary = finish(state, time.perf_counter() - started)
@@ -193,11 +200,34 @@ def _run(
         if state.folder is None:
             raise
         raise RunInterrupted(state) from None
+    except Exception as exc:
+        if state.folder is not None and not state.stopped_by_caller:
+            record_stop(state, exc)
+        raise
     finally:
         tracking.close("failed")  # nothing left to close after a finish or an interrupt
         engine.close()
         if state.folder is not None:
             state.folder.release()
+
+
+def record_stop(state: RunState, exc: Exception) -> None:
+    """Write why the run stopped into its unfinished folder (``RunFolder.record_stop``):
+    diverged at the round where NaN or Inf appeared, else failed at the round being
+    played. A folder that cannot take the record (the disk that failed the run) keeps the
+    error on the command line alone."""
+    folder = state.run_folder
+    if not folder.path.name.endswith(INCOMPLETE):
+        return  # finished: the error came after the rename
+    if isinstance(exc, Diverged):
+        kind, rnd = "diverged", exc.round
+    else:
+        kind, rnd = "failed", state.playing
+    reason = str(exc) if isinstance(exc, FedskewError) else f"{type(exc).__name__}: {exc}"
+    try:
+        folder.record_stop(kind, rnd, len(state.history), reason.strip() or type(exc).__name__)
+    except OSError as err:
+        log.warning("could not record the stop in %s: %s", folder.path, err.strerror or err)
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -313,6 +343,8 @@ class RunState:
     execution: Execution | None = None  # what the default engine factory chose, and why
     metrics_digest: str = ""  # of the metrics lines of history (saved_state.metrics_digest)
     ledger: PrivacyLedger | None = None  # the privacy spent per round (DP runs)
+    playing: int | None = None  # the round (1-based) being played, None between rounds
+    stopped_by_caller: bool = False  # an exception from on_round: the caller's, not a failure
 
     def __post_init__(self) -> None:
         self.client_counts = self.prep.fed.class_counts()
@@ -354,6 +386,7 @@ def open_folder(state: RunState, resume: Path | None) -> None:
         except BaseException:
             folder.release()
             raise
+        folder.clear_stop()  # it goes on; a new stop writes its own record
     state.folder = folder
     folder.append_process(
         {
@@ -514,9 +547,10 @@ def play_round(state: RunState, rnd: int) -> dict[str, Any]:
         record["diverged_replies"] = sorted(channel.dropped)
     where = non_finite_array(server.global_arrays)
     if where is not None:
-        raise FedskewError(
+        raise Diverged(
             f"round {rnd + 1}: the global model has NaN or Inf in '{where}' after aggregation; "
-            "the last good checkpoint is kept (lower --lr, or add --grad-clip)"
+            "the last good checkpoint is kept (lower --lr, or add --grad-clip)",
+            rnd + 1,
         )
     drift = changed_entry(state.setup.initial_arrays, server.global_arrays)
     if drift is not None:
@@ -567,10 +601,11 @@ class FiniteReplies:
             if where is None:
                 continue
             if not self.drop:
-                raise FedskewError(
+                raise Diverged(
                     f"round {self.round + 1}: client {cid} diverged (NaN or Inf in its "
                     f"reply's '{where}'); the last good checkpoint is kept. Lower --lr, add "
-                    "--grad-clip, or --on-divergence drop to leave such replies out"
+                    "--grad-clip, or --on-divergence drop to leave such replies out",
+                    self.round + 1,
                 )
             log.warning("round %d: reply of client %d dropped: NaN or Inf in '%s'",
                         self.round + 1, cid, where)  # fmt: skip

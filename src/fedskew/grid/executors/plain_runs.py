@@ -36,11 +36,15 @@ def outcome_data(outcome: Outcome) -> dict[str, Any]:
         "detail": outcome.detail,
         "seconds": outcome.seconds,
         "returncode": outcome.returncode,
+        "round": outcome.round,
     }
 
 
 def outcome_from(run: PlannedRun, data: dict[str, Any]) -> Outcome:
-    return Outcome(run, data["status"], data["detail"], data["seconds"], data["returncode"])
+    return Outcome(
+        run, data["status"], data["detail"], data["seconds"], data["returncode"],
+        data.get("round"),
+    )  # fmt: skip
 
 
 def one_run_grid(root: Path, threads: int | None) -> Grid:

@@ -79,7 +79,18 @@ class Code:
     text: str
 
 
-Block = Heading | Para | Bullets | Table | Image | Code
+@dataclass
+class Attachment:
+    """A file beside the pictures (a table as CSV or LaTeX): the Markdown links to it, the
+    HTML page carries it (a download link with the file inside, so the page stays whole)."""
+
+    name: str  # file name with its suffix (made safe when written)
+    data: bytes
+    text: str  # what the file is, shown before the link
+    mime: str = "text/plain"
+
+
+Block = Heading | Para | Bullets | Table | Image | Code | Attachment
 
 
 def spans(text: Text) -> list[Span]:
@@ -178,15 +189,16 @@ def _fence(text: str) -> str:
     return "`" * (longest + 1)
 
 
-def safe_file_name(name: str, taken: set[str]) -> str:
-    """A file name for a picture that every file system takes and a link needs no escape
-    for: letters, digits and ``._-``, at most 100 characters, not one in ``taken``."""
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", name.removesuffix(".png")).strip("._")[:96]
-    stem = stem or "picture"
-    found, n = f"{stem}.png", 1
+def safe_file_name(name: str, taken: set[str], suffix: str = ".png") -> str:
+    """A file name for a picture (or another file: ``suffix``) that every file system takes
+    and a link needs no escape for: letters, digits and ``._-``, at most 100 characters,
+    not one in ``taken``."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", name.removesuffix(suffix)).strip("._")[:96]
+    stem = stem or ("picture" if suffix == ".png" else "file")
+    found, n = f"{stem}{suffix}", 1
     while found in taken:
         n += 1
-        found = f"{stem}-{n}.png"
+        found = f"{stem}-{n}{suffix}"
     taken.add(found)
     return found
 
@@ -218,7 +230,17 @@ def to_markdown(blocks: list[Block], files_dir: str) -> tuple[str, dict[str, byt
             fence = _fence(block.text)
             text = _SURROGATE.sub("\ufffd", block.text.rstrip("\n"))
             out.append(f"{fence}\n{text}\n{fence}")
+        elif isinstance(block, Attachment):
+            name = safe_file_name(block.name, set(files), _suffix(block.name))
+            files[name] = block.data
+            out.append(f"{markdown_escape(block.text)}: [{name}]({files_dir}/{name})")
     return "\n\n".join(out) + "\n", files
+
+
+def _suffix(name: str) -> str:
+    """A file name's suffix as :func:`safe_file_name` keeps it: letters and digits only."""
+    found = re.search(r"\.[A-Za-z0-9]{1,8}$", name)
+    return found.group(0) if found else ".txt"
 
 
 # ----------------------------------------------------------------------------- HTML
@@ -292,6 +314,14 @@ def to_html(blocks: list[Block], title: str) -> str:
         elif isinstance(block, Code):
             text = _SURROGATE.sub("\ufffd", block.text)
             body.append(f"<pre><code>{html.escape(text, quote=True)}</code></pre>")
+        elif isinstance(block, Attachment):
+            name = safe_file_name(block.name, set(), _suffix(block.name))
+            data = base64.b64encode(block.data).decode("ascii")
+            mime = block.mime if re.fullmatch(r"[a-z]+/[a-z0-9.+-]+", block.mime) else "text/plain"
+            body.append(
+                f'<p>{html_escape(block.text)}: <a download="{name}" '
+                f'href="data:{mime};base64,{data}">{name}</a></p>'
+            )
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{html_escape(title)}</title><style>{STYLE}</style></head><body>\n"

@@ -5,11 +5,9 @@ numbers checked against computations done here from the run folders' files."""
 
 from __future__ import annotations
 
-import base64
 import csv
 import io
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +19,7 @@ from fedskew.assembly.prepare import load_experiment_data
 from fedskew.config import ExperimentConfig
 from fedskew.data.local_test import split_local_test
 from fedskew.data.partition import load_partition
-from fedskew.report.document import Attachment, Bold, Para, to_html, to_markdown
+from fedskew.report.document import Attachment, Bold, Image, to_html, to_markdown
 from fedskew.report.latex_style import TableStyle
 from fedskew.report.per_class import run_per_class_at
 from fedskew.report.per_class_table import (
@@ -140,18 +138,26 @@ def test_per_class_at_each_statistic_of_a_run():
     assert run_per_class_at(rec, Statistic("last", 2)) == pytest.approx([0.75, 0.7])
 
 
-def test_attachments_are_linked_in_markdown_and_carried_in_html():
-    blocks = [Para("x"), Attachment("per-class <1>.csv", b"a,b\n1,2\n", "Table [1]", "text/csv")]
+def test_attachments_are_linked_in_markdown_and_html():
+    blocks = [
+        Image("per-class.csv", b"\x89PNG", "a picture of the same name"),
+        Attachment("per-class <1>.csv", "a,b\n1,\udce9\n", "Table [1]"),
+        Attachment("per-class <1>.csv", "3", "Another"),
+    ]
     md, files = to_markdown(blocks, "report_files")
-    assert files == {"per-class_1.csv": b"a,b\n1,2\n"}
+    # A lone surrogate (a name that is not UTF-8) is written as U+FFFD.
+    assert files == {
+        "per-class.csv.png": b"\x89PNG",
+        "per-class_1.csv": "a,b\n1,\ufffd\n".encode(),
+        "per-class_1-2.csv": b"3",
+    }
     assert "Table [1\\]: [per-class_1.csv](report_files/per-class_1.csv)" in md
-    page = to_html(blocks, "t")
-    found = re.search(r'<a download="per-class_1.csv" href="data:text/csv;base64,([^"]+)">', page)
-    assert found is not None and base64.b64decode(found.group(1)) == b"a,b\n1,2\n"
-    assert "Table [1]: " in page
+    assert "Another: [per-class_1-2.csv](report_files/per-class_1-2.csv)" in md
+    page = to_html(blocks, "t", "report_files")
+    assert '<p>Table [1]: <a href="report_files/per-class_1.csv">per-class_1.csv</a></p>' in page
+    assert '<a href="report_files/per-class_1-2.csv">' in page
+    assert "Table [1]: per-class_1.csv</p>" in to_html(blocks, "t")  # no folder: named only
 
-
-# -------------------------------------------------------------- from real run folders
 
 FRACTION = 0.25
 
@@ -301,3 +307,22 @@ def test_per_class_table_at_the_statistic_asked_for(grid, tmp_path):
     prox = next(x for x in tex.splitlines() if x.startswith("FedProx & "))
     first = best["prox"][:, 0]
     assert f"{first.mean():.1f} \\pm {first.std(ddof=1):.1f}" in prox.split(" & ")[1]
+
+
+def test_a_partition_beyond_the_dataset_is_named_not_a_traceback(grid, tmp_path):
+    """partition.npz indexing samples the dataset lacks (another dataset's, or damaged):
+    the heatmap and the local split say so, and the report is written."""
+    import shutil
+
+    from fedskew.data.partition import save_partition
+
+    folder = tmp_path / "run"
+    shutil.copytree(grid / "fedavg-s0", folder)
+    partition, meta = load_partition(folder / "partition.npz")
+    partition[1] = partition[1] + 100_000
+    save_partition(folder / "partition.npz", partition, meta)
+    assert main(["report", str(folder), "-o", str(tmp_path / "r")]) == 0
+    md = (tmp_path / "r" / "report.md").read_text()
+    why = "partition.npz: client 1 holds sample indices outside the dataset's 1437 training samples"
+    assert f"Partition heatmap not drawn: {why}" in md
+    assert f"No split: fedavg seed 0: class counts not available: {why}." in md

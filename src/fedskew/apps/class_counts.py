@@ -101,6 +101,14 @@ def run_partition(
             files.check(Path(cfg.partition_file), "partition file config.json names")
         partition = build_partition(cfg, dataset)
         where = "partition rebuilt from config.json"
+    # A partition.npz from another dataset (or damaged) indexes samples this one lacks.
+    size = len(dataset.y_train)
+    for k, idx in enumerate(partition):
+        if idx.size and (idx.min() < 0 or idx.max() >= size):
+            raise FedskewError(
+                f"{where}: client {k} holds sample indices outside the dataset's "
+                f"{size} training samples"
+            )
     return partition, dataset, where
 
 

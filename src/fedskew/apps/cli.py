@@ -276,7 +276,8 @@ def add_latex_options(p: argparse.ArgumentParser | argparse._ArgumentGroup, name
         "--latex",
         action="store_true",
         help=f"also write {name} beside the Markdown: a booktabs table, methods x settings, "
-        "mean ± std of the mean of the last rounds, best of each column in bold",
+        "mean ± std of each run's value at --statistic (default: the mean of the last rounds), "
+        "best of each column in bold",
     )
     p.add_argument(
         "--latex-paired",

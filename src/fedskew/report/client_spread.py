@@ -276,16 +276,15 @@ def client_spread_blocks(
         if picture is not None:
             blocks.append(picture)
         stem = f"clients-{setting or 'all'}".replace("/", "_")
-        tex = spread_latex(recs, setting, style).encode("utf-8")
+        tex = spread_latex(recs, setting, style)
         blocks.append(Attachment(f"{stem}.tex", tex, "As a LaTeX table (booktabs)"))
-    text = spread_csv(shown, statistic).encode("utf-8")
+    text = spread_csv(shown, statistic)
     blocks.append(
         Attachment(
             "clients.csv",
             text,
             "Every run's clients as CSV (a line per setting, run and series: the statistics "
             "and each client's accuracy in %)",
-            "text/csv",
-        )  # fmt: skip
+        )
     )
     return blocks

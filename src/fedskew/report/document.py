@@ -81,13 +81,13 @@ class Code:
 
 @dataclass
 class Attachment:
-    """A file beside the pictures (a table as CSV or LaTeX): the Markdown links to it, the
-    HTML page carries it (a download link with the file inside, so the page stays whole)."""
+    """A file beside the pictures (a table as CSV or LaTeX), which the Markdown and the
+    HTML page link to by its relative name (a data: link would be a kind of address the
+    pages never hold: :func:`safe_url`)."""
 
     name: str  # file name with its suffix (made safe when written)
-    data: bytes
+    content: str  # written as UTF-8 (a lone surrogate, from a name that is not, as U+FFFD)
     text: str  # what the file is, shown before the link
-    mime: str = "text/plain"
 
 
 Block = Heading | Para | Bullets | Table | Image | Code | Attachment
@@ -203,12 +203,26 @@ def safe_file_name(name: str, taken: set[str], suffix: str = ".png") -> str:
     return found
 
 
+def file_names(blocks: list[Block]) -> dict[int, str]:
+    """The file name of each picture and attachment (by the block's index), unique and
+    safe, the same for the Markdown and the HTML."""
+    taken: set[str] = set()
+    names = {}
+    for i, block in enumerate(blocks):
+        if isinstance(block, Image):
+            names[i] = safe_file_name(block.name, taken)
+        elif isinstance(block, Attachment):
+            names[i] = safe_file_name(block.name, taken, _suffix(block.name))
+    return names
+
+
 def to_markdown(blocks: list[Block], files_dir: str) -> tuple[str, dict[str, bytes]]:
-    """The Markdown text and the pictures it links to (file name -> PNG bytes), which go
-    in ``files_dir`` beside the Markdown file."""
+    """The Markdown text and the pictures and attachments it links to (file name -> bytes),
+    which go in ``files_dir`` beside the Markdown file."""
     out: list[str] = []
     files: dict[str, bytes] = {}
-    for block in blocks:
+    names = file_names(blocks)
+    for i, block in enumerate(blocks):
         if isinstance(block, Heading):
             out.append("#" * min(max(block.level, 1), 6) + " " + markdown_text(block.text))
         elif isinstance(block, Para):
@@ -222,7 +236,7 @@ def to_markdown(blocks: list[Block], files_dir: str) -> tuple[str, dict[str, byt
                 lines.append("| " + " | ".join(markdown_text(c, in_table=True) for c in row) + " |")
             out.append("\n".join(lines))
         elif isinstance(block, Image):
-            name = safe_file_name(block.name, set(files))
+            name = names[i]
             files[name] = block.png
             caption = markdown_escape(block.caption)
             out.append(f"![{caption}]({files_dir}/{name})\n\n{caption}")
@@ -231,8 +245,8 @@ def to_markdown(blocks: list[Block], files_dir: str) -> tuple[str, dict[str, byt
             text = _SURROGATE.sub("\ufffd", block.text.rstrip("\n"))
             out.append(f"{fence}\n{text}\n{fence}")
         elif isinstance(block, Attachment):
-            name = safe_file_name(block.name, set(files), _suffix(block.name))
-            files[name] = block.data
+            name = names[i]
+            files[name] = _SURROGATE.sub("\ufffd", block.content).encode("utf-8")
             out.append(f"{markdown_escape(block.text)}: [{name}]({files_dir}/{name})")
     return "\n\n".join(out) + "\n", files
 
@@ -285,10 +299,12 @@ figcaption { font-size: .88em; color: #555; }
 """
 
 
-def to_html(blocks: list[Block], title: str) -> str:
-    """One HTML file with everything in it (styles inline, PNGs as data: URLs)."""
+def to_html(blocks: list[Block], title: str, files_dir: str | None = None) -> str:
+    """One HTML file with everything in it (styles inline, PNGs as data: URLs) but the
+    attachments, linked in ``files_dir`` beside it (named only, without ``files_dir``)."""
     body: list[str] = []
-    for block in blocks:
+    names = file_names(blocks)
+    for i, block in enumerate(blocks):
         if isinstance(block, Heading):
             level = min(max(block.level, 1), 6)
             body.append(f"<h{level}>{html_text(block.text)}</h{level}>")
@@ -315,13 +331,10 @@ def to_html(blocks: list[Block], title: str) -> str:
             text = _SURROGATE.sub("\ufffd", block.text)
             body.append(f"<pre><code>{html.escape(text, quote=True)}</code></pre>")
         elif isinstance(block, Attachment):
-            name = safe_file_name(block.name, set(), _suffix(block.name))
-            data = base64.b64encode(block.data).decode("ascii")
-            mime = block.mime if re.fullmatch(r"[a-z]+/[a-z0-9.+-]+", block.mime) else "text/plain"
-            body.append(
-                f'<p>{html_escape(block.text)}: <a download="{name}" '
-                f'href="data:{mime};base64,{data}">{name}</a></p>'
-            )
+            name = html_escape(names[i])
+            url = safe_url(f"{files_dir}/{names[i]}") if files_dir else None
+            link = f'<a href="{html_escape(url)}">{name}</a>' if url else name
+            body.append(f"<p>{html_escape(block.text)}: {link}</p>")
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{html_escape(title)}</title><style>{STYLE}</style></head><body>\n"
@@ -348,5 +361,5 @@ def write_report(blocks: list[Block], folder: Path, stem: str, title: str) -> tu
     md = folder / f"{stem}.md"
     page = folder / f"{stem}.html"
     write_bytes_durably(md, text.encode("utf-8"))
-    write_bytes_durably(page, to_html(blocks, title).encode("utf-8"))
+    write_bytes_durably(page, to_html(blocks, title, files_dir).encode("utf-8"))
     return md, page

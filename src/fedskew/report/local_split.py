@@ -255,7 +255,7 @@ def local_split_section(
         if left:
             blocks.append(Para(f"Left out: {'; '.join(left)}."))
         stem = f"local-split-{setting or 'all'}".replace("/", "_")
-        tex = split_latex(splits, setting, style).encode("utf-8")
+        tex = split_latex(splits, setting, style)
         blocks.append(Attachment(f"{stem}.tex", tex, "As a LaTeX table (booktabs)"))
     every = [s for splits in found.values() for s in splits]
     blocks.insert(
@@ -266,13 +266,12 @@ def local_split_section(
         ),
     )
     if found:
-        text = split_csv(found, statistic).encode("utf-8")
+        text = split_csv(found, statistic)
         blocks.append(
             Attachment(
                 "local-split.csv",
                 text,
                 "Every run's accuracy on each group as CSV (a line per setting, run and group)",
-                "text/csv",
-            )  # fmt: skip
+            )
         )
     return blocks

@@ -279,7 +279,7 @@ def per_class_blocks(
     blocks.append(per_class_table(table, class_names))
     style = style if style is not None else TableStyle(statistic=statistic)
     tex = per_class_latex(table, class_names, records[0].setting, style)
-    blocks.append(Attachment(f"{stem}.tex", tex.encode("utf-8"), "As a LaTeX table (booktabs)"))
+    blocks.append(Attachment(f"{stem}.tex", tex, "As a LaTeX table (booktabs)"))
     split = _split(methods, counts_of, class_names)
     blocks.append(Para([Bold("Minority and majority classes."), " " + SPLIT_TEXT]))
     blocks.append(Bullets(split.lines))
@@ -367,14 +367,13 @@ def per_class_section(
         if methods:
             tables[setting] = (method_classes(methods), names)
     if tables:
-        text = per_class_csv(tables, statistic).encode("utf-8")
+        text = per_class_csv(tables, statistic)
         blocks.append(
             Attachment(
                 "per-class.csv",
                 text,
                 "Per-class accuracy of every setting as CSV (a line per setting, method and "
                 "class: mean, std and each seed's value in %)",
-                "text/csv",
-            )  # fmt: skip
+            )
         )
     return blocks

@@ -138,7 +138,7 @@ def test_per_class_at_each_statistic_of_a_run():
     assert run_per_class_at(rec, Statistic("last", 2)) == pytest.approx([0.75, 0.7])
 
 
-def test_attachments_are_linked_in_markdown_and_html():
+def test_attachments_are_linked_in_markdown_and_named_in_html():
     blocks = [
         Image("per-class.csv", b"\x89PNG", "a picture of the same name"),
         Attachment("per-class <1>.csv", "a,b\n1,\udce9\n", "Table [1]"),
@@ -153,10 +153,10 @@ def test_attachments_are_linked_in_markdown_and_html():
     }
     assert "Table [1\\]: [per-class_1.csv](report_files/per-class_1.csv)" in md
     assert "Another: [per-class_1-2.csv](report_files/per-class_1-2.csv)" in md
-    page = to_html(blocks, "t", "report_files")
-    assert '<p>Table [1]: <a href="report_files/per-class_1.csv">per-class_1.csv</a></p>' in page
-    assert '<a href="report_files/per-class_1-2.csv">' in page
-    assert "Table [1]: per-class_1.csv</p>" in to_html(blocks, "t")  # no folder: named only
+    page = to_html(blocks, "t", "report_files")  # named, not linked: the page stays whole
+    assert "<p>Table [1]: <code>report_files/per-class_1.csv</code></p>" in page
+    assert "<p>Another: <code>report_files/per-class_1-2.csv</code></p>" in page
+    assert "href" not in page
 
 
 FRACTION = 0.25

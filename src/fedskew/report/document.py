@@ -81,9 +81,9 @@ class Code:
 
 @dataclass
 class Attachment:
-    """A file beside the pictures (a table as CSV or LaTeX), which the Markdown and the
-    HTML page link to by its relative name (a data: link would be a kind of address the
-    pages never hold: :func:`safe_url`)."""
+    """A file beside the pictures (a table as CSV or LaTeX): the Markdown links to it by
+    its relative name; the HTML page, which holds no address outside itself (and no data:
+    link, an address :func:`safe_url` refuses), names it."""
 
     name: str  # file name with its suffix (made safe when written)
     content: str  # written as UTF-8 (a lone surrogate, from a name that is not, as U+FFFD)
@@ -301,7 +301,7 @@ figcaption { font-size: .88em; color: #555; }
 
 def to_html(blocks: list[Block], title: str, files_dir: str | None = None) -> str:
     """One HTML file with everything in it (styles inline, PNGs as data: URLs) but the
-    attachments, linked in ``files_dir`` beside it (named only, without ``files_dir``)."""
+    attachments, which it names (in ``files_dir`` beside it) without linking to them."""
     body: list[str] = []
     names = file_names(blocks)
     for i, block in enumerate(blocks):
@@ -331,10 +331,9 @@ def to_html(blocks: list[Block], title: str, files_dir: str | None = None) -> st
             text = _SURROGATE.sub("\ufffd", block.text)
             body.append(f"<pre><code>{html.escape(text, quote=True)}</code></pre>")
         elif isinstance(block, Attachment):
-            name = html_escape(names[i])
-            url = safe_url(f"{files_dir}/{names[i]}") if files_dir else None
-            link = f'<a href="{html_escape(url)}">{name}</a>' if url else name
-            body.append(f"<p>{html_escape(block.text)}: {link}</p>")
+            # Named, not linked: the page holds no address outside itself.
+            where = f"{files_dir}/{names[i]}" if files_dir else names[i]
+            body.append(f"<p>{html_escape(block.text)}: <code>{html_escape(where)}</code></p>")
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{html_escape(title)}</title><style>{STYLE}</style></head><body>\n"

@@ -44,10 +44,6 @@ class Statistic:
         """The :class:`fedskew.report.tables.RunValues` field of this statistic."""
         return self.kind
 
-    def short(self) -> str:
-        """A column label: ``final``, ``best`` or ``last 10``."""
-        return f"last {self.last}" if self.kind == "last" else self.kind
-
     def phrase(self, used: Iterable[tuple[str, int]] = ()) -> str:
         """What each run's value is, for captions; ``used``: (run or row name, evaluated
         rounds its value averages), so that "last" says the rounds the runs really

@@ -252,6 +252,11 @@ def _cell(values: list[float], sign: str = "") -> str:
     return f"{a.mean():{sign}.2f} ± {a.std(ddof=1):.2f}"
 
 
+def _seed_cell(values: list[float]) -> str:
+    """As :func:`_cell`, or the value and "(1 seed)" for one value."""
+    return _cell(values) if len(values) > 1 else f"{values[0]:.2f} (1 seed)"
+
+
 def test_summary_has_per_class_accuracy_of_the_final_and_last_rounds(grid):
     for folder in sorted(p for p in grid.iterdir() if p.is_dir()):
         summary = json.loads((folder / "summary.json").read_text())
@@ -345,8 +350,9 @@ def test_report_per_class_of_runs_from_before_the_summary_recorded_it(grid, tmp_
 
 
 def test_report_client_spread_of_runs_with_a_local_test_split(grid, tmp_path):
-    """The per-client statistics as summary.json, the metrics line or only the list give
-    them; personalised columns where a run has them."""
+    """At the final round (--statistic final), the per-client statistics as summary.json,
+    the metrics line or only the list give them (the worst and best client from the list
+    alone); personalised columns where a run has them."""
     import shutil
 
     copy = tmp_path / "grid"
@@ -361,6 +367,10 @@ def test_report_client_spread_of_runs_with_a_local_test_split(grid, tmp_path):
         t = int(np.ceil(0.1 * a.size))
         return {"mean": a.mean(), "std": a.std(), "worst10": a[:t].mean(),
                 "gap": a[-t:].mean() - a[:t].mean()}  # fmt: skip
+
+    def extremes(values: list) -> dict[str, float]:
+        a = [v for v in values if v is not None]
+        return {"worst": min(a), "best": max(a)}
 
     for name in ("fedavg-s0", "fedavg-s1", "prox-s0", "prox-s1"):
         rows = _lines(copy / name)
@@ -379,7 +389,7 @@ def test_report_client_spread_of_runs_with_a_local_test_split(grid, tmp_path):
             path.write_text(json.dumps(summary))
             del last["client_accuracy"]
         (copy / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main(["report", str(copy), "-o", str(tmp_path / "r")]) == 0
+    assert main(["report", str(copy), "-o", str(tmp_path / "r"), "--statistic", "final"]) == 0
     md = (tmp_path / "r" / "report.md").read_text()
     section = md.split("## Accuracy across clients", 1)[1].split("\n## ", 1)[0]
     assert "No per-client test split" not in section
@@ -389,8 +399,13 @@ def test_report_client_spread_of_runs_with_a_local_test_split(grid, tmp_path):
         cells = [method, "2"]
         for suffix in ("", "p"):
             if method == "fedavg" and suffix:  # fedavg has no personal model
-                cells += ["-"] * 4
+                cells += ["-"] * 6
                 continue
             got = [stats(lists[f"{method}-s{s}{suffix}"]) for s in (0, 1)]
-            cells += [_cell([100 * g[k] for g in got]) for k in ("mean", "std", "worst10", "gap")]
+            # fedavg-s0 recorded its statistics in summary.json only: no list, no extremes
+            listed = (1,) if method == "fedavg" else (0, 1)
+            ends = [extremes(lists[f"{method}-s{s}{suffix}"]) for s in listed]
+            cells += [_cell([100 * g[k] for g in got]) for k in ("mean", "std", "worst10")]
+            cells += [_seed_cell([100 * e[k] for e in ends]) for k in ("worst", "best")]
+            cells.append(_cell([100 * g["gap"] for g in got]))
         assert "| " + " | ".join(cells) + " |" in section.splitlines(), (method, section)

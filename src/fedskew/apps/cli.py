@@ -306,7 +306,8 @@ def add_latex_options(p: argparse.ArgumentParser | argparse._ArgumentGroup, name
         "--latex",
         action="store_true",
         help=f"also write {name} beside the Markdown: a booktabs table, methods x settings, "
-        "mean ± std of the mean of the last rounds, best of each column in bold",
+        "mean ± std of each run's value at --statistic (default: the mean of the last rounds), "
+        "best of each column in bold",
     )
     p.add_argument(
         "--latex-paired",
@@ -314,6 +315,29 @@ def add_latex_options(p: argparse.ArgumentParser | argparse._ArgumentGroup, name
         help="--latex, with a column per setting with the paired difference to the reference "
         "and its 95 %% interval over seeds",
     )
+    p.add_argument(
+        "--statistic",
+        choices=("final", "best", "last"),
+        help="each run's value in the LaTeX tables (and the report's per-class and per-client "
+        "tables): the final evaluated round, the round of the best test accuracy, or the mean "
+        "of the last N evaluated rounds (--last; the default)",
+    )
+    p.add_argument("--digits", type=int, default=2, help="decimals in the LaTeX tables (default 2)")
+    p.add_argument(
+        "--display-name",
+        action="append",
+        metavar="NAME=LABEL",
+        help="a method's name in the LaTeX tables (e.g. fedfm=FedFM; plain text, escaped); "
+        "may repeat; over the compare file's [compare] display_names",
+    )
+    p.add_argument(
+        "--no-bold", action="store_true", help="no bold for the best of each LaTeX column"
+    )
+
+
+def latex_style_chosen(args: argparse.Namespace) -> bool:
+    """Whether the command line shaped the LaTeX tables (which then implies --latex)."""
+    return bool(args.statistic or args.display_name or args.no_bold or args.digits != 2)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -344,6 +368,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         for key in ("reference", "last", "target"):
             if overrides[key] is not None:
                 setattr(options, key, overrides[key])
+        grid_names = compare.display_names_from_manifest(root)
     else:
         raw = compare.read_file(args.config) if args.config else {}
         base = {
@@ -362,6 +387,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 )
             runs = [by_label[x] for x in args.only]
         root, options = grid.out_dir, grid.options
+        grid_names = grid.display_names
         if args.status:
             print("\n".join(compare.status_lines(grid, runs)))
             return 0
@@ -378,10 +404,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
             outcomes = dispatch.execute(grid, planned, runs, executor, args.dry_run)
             if outcomes is None:  # submitted to Slurm: its last job writes the tables
                 return 0
-    latex = args.latex or args.latex_paired
+    from fedskew.report.latex_style import TableStyle, parse_display_names
+    from fedskew.report.statistic import Statistic
+
+    names = {**grid_names, **parse_display_names(args.display_name)}
+    style = TableStyle(
+        names, Statistic(args.statistic or "last", options.last), args.digits, not args.no_bold
+    )
+    latex = args.latex or args.latex_paired or latex_style_chosen(args)
     try:
         records = compare.collect(root)
-        md = compare.write_tables(root, records, options, command, latex, args.latex_paired)
+        md = compare.write_tables(
+            root, records, options, command, latex, args.latex_paired, style
+        )
         print(f"tables: {md}, {root / 'comparison.csv'}, {root / 'runs.csv'}")
         if latex:
             print(f"LaTeX table (booktabs): {latex_path(root, 'comparison')}")
@@ -406,15 +441,24 @@ def cmd_grid_task(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from fedskew.apps.reporting import make_report
+    from fedskew.apps.reporting import TableChoices, make_report
     from fedskew.report.latex import latex_path
+    from fedskew.report.latex_style import parse_display_names
 
+    choices = TableChoices(
+        statistic=args.statistic,
+        last=args.last,
+        names=parse_display_names(args.display_name),
+        digits=args.digits,
+        bold=not args.no_bold,
+    )
     latex = args.latex or args.latex_paired
     written = make_report(
         Path(args.folder),
         Path(args.out) if args.out else None,
         latex=latex,
         latex_paired=args.latex_paired,
+        choices=choices,
     )
     for line in written.left_out:  # also in the report, under "Left out"
         print(f"fedskew: warning: {one_line(line)}", file=sys.stderr)
@@ -497,6 +541,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p_rep.add_argument("folder", help="a run folder, or a folder of runs (fedskew compare's)")
     p_rep.add_argument("-o", "--out", help="where report.md/.html go (default: the folder)")
+    p_rep.add_argument(
+        "--last",
+        type=int,
+        help="evaluated rounds the statistic 'last' averages (default: the grid's, else 10)",
+    )
     add_latex_options(p_rep, "report.tex")
     p_rep.set_defaults(func=cmd_report)
     return parser

@@ -3,10 +3,15 @@ from run folders alone.
 
 It holds the configuration, the partition heatmap of each setting, accuracy and loss curves
 (all methods in one plot, mean over seeds with a min-max band), the comparison and cost
-tables, the other metrics the runs logged (personal accuracy, feature quality, ... when
-present), the t-SNE pictures the runs wrote (``*tsne*.png`` in a run folder), and which
-machine, device, versions, data source and git commit produced each run. A fact a run
-folder does not record is printed as "not recorded".
+tables, the per-class accuracy (heatmap and table, the global minority / majority split),
+the accuracy on each client's local-majority, local-minority and absent classes, the
+accuracy across clients (table and box plot), the other metrics the runs logged (personal
+accuracy, feature quality, ... when present), the t-SNE pictures the runs wrote
+(``*tsne*.png`` in a run folder), and which machine, device, versions, data source and git
+commit produced each run. A fact a run folder does not record is printed as "not recorded".
+The per-class, per-client and LaTeX tables show each run's value at one statistic (the
+final round, the best round, or the mean of the last rounds: ``--statistic``); their CSV
+and LaTeX files go beside the pictures, in ``report_files/``.
 
 The partition heatmap needs the class labels of the training set: the run's partition.npz
 (or, where the folder lacks it, the partition rebuilt from the run's configuration, which
@@ -33,6 +38,7 @@ import numpy as np
 
 from fedskew.apps.class_counts import (
     COUNT_ERRORS,
+    ClientCounts,
     PartitionCounts,
     class_names_of,
     first_line,
@@ -45,10 +51,13 @@ from fedskew.report.client_spread import client_spread_blocks
 from fedskew.report.document import Block, Bullets, Heading, Image, Mono, Para, write_report
 from fedskew.report.files import Damaged
 from fedskew.report.latex import write_latex
+from fedskew.report.latex_style import TableStyle
+from fedskew.report.local_split import local_split_section
 from fedskew.report.per_class import per_class_section
 from fedskew.report.plots import curves_png, partition_png
 from fedskew.report.run_status import count_line
 from fedskew.report.runs import RunRecord
+from fedskew.report.statistic import Statistic
 from fedskew.report.tables import (
     Options,
     comparison_blocks,
@@ -149,12 +158,20 @@ def left_out_blocks(left_out: list[str]) -> list[Block]:
 
 
 def report_blocks(
-    root: Path, records: list[RunRecord], options: Options, left_out: list[str] | None = None
+    root: Path,
+    records: list[RunRecord],
+    options: Options,
+    left_out: list[str] | None = None,
+    style: TableStyle | None = None,
 ) -> list[Block]:
     """The report's blocks; ``left_out`` (what was not read or used, one line each) gets
-    its section at the top, and the pictures not embedded are added to it."""
+    its section at the top, and the pictures not embedded are added to it. ``style``: the
+    statistic of the per-class and per-client tables and how the LaTeX tables are written
+    (default: the mean of the last ``options.last`` rounds)."""
     left_out = [] if left_out is None else left_out
     states = count_line([r.status for r in records])
+    style = style if style is not None else TableStyle(statistic=Statistic("last", options.last))
+    statistic = style.statistic
     settings = _by_setting(records)
     methods = list(dict.fromkeys(r.method for r in records))
     seeds = sorted({r.seed for r in records})
@@ -192,8 +209,11 @@ def report_blocks(
         )
     datasets = _Datasets()
     counts = PartitionCounts(datasets.load)
-    blocks += per_class_section(settings, counts, class_names_of, options.last, _title)
-    blocks += client_spread_blocks(settings, _title)
+    blocks += per_class_section(settings, counts, class_names_of, statistic, _title, style=style)
+    blocks += local_split_section(
+        settings, ClientCounts(datasets.load), statistic, _title, style=style
+    )
+    blocks += client_spread_blocks(settings, _title, statistic=statistic, style=style)
     tsne = tsne_blocks(records, left_out)
     if tsne:
         blocks.append(Heading(2, "t-SNE of test features"))
@@ -227,14 +247,49 @@ class Written:
     left_out: list[str]
 
 
+@dataclass
+class TableChoices:
+    """What the command line chose for the per-class, per-client and LaTeX tables; None:
+    the grid's (compare.json) or the default."""
+
+    statistic: str | None = None  # final, best or last
+    last: int | None = None  # rounds averaged by "last" (default: compare.json's, else 10)
+    names: dict[str, str] | None = None  # display names, over compare.json's
+    digits: int = 2
+    bold: bool = True
+
+
+def table_style(
+    choices: TableChoices, options: Options, manifest: dict[str, Any] | None
+) -> TableStyle:
+    """The style of ``choices`` over the grid's display names; ``options.last`` is the
+    window of "last" (already ``choices.last`` where given)."""
+    names = dict(manifest_display_names(manifest))
+    names.update(choices.names or {})
+    statistic = Statistic(choices.statistic or "last", options.last)
+    return TableStyle(names, statistic, choices.digits, choices.bold)
+
+
+def manifest_display_names(manifest: dict[str, Any] | None) -> dict[str, str]:
+    """The display names compare.json records (its [compare] display_names; checked when
+    it was read, ``fedskew.report.checks``)."""
+    return dict((manifest or {}).get("display_names") or {})
+
+
 def make_report(
-    root: Path, out: Path | None = None, latex: bool = False, latex_paired: bool = False
+    root: Path,
+    out: Path | None = None,
+    latex: bool = False,
+    latex_paired: bool = False,
+    choices: TableChoices | None = None,
 ) -> Written:
-    """Write ``report.md`` (pictures in ``report_files/``) and ``report.html`` into ``out``
-    (default: the folder itself). With ``latex`` also ``report.tex`` beside them
-    (``fedskew.report.latex.latex_path``), the paired differences to the reference in it
-    with ``latex_paired``. Runs with a damaged file are left out (named in the report and
-    in ``Written.left_out``); a one-line error when no run is left."""
+    """Write ``report.md`` (pictures, CSV and LaTeX tables in ``report_files/``) and
+    ``report.html`` into ``out`` (default: the folder itself). With ``latex`` also
+    ``report.tex`` beside them (``fedskew.report.latex.latex_path``), the paired differences
+    to the reference in it with ``latex_paired``. ``choices``: the statistic and the LaTeX
+    style. Runs with a damaged file are left out (named in the report and in
+    ``Written.left_out``); a one-line error when no run is left."""
+    choices = choices or TableChoices()
     root = Path(root)
     folder = Path(out) if out else root
     scan = gather(root)
@@ -242,10 +297,13 @@ def make_report(
         more = f" (and {len(scan.left_out) - 1} more)" if len(scan.left_out) > 1 else ""
         raise FedskewError(f"no usable run in {root}: {scan.left_out[0]}{more}")
     options = manifest_options(scan.manifest, Options())
+    if choices.last is not None:
+        options = dataclasses.replace(options, last=choices.last)
     if len({r.method for r in scan.records}) < 2:
         options = dataclasses.replace(options, reference=None)
-    blocks = report_blocks(root, scan.records, options, scan.left_out)
+    style = table_style(choices, options, scan.manifest)
+    blocks = report_blocks(root, scan.records, options, scan.left_out, style)
     md, page = write_report(blocks, folder, "report", f"fedskew report: {root}")
     if latex:
-        write_latex(scan.records, options, folder, "report", paired=latex_paired)
+        write_latex(scan.records, options, folder, "report", paired=latex_paired, style=style)
     return Written(md, page, scan.left_out)

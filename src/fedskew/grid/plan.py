@@ -21,13 +21,14 @@ from fedskew.config import (
 from fedskew.core.errors import UsageError
 from fedskew.core.structured_text import parse_structured_text
 from fedskew.grid.executors import EXECUTOR_KEYS
+from fedskew.report.latex_style import check_display_names
 from fedskew.report.tables import Options
 
 # [tune] and each method's [methods.NAME.search] are fedskew tune's (fedskew.grid.tune);
 # compare reads past them, so that one file serves both.
 SECTIONS = ("compare", "experiment", "methods", "settings", "axes", "tune")
 COMPARE_KEYS = ("out_dir", "seeds", "reference", "last", "target", "jobs", "threads", "track",
-                *EXECUTOR_KEYS)  # fmt: skip
+                "display_names", *EXECUTOR_KEYS)  # fmt: skip
 # What decides a (setting, seed)'s partition and the clients of each round: a setting's,
 # never a method's, so that all methods of a setting see the same clients.
 SHARED_KEYS = (
@@ -55,6 +56,9 @@ class Grid:
     threads: int | None = None
     source: str = ""  # the compare file, if any
     executor: dict[str, Any] = field(default_factory=dict)  # fedskew.grid.executors checks it
+    # The methods' names in the LaTeX tables ([compare] display_names), recorded in
+    # compare.json so that `fedskew report` of the grid uses them too.
+    display_names: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -265,6 +269,7 @@ def grid_from(
         raise UsageError(f"jobs must be a positive integer, got {jobs!r}")
     if threads is not None and (not _is_int(threads) or threads < 1):
         raise UsageError(f"threads must be a positive integer, got {threads!r}")
+    names = check_display_names(conf.get("display_names", {}), f"{where} [compare]")
     out = conf.get("out_dir")
     if out is None:
         out = Path("runs") / (Path(source).stem if source else "compare")
@@ -283,6 +288,7 @@ def grid_from(
         threads=None if threads is None else int(threads),
         source=source,
         executor={k: conf[k] for k in EXECUTOR_KEYS if conf.get(k) is not None},
+        display_names=names,
     )
 
 

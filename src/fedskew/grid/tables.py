@@ -14,6 +14,7 @@ from fedskew.grid.plan import Grid, PlannedRun
 from fedskew.report.document import Block, Heading, Mono, Para, write_report
 from fedskew.report.files import FolderFiles
 from fedskew.report.latex import write_latex
+from fedskew.report.latex_style import TableStyle
 from fedskew.report.runs import MANIFEST, MANIFEST_FORMAT, RunRecord, Scan, read_manifest, scan_runs
 from fedskew.report.tables import (
     Options,
@@ -38,6 +39,7 @@ def manifest(grid: Grid, runs: list[PlannedRun], command: str) -> dict[str, Any]
         "reference": grid.options.reference,
         "last": grid.options.last,
         "target": grid.options.target,
+        "display_names": grid.display_names,
         "base": grid.base,
         "settings": grid.settings,
         "methods": grid.methods,
@@ -122,15 +124,16 @@ def write_tables(
     command: str,
     latex: bool = False,
     latex_paired: bool = False,
+    style: TableStyle | None = None,
 ) -> Path:
     """``comparison.md`` (+ .html), ``comparison.csv`` and ``runs.csv`` in the grid folder;
     with ``latex`` also ``comparison.tex`` (booktabs; the paired differences in it with
-    ``latex_paired``)."""
+    ``latex_paired``; names, statistic, digits and bold as ``style`` says)."""
     md, _ = write_report(table_blocks(records, options, command), root, "comparison", "Comparison")
     write_bytes_durably(root / "comparison.csv", comparison_csv(records, options).encode())
     write_bytes_durably(root / "runs.csv", runs_csv(records, options).encode())
     if latex:
-        write_latex(records, options, root, "comparison", paired=latex_paired)
+        write_latex(records, options, root, "comparison", paired=latex_paired, style=style)
     return md
 
 
@@ -138,6 +141,12 @@ def options_from_manifest(root: Path, fallback: Options) -> Options:
     """The summary options the grid was planned with (its compare.json, checked), else
     ``fallback``."""
     return manifest_options(read_manifest(root), fallback)
+
+
+def display_names_from_manifest(root: Path) -> dict[str, str]:
+    """The display names the grid's compare.json records (none where it has none)."""
+    manifest = read_manifest(root)
+    return dict((manifest or {}).get("display_names") or {})
 
 
 def manifest_options(manifest: dict[str, Any] | None, fallback: Options) -> Options:

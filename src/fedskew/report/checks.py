@@ -87,7 +87,14 @@ SUMMARY = {
     },
 }
 PROCESS = {"from_round": INTEGER}
-MANIFEST = {"runs": LIST, "last": INTEGER, "target": NUMBER_OR_NONE, "reference": TEXT_OR_NONE}
+NAMES: Rule = (
+    lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+    "an object of names",
+)
+MANIFEST = {
+    "runs": LIST, "last": INTEGER, "target": NUMBER_OR_NONE, "reference": TEXT_OR_NONE,
+    "display_names": NAMES,
+}  # fmt: skip
 MANIFEST_RUN = {"folder": TEXT, "setting": TEXT, "method": TEXT}
 
 

@@ -79,7 +79,18 @@ class Code:
     text: str
 
 
-Block = Heading | Para | Bullets | Table | Image | Code
+@dataclass
+class Attachment:
+    """A file beside the pictures (a table as CSV or LaTeX): the Markdown links to it by
+    its relative name; the HTML page, which holds no address outside itself (and no data:
+    link, an address :func:`safe_url` refuses), names it."""
+
+    name: str  # file name with its suffix (made safe when written)
+    content: str  # written as UTF-8 (a lone surrogate, from a name that is not, as U+FFFD)
+    text: str  # what the file is, shown before the link
+
+
+Block = Heading | Para | Bullets | Table | Image | Code | Attachment
 
 
 def spans(text: Text) -> list[Span]:
@@ -178,25 +189,40 @@ def _fence(text: str) -> str:
     return "`" * (longest + 1)
 
 
-def safe_file_name(name: str, taken: set[str]) -> str:
-    """A file name for a picture that every file system takes and a link needs no escape
-    for: letters, digits and ``._-``, at most 100 characters, not one in ``taken``."""
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", name.removesuffix(".png")).strip("._")[:96]
-    stem = stem or "picture"
-    found, n = f"{stem}.png", 1
+def safe_file_name(name: str, taken: set[str], suffix: str = ".png") -> str:
+    """A file name for a picture (or another file: ``suffix``) that every file system takes
+    and a link needs no escape for: letters, digits and ``._-``, at most 100 characters,
+    not one in ``taken``."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", name.removesuffix(suffix)).strip("._")[:96]
+    stem = stem or ("picture" if suffix == ".png" else "file")
+    found, n = f"{stem}{suffix}", 1
     while found in taken:
         n += 1
-        found = f"{stem}-{n}.png"
+        found = f"{stem}-{n}{suffix}"
     taken.add(found)
     return found
 
 
+def file_names(blocks: list[Block]) -> dict[int, str]:
+    """The file name of each picture and attachment (by the block's index), unique and
+    safe, the same for the Markdown and the HTML."""
+    taken: set[str] = set()
+    names = {}
+    for i, block in enumerate(blocks):
+        if isinstance(block, Image):
+            names[i] = safe_file_name(block.name, taken)
+        elif isinstance(block, Attachment):
+            names[i] = safe_file_name(block.name, taken, _suffix(block.name))
+    return names
+
+
 def to_markdown(blocks: list[Block], files_dir: str) -> tuple[str, dict[str, bytes]]:
-    """The Markdown text and the pictures it links to (file name -> PNG bytes), which go
-    in ``files_dir`` beside the Markdown file."""
+    """The Markdown text and the pictures and attachments it links to (file name -> bytes),
+    which go in ``files_dir`` beside the Markdown file."""
     out: list[str] = []
     files: dict[str, bytes] = {}
-    for block in blocks:
+    names = file_names(blocks)
+    for i, block in enumerate(blocks):
         if isinstance(block, Heading):
             out.append("#" * min(max(block.level, 1), 6) + " " + markdown_text(block.text))
         elif isinstance(block, Para):
@@ -210,7 +236,7 @@ def to_markdown(blocks: list[Block], files_dir: str) -> tuple[str, dict[str, byt
                 lines.append("| " + " | ".join(markdown_text(c, in_table=True) for c in row) + " |")
             out.append("\n".join(lines))
         elif isinstance(block, Image):
-            name = safe_file_name(block.name, set(files))
+            name = names[i]
             files[name] = block.png
             caption = markdown_escape(block.caption)
             out.append(f"![{caption}]({files_dir}/{name})\n\n{caption}")
@@ -218,7 +244,17 @@ def to_markdown(blocks: list[Block], files_dir: str) -> tuple[str, dict[str, byt
             fence = _fence(block.text)
             text = _SURROGATE.sub("\ufffd", block.text.rstrip("\n"))
             out.append(f"{fence}\n{text}\n{fence}")
+        elif isinstance(block, Attachment):
+            name = names[i]
+            files[name] = _SURROGATE.sub("\ufffd", block.content).encode("utf-8")
+            out.append(f"{markdown_escape(block.text)}: [{name}]({files_dir}/{name})")
     return "\n\n".join(out) + "\n", files
+
+
+def _suffix(name: str) -> str:
+    """A file name's suffix as :func:`safe_file_name` keeps it: letters and digits only."""
+    found = re.search(r"\.[A-Za-z0-9]{1,8}$", name)
+    return found.group(0) if found else ".txt"
 
 
 # ----------------------------------------------------------------------------- HTML
@@ -263,10 +299,12 @@ figcaption { font-size: .88em; color: #555; }
 """
 
 
-def to_html(blocks: list[Block], title: str) -> str:
-    """One HTML file with everything in it (styles inline, PNGs as data: URLs)."""
+def to_html(blocks: list[Block], title: str, files_dir: str | None = None) -> str:
+    """One HTML file with everything in it (styles inline, PNGs as data: URLs) but the
+    attachments, which it names (in ``files_dir`` beside it) without linking to them."""
     body: list[str] = []
-    for block in blocks:
+    names = file_names(blocks)
+    for i, block in enumerate(blocks):
         if isinstance(block, Heading):
             level = min(max(block.level, 1), 6)
             body.append(f"<h{level}>{html_text(block.text)}</h{level}>")
@@ -292,6 +330,10 @@ def to_html(blocks: list[Block], title: str) -> str:
         elif isinstance(block, Code):
             text = _SURROGATE.sub("\ufffd", block.text)
             body.append(f"<pre><code>{html.escape(text, quote=True)}</code></pre>")
+        elif isinstance(block, Attachment):
+            # Named, not linked: the page holds no address outside itself.
+            where = f"{files_dir}/{names[i]}" if files_dir else names[i]
+            body.append(f"<p>{html_escape(block.text)}: <code>{html_escape(where)}</code></p>")
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{html_escape(title)}</title><style>{STYLE}</style></head><body>\n"
@@ -318,5 +360,5 @@ def write_report(blocks: list[Block], folder: Path, stem: str, title: str) -> tu
     md = folder / f"{stem}.md"
     page = folder / f"{stem}.html"
     write_bytes_durably(md, text.encode("utf-8"))
-    write_bytes_durably(page, to_html(blocks, title).encode("utf-8"))
+    write_bytes_durably(page, to_html(blocks, title, files_dir).encode("utf-8"))
     return md, page

@@ -1,27 +1,32 @@
 """Paper tables: the comparison as booktabs LaTeX, methods down and settings across.
 
-Each cell is the mean ± sample standard deviation over seeds of the mean of the last
-evaluated rounds, the value the Markdown tables show; the best of each column is in bold,
-decided as they decide it (``fedskew.report.tables.best_of``). Optionally each setting gets
-a second column: the paired difference to the reference method with its 95 % Student-t
-interval. Rows of runs whose method had a mechanism that never acted get a footnote dagger.
-The file is a fragment to ``\\input`` (preamble: ``\\usepackage{booktabs}``).
+Each cell is the mean ± sample standard deviation over seeds of each run's value at the
+table's statistic (``fedskew.report.latex_style.TableStyle``: by default the mean of the last
+evaluated rounds, the value the Markdown tables bold; or the final or the best accuracy), with
+the style's digits; the best of each column is in bold, decided on the means as printed
+(ties bold together), and methods go by their display names. Optionally each setting gets a
+second column: the paired difference of the same statistic to the reference method with its
+95 % Student-t interval. Rows of runs whose method had a mechanism that never acted get a
+footnote dagger. The file is a fragment to ``\\input`` (preamble: ``\\usepackage{booktabs}``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from fedskew.core.durable import write_bytes_durably
 from fedskew.report.document import one_line
 from fedskew.report.inactive import Marks
+from fedskew.report.intervals import PairedSummary, paired_summary
+from fedskew.report.latex_style import TableStyle, best_keys
 from fedskew.report.run_status import MEANS_POLICY
 from fedskew.report.runs import RunRecord
+from fedskew.report.statistic import Statistic
 from fedskew.report.tables import (
     MethodRow,
     Options,
     beside_mean,
-    best_of,
     group,
     no_result,
     not_in_means,
@@ -65,16 +70,13 @@ def latex_path(folder: Path, stem: str) -> Path:
     return Path(folder) / f"{stem}.tex"
 
 
-def _number(x: float, sign: bool = False) -> str:
-    return f"{x:+.2f}" if sign else f"{x:.2f}"
-
-
-def _accuracy_cell(row: MethodRow, bold: bool) -> str:
-    values = row.column("last")
-    body = _number(values.mean())
-    if values.size > 1:
-        body += rf" \pm {values.std(ddof=1):.2f}"
-    return f"$\\mathbf{{{body}}}$" if bold else f"${body}$"
+def _paired(row: MethodRow, reference: MethodRow | None, column: str) -> PairedSummary | None:
+    """The paired difference of ``column`` to the reference over the seeds both finished."""
+    if reference is None:
+        return None
+    seeds = [s for s in row.seeds if s in reference.runs]
+    diffs = [getattr(row.runs[s], column) - getattr(reference.runs[s], column) for s in seeds]
+    return paired_summary(diffs)
 
 
 def _beside_cell(row: MethodRow) -> str:
@@ -92,39 +94,62 @@ def _no_result_cell(row: MethodRow) -> str:
     return "---" + _beside_cell(row)
 
 
-def _paired_cell(row: MethodRow, reference: str) -> str:
+def _paired_cell(row: MethodRow, reference: str, found: MethodRow | None, style: TableStyle) -> str:
     if row.method == reference:
         return "---"
-    summary = row.paired_summary()
+    summary = _paired(row, found, style.statistic.column)
     if summary is None:
         return "n/a"
+    mean = style.number(summary.mean, sign=True)
     if summary.low is None or summary.high is None:
-        return f"${_number(summary.mean, sign=True)}$ {{\\scriptsize (1 seed)}}"
-    low, high = _number(summary.low, sign=True), _number(summary.high, sign=True)
-    return f"${_number(summary.mean, sign=True)}$ {{\\scriptsize $[{low}, {high}]$}}"
+        return f"${mean}$ {{\\scriptsize (1 seed)}}"
+    low, high = style.number(summary.low, sign=True), style.number(summary.high, sign=True)
+    return f"${mean}$ {{\\scriptsize $[{low}, {high}]$}}"
 
 
-def comparison_latex(records: list[RunRecord], options: Options, paired: bool = False) -> str:
+def _style_for(options: Options, style: TableStyle | None) -> tuple[Options, TableStyle]:
+    """The style (default: the mean of the last ``options.last`` rounds, 2 digits, bold
+    best) and the options whose rows compute its "last" window."""
+    if style is None:
+        return options, TableStyle(statistic=Statistic("last", options.last))
+    if style.statistic.kind == "last" and style.statistic.last != options.last:
+        options = dataclasses.replace(options, last=style.statistic.last)
+    return options, style
+
+
+def comparison_latex(
+    records: list[RunRecord],
+    options: Options,
+    paired: bool = False,
+    style: TableStyle | None = None,
+) -> str:
     """The booktabs table (a ``table`` float) of every method and setting in ``records``."""
+    options, style = _style_for(options, style)
+    column = style.statistic.column
     grouped = group(records, options)
     settings = list(grouped)
     methods = list(dict.fromkeys(r.method for rows in grouped.values() for r in rows))
     with_paired = paired and bool(options.reference)
     per_setting = 2 if with_paired else 1
     marks = Marks(latex=True)
-    best = {setting: best_of(rows) for setting, rows in grouped.items()}
+    best = {
+        setting: best_keys(
+            {r.method: float(r.column(column).mean()) for r in rows if r.seeds}, style.digits
+        )
+        for setting, rows in grouped.items()
+    }
     lines = [
         "% fedskew: booktabs table; needs \\usepackage{booktabs}. Rebuilt from the run folders.",
         "\\begin{table}[t]",
         "\\centering",
-        f"\\caption{{{_caption(grouped, options, with_paired)}}}",
+        f"\\caption{{{_caption(grouped, options, with_paired, style)}}}",
         "\\label{tab:fedskew-comparison}",
         "\\begin{tabular}{l" + "c" * (per_setting * len(settings)) + "}",
         "\\toprule",
     ]
     names = [escape(s) if s else "Accuracy (\\%)" for s in settings]
     if with_paired:
-        reference = escape(options.reference)
+        reference = escape(style.name(str(options.reference)))
         lines.append(
             " & ".join(["", *(f"\\multicolumn{{2}}{{c}}{{{n}}}" for n in names)]) + " \\\\"
         )
@@ -137,19 +162,21 @@ def comparison_latex(records: list[RunRecord], options: Options, paired: bool = 
         lines.append(" & ".join(["Method", *names]) + " \\\\")
     lines.append("\\midrule")
     for method in methods:
-        cells = [escape(method)]
+        shown = style.name(method)
+        cells = [escape(shown)]
         for setting in settings:
             row = next((r for r in grouped[setting] if r.method == method), None)
             if row is None or not row.seeds:
                 empty = "---" if row is None else _no_result_cell(row)
                 cells += [empty] + ["---"] * (per_setting - 1)
                 continue
-            label = f"{method} ({setting})" if setting else method
+            label = f"{shown} ({setting})" if setting else shown
             symbols = marks.mark(row.row_notes(), label)
-            cell = _accuracy_cell(row, method in best[setting])
+            cell = style.cell(row.column(column), bold=method in best[setting])
             cells.append(cell + (f"$^{{{symbols}}}$" if symbols else "") + _beside_cell(row))
             if with_paired:
-                cells.append(_paired_cell(row, str(options.reference)))
+                ref = next((r for r in grouped[setting] if r.method == options.reference), None)
+                cells.append(_paired_cell(row, str(options.reference), ref, style))
         lines.append(" & ".join(cells) + " \\\\")
     lines += ["\\bottomrule", "\\end{tabular}"]
     for symbol, text in marks.footnotes():
@@ -162,7 +189,18 @@ def comparison_latex(records: list[RunRecord], options: Options, paired: bool = 
     return "\n".join(lines) + "\n"
 
 
-def _caption(grouped: dict[str, list[MethodRow]], options: Options, paired: bool) -> str:
+def _what(grouped: dict[str, list[MethodRow]], options: Options, style: TableStyle) -> str:
+    kind = style.statistic.kind
+    if kind == "final":
+        return "the accuracy at the final evaluated round"
+    if kind == "best":
+        return "the best accuracy over the evaluated rounds"
+    return f"the mean of the {escape(overview_window(grouped, options).phrase())}"
+
+
+def _caption(
+    grouped: dict[str, list[MethodRow]], options: Options, paired: bool, style: TableStyle
+) -> str:
     seeds = sorted({len(r.seeds) for rows in grouped.values() for r in rows if r.seeds})
     over = (
         f"{seeds[0]} seed{'s' if seeds[0] != 1 else ''}"
@@ -173,22 +211,28 @@ def _caption(grouped: dict[str, list[MethodRow]], options: Options, paired: bool
     )
     text = (
         "Test accuracy (\\%) of the global model: mean $\\pm$ sample standard deviation over "
-        f"{over} of the mean of the {escape(overview_window(grouped, options).phrase())}; "
-        "a value without $\\pm$ rests on one seed; the best of each column in bold."
+        f"{over} of {_what(grouped, options, style)}; a value without $\\pm$ rests on one seed"
     )
+    text += "; the best of each column in bold." if style.bold else "."
     if paired:
         text += (
             f" $\\Delta$: the mean over seeds of the paired difference to "
-            f"{escape(options.reference or '')} (points), with its 95\\,\\% Student-t interval "
-            "over the seeds both ran; none with 1 seed."
+            f"{escape(style.name(options.reference or ''))} (points), with its 95\\,\\% "
+            "Student-t interval over the seeds both ran; none with 1 seed."
         )
     return text
 
 
 def write_latex(
-    records: list[RunRecord], options: Options, folder: Path, stem: str, paired: bool = False
+    records: list[RunRecord],
+    options: Options,
+    folder: Path,
+    stem: str,
+    paired: bool = False,
+    style: TableStyle | None = None,
 ) -> Path:
     """``folder/<stem>.tex``; returns its path."""
     path = latex_path(folder, stem)
-    write_bytes_durably(path, comparison_latex(records, options, paired).encode("utf-8"))
+    text = comparison_latex(records, options, paired, style)
+    write_bytes_durably(path, text.encode("utf-8"))
     return path

@@ -2,9 +2,11 @@
 classes that are rare in the partition fare against the common ones.
 
 Per setting: a methods x classes heatmap of the global model's per-class test accuracy
-(each run's mean over its last N evaluated rounds, then the mean over the method's finished
-seeds), and a table of the mean accuracy over the minority half and the majority half of the
-classes. The halves come from each run's partition:
+(each run's value at the report's statistic, by default its mean over its last N evaluated
+rounds, then the mean over the method's finished seeds), the same as a table with the
+spread over seeds (``fedskew.report.per_class_table``: Markdown, CSV and LaTeX), and a table
+of the mean accuracy over the minority half and the majority half of the classes. The
+halves come from each run's partition:
 
 * classes are ranked by their share of the training data in the partition when the
   partition's class totals differ (the largest at least ``SAMPLES_DIFFER`` times the
@@ -23,14 +25,23 @@ business: it passes them in as :class:`ClassCounts`, or a reason why there are n
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from fedskew.metrics.per_class import mean_of_last
-from fedskew.report.document import Block, Bold, Bullets, Heading, Image, Para, Table
+from fedskew.report.document import Attachment, Block, Bold, Bullets, Heading, Image, Para, Table
+from fedskew.report.latex_style import TableStyle
 from fedskew.report.per_class_plot import per_class_png
+from fedskew.report.per_class_table import (
+    MethodClasses,
+    per_class_csv,
+    per_class_latex,
+    per_class_table,
+    rounds_used,
+)
 from fedskew.report.runs import NOT_RECORDED, RunRecord
+from fedskew.report.statistic import Statistic, list_at, rounds_at
 from fedskew.report.tables import mean_std
 
 # Class totals within 10 % of each other are taken as equal: ranking classes by a few
@@ -92,6 +103,19 @@ def run_per_class(record: RunRecord, last: int) -> list[float | None] | None:
     return found[0]
 
 
+def run_per_class_at(record: RunRecord, statistic: Statistic) -> list[float | None] | None:
+    """The run's per-class accuracy (fractions) at ``statistic``; None when the lines it
+    reads hold none."""
+    if statistic.kind == "last":
+        return run_per_class(record, statistic.last)
+    found = list_at(record.metrics, statistic, "per_class_accuracy")
+    return None if found is None else found[0]
+
+
+def _as_statistic(last: int | Statistic) -> Statistic:
+    return last if isinstance(last, Statistic) else Statistic("last", last)
+
+
 def _mean(values: list[float | None], classes: list[int]) -> float | None:
     scored = [values[c] for c in classes if c < len(values) and values[c] is not None]
     return 100 * sum(scored) / len(scored) if scored else None
@@ -106,16 +130,18 @@ class _Method:
     name: str
     runs: dict[int, list[float | None]]  # seed -> per-class accuracy (fractions)
     records: dict[int, RunRecord]  # seed -> its run
+    rounds: dict[int, int] = field(default_factory=dict)  # seed -> evaluated rounds read
 
 
-def _methods(records: list[RunRecord], last: int) -> tuple[list[_Method], list[str]]:
-    """Finished runs with per-class accuracy, by method; and the finished runs without."""
+def _methods(records: list[RunRecord], statistic: Statistic) -> tuple[list[_Method], list[str]]:
+    """Finished runs with per-class accuracy at ``statistic``, by method; and the finished
+    runs without."""
     methods: dict[str, _Method] = {}
     missing: list[str] = []
     for rec in records:
         if not rec.finished:
             continue
-        values = run_per_class(rec, last)
+        values = run_per_class_at(rec, statistic)
         if values is None:
             missing.append(f"{rec.method} seed {rec.seed}")
             continue
@@ -123,7 +149,12 @@ def _methods(records: list[RunRecord], last: int) -> tuple[list[_Method], list[s
         if rec.seed not in method.runs:  # a second folder of the same seed: the first counts
             method.runs[rec.seed] = values
             method.records[rec.seed] = rec
+            method.rounds[rec.seed] = rounds_at(rec.metrics, statistic, "per_class_accuracy")
     return list(methods.values()), missing
+
+
+def method_classes(methods: list[_Method]) -> list[MethodClasses]:
+    return [MethodClasses(m.name, dict(m.runs), dict(m.rounds)) for m in methods]
 
 
 def heatmap_values(methods: list[_Method]) -> np.ndarray:
@@ -208,32 +239,47 @@ def per_class_blocks(
     records: list[RunRecord],
     counts_of: CountsOf,
     class_names: list[str] | None,
-    last: int,
+    last: int | Statistic,
     setting_title: str = "",
     heading_level: int = 3,
+    style: TableStyle | None = None,
 ) -> list[Block]:
-    """The heatmap and the minority / majority table of one setting's runs."""
+    """The heatmap, the per-class table (and its LaTeX file) and the minority / majority
+    table of one setting's runs, each run's per-class accuracy at ``last`` (a statistic,
+    or the number of last rounds averaged)."""
+    statistic = _as_statistic(last)
     blocks: list[Block] = []
     if setting_title:
         blocks.append(Heading(heading_level, setting_title))
-    methods, missing = _methods(records, last)
+    methods, missing = _methods(records, statistic)
     if not methods:
         return blocks + [Para(f"Per-class accuracy {NOT_RECORDED} in any finished run.")]
     values = heatmap_values(methods)
     classes = [_name(class_names, c) for c in range(values.shape[1])]
     labels = [f"{m.name} ({len(m.runs)} seed{'s' if len(m.runs) != 1 else ''})" for m in methods]
-    name = f"per-class-{records[0].setting or 'all'}.png".replace("/", "_")
+    stem = f"per-class-{records[0].setting or 'all'}".replace("/", "_")
+    table = method_classes(methods)
     blocks.append(
         Image(
-            name,
+            f"{stem}.png",
             per_class_png(values, labels, classes, setting_title),
-            f"Per-class test accuracy (%) of the global model: each run's mean over its last "
-            f"{last} evaluated rounds (fewer where a run has fewer), then the mean over the "
-            "method's finished seeds.",
+            f"Per-class test accuracy (%) of the global model: each run's value at "
+            f"{statistic.phrase(rounds_used(table))}, then the mean over the method's "
+            "finished seeds.",
         )
     )
     if missing:
         blocks.append(Para(f"Per-class accuracy {NOT_RECORDED} in: {', '.join(missing)}."))
+    blocks.append(
+        Para(
+            "The same, mean ± sample standard deviation over seeds (a value without ± rests "
+            "on one seed; the best method of each class in bold):"
+        )
+    )
+    blocks.append(per_class_table(table, class_names))
+    style = style if style is not None else TableStyle(statistic=statistic)
+    tex = per_class_latex(table, class_names, records[0].setting, style)
+    blocks.append(Attachment(f"{stem}.tex", tex, "As a LaTeX table (booktabs)"))
     split = _split(methods, counts_of, class_names)
     blocks.append(Para([Bold("Minority and majority classes."), " " + SPLIT_TEXT]))
     blocks.append(Bullets(split.lines))
@@ -255,11 +301,14 @@ class Split:
 
 
 def minority_majority(
-    records: list[RunRecord], last: int, counts_of: CountsOf, class_names: list[str] | None
+    records: list[RunRecord],
+    last: int | Statistic,
+    counts_of: CountsOf,
+    class_names: list[str] | None,
 ) -> Split:
     """The minority / majority split of one setting's runs, each run's per-class accuracy
-    the mean of its last ``last`` evaluated rounds."""
-    return _split(_methods(records, last)[0], counts_of, class_names)
+    at ``last`` (a statistic, or the number of last evaluated rounds averaged)."""
+    return _split(_methods(records, _as_statistic(last))[0], counts_of, class_names)
 
 
 def _split(methods: list[_Method], counts_of: CountsOf, class_names: list[str] | None) -> Split:
@@ -287,7 +336,7 @@ SPLIT_TEXT = (
     "ties go by the other count, then by class index. The minority half is the floor(C/2) "
     "classes ranked lowest, the majority half the floor(C/2) ranked highest (with C odd "
     "the middle class is in neither). Each cell: per run, the mean accuracy over the "
-    "half's classes (each class's mean over the last evaluated rounds, as in the heatmap; "
+    "half's classes (each class's value at the report's statistic, as in the heatmap; "
     "a class without test samples left out), then mean ± std over seeds; the gap is taken "
     "per seed. Rankings, per seed (a grid's runs of one seed share the partition):"
 )
@@ -297,16 +346,34 @@ def per_class_section(
     settings: dict[str, list[RunRecord]],
     counts_of: CountsOf,
     names_of: Callable[[list[RunRecord]], list[str] | None],
-    last: int,
+    last: int | Statistic,
     title: Callable[[str], str],
     heading_level: int = 2,
+    style: TableStyle | None = None,
 ) -> list[Block]:
-    """The report's per-class section: for each setting its heatmap and split table."""
+    """The report's per-class section: for each setting its heatmap, per-class table and
+    split table; then the per-class table of every setting as one CSV file."""
+    statistic = _as_statistic(last)
     blocks: list[Block] = [Heading(heading_level, "Per-class accuracy")]
+    tables: dict[str, tuple[list[MethodClasses], list[str] | None]] = {}
     for setting, recs in settings.items():
+        names = names_of(recs)
         blocks += per_class_blocks(
-            recs, counts_of, names_of(recs), last,
+            recs, counts_of, names, statistic,
             setting_title=title(setting) if len(settings) > 1 else "",
-            heading_level=heading_level + 1,
+            heading_level=heading_level + 1, style=style,
         )  # fmt: skip
+        methods = _methods(recs, statistic)[0]
+        if methods:
+            tables[setting] = (method_classes(methods), names)
+    if tables:
+        text = per_class_csv(tables, statistic)
+        blocks.append(
+            Attachment(
+                "per-class.csv",
+                text,
+                "Per-class accuracy of every setting as CSV (a line per setting, method and "
+                "class: mean, std and each seed's value in %)",
+            )
+        )
     return blocks

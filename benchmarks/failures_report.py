@@ -1,9 +1,9 @@
 """A grid with a diverged and a failed run, its tables and report, looked at in headless Chromium.
 
-    python benchmarks/failures_report.py [--out /tmp/fedskew-failures] [--lr 3]
+    python benchmarks/failures_report.py [--out /tmp/fedskew-failures] [--lr 30]
 
 A one-seed-pair grid on digits (4 clients, 2 per round, 6 rounds, 1 local epoch): FedAvg at its
-default lr; ``hot``, FedAvg at ``--lr`` (3 by default), which blows up in a few rounds on some
+default lr; ``hot``, FedAvg at ``--lr`` (30 by default), which blows up in a few rounds on some
 seeds (a real divergence: NaN in a client's reply); and ``crash``, a FedAvg whose server raises
 an error in round 2 (tests/stopping_algorithm.py: a simulated crash, the failure that is not
 divergence). It runs ``fedskew compare`` and ``fedskew report`` as a user would, reads the
@@ -69,7 +69,7 @@ def fedskew(*args: str) -> subprocess.CompletedProcess[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("/tmp/fedskew-failures"))
-    ap.add_argument("--lr", type=float, default=3.0, help="hot's learning rate")
+    ap.add_argument("--lr", type=float, default=30.0, help="hot's learning rate")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args()

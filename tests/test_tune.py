@@ -28,6 +28,7 @@ trials = {trials}
 seeds = [100]
 last = 2
 pruner = "{pruner}"
+pruner_warmup = {warmup}
 
 [compare]
 seeds = [0, 1]
@@ -63,9 +64,11 @@ lr = { log = [0.01, 0.1] }
 """
 
 
-def tune_file(tmp_path: Path, trials: int, methods: str, pruner: str = "median") -> Path:
+def tune_file(
+    tmp_path: Path, trials: int, methods: str, pruner: str = "median", warmup: int = 0
+) -> Path:
     file = tmp_path / "study.toml"
-    file.write_text(TUNE.format(trials=trials, pruner=pruner, methods=methods))
+    file.write_text(TUNE.format(trials=trials, pruner=pruner, methods=methods, warmup=warmup))
     return file
 
 
@@ -111,14 +114,17 @@ def test_two_methods_get_their_budget_and_the_tuned_file_reproduces_the_best(tmp
     assert all((out / "tune_report_files" / n).read_bytes()[:4] == b"\x89PNG" for n in pictures)
     assert 'src="data:image/png;base64,' in (out / "tune_report.html").read_text()
 
-    # The tuned compare file, run on the tuning seed, gives the best trial's rounds exactly.
+    # The tuned compare file, run on the tuning seed with the trials' validation split,
+    # gives the best trial's rounds exactly.
     best = record["results"]["prox"]
     tuned = json.loads((out / "tuned.json").read_text())
     assert tuned["compare"]["seeds"] == [0, 1] and tuned["compare"]["out_dir"].endswith(
         "evaluation"
     )
     assert tuned["methods"]["prox"]["params"]["mu"] == best["best_params"]["params.mu"]
-    grid = grid_from(read_file(out / "tuned.json"), "tuned.json", {}, ["prox"], {"seeds": [100]})
+    split = {"validation_fraction": record["validation"]["fraction"]}
+    grid = grid_from(read_file(out / "tuned.json"), "tuned.json", split, ["prox"],
+                     {"seeds": [100]})  # fmt: skip
     (planned,) = plan(grid)
     folder, _ = run(planned.cfg)  # as compare's run process runs it, here in-process
     assert rows(folder) == rows(out / "trials" / best["best_folders"][0])
@@ -246,12 +252,13 @@ def test_the_pruner_waits_for_its_warmup_rounds_and_startup_trials(warmup, start
 
 def test_pruner_warmup_is_recorded_and_checked(tmp_path, capsys):
     file = tune_file(tmp_path, 2, ONE_METHOD)
-    text = file.read_text().replace('pruner = "median"', 'pruner = "median"\npruner_warmup = 1')
+    text = file.read_text().replace("pruner_warmup = 0", "pruner_warmup = 1")
     file.write_text(text)
     out = tmp_path / "tuned"
     assert main(["tune", "-c", str(file), "-o", str(out)]) == 0
-    assert "pruner median (from round 2 of a trial, once 5 trials completed)" in (
-        capsys.readouterr().out
+    assert (
+        "pruner median (from 1 rounds after the round in which a trial's last mechanism "
+        "first acted, once 5 trials completed)" in (capsys.readouterr().out)
     )
     record = json.loads((out / "tune.json").read_text())
     assert (record["pruner_warmup"], record["pruner_startup"]) == (1, 5)

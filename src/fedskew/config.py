@@ -275,6 +275,15 @@ class ExperimentConfig:
         "split; evaluation rounds then report each client's accuracy (and personalised "
         "accuracy where the method keeps a personal part)",
     )
+    # Changes which samples train and what "accuracy" scores (in the config hash); ``legacy``
+    # 0.0 keeps older folders' hash. Tuning sets it so that trials never score on the test set.
+    validation_fraction: float = option(
+        0.0, metavar="F", legacy=0.0, default_text="0: none (evaluate on the test set)",
+        help="hold out a stratified fraction F of every client's training data (after its "
+        "local test split) as a validation split and evaluate the global model on the "
+        "clients' validation parts together instead of the test set, which the run then "
+        "never scores on (fedskew tune's trials; docs/tuning.md)",
+    )
     # Metrics besides accuracy (fedskew.metrics.features), every N rounds and the last; 0: off.
     feature_metrics_every: int = option(
         0, metavar="N", measurement=True, default_text="0: off",
@@ -389,6 +398,10 @@ class ExperimentConfig:
             raise UsageError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise UsageError(f"momentum must be in [0, 1), got {self.momentum}")
+        if not 0 <= self.validation_fraction < 1:
+            raise UsageError(
+                f"validation-fraction must be in [0, 1) (0: none), got {self.validation_fraction}"
+            )
         if not 0 <= self.local_test_fraction < 1:
             raise UsageError(
                 f"local-test-fraction must be in [0, 1) (0: none), got {self.local_test_fraction}"
@@ -498,6 +511,11 @@ class ExperimentConfig:
                 )
         if self.dp == "off":
             return
+        if self.validation_fraction > 0:
+            raise UsageError(
+                "dp: validation-fraction evaluates on samples of the clients' data, outside "
+                "the privacy guarantee; use one or the other"
+            )
         if self.local_test_fraction > 0:
             raise UsageError(
                 "dp: local-test-fraction sends each client's accuracy counts in clear, outside "

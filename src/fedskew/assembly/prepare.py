@@ -21,7 +21,7 @@ from fedskew.core.errors import UsageError
 from fedskew.core.rng import derive_seed
 from fedskew.data.datasets import DATASETS, Dataset
 from fedskew.data.federated import FederatedData
-from fedskew.data.local_test import split_local_test
+from fedskew.data.local_test import VALIDATION, split_local_test
 from fedskew.data.partition import (
     PARTITIONS,
     check_partition,
@@ -65,6 +65,9 @@ class Prepared:
     whole_partition: list[np.ndarray] | None = None
     # Secure aggregation and DP (fedskew.training.privacy); None: neither.
     privacy: Privacy | None = None
+    # Each client's validation part (--validation-fraction), held out of ``partition``; the
+    # dataset's test tensors are then these parts pooled. None: no validation split.
+    validation: list[np.ndarray] | None = None
 
     @property
     def clients_data(self) -> list[np.ndarray]:
@@ -173,13 +176,20 @@ def prepare(cfg: ExperimentConfig, dataset: Dataset | None = None) -> Prepared:
             f"partition '{cfg.partition}' left {len(empty)} client(s) without data "
             f"(first: client {empty[0]}); use fewer clients or another partition"
         )
-    local_test = whole = None
+    local_test = whole = validation = None
     if cfg.local_test_fraction > 0:
         whole = partition
         partition, local_test = split_local_test(
             partition, dataset.y_train.numpy(), dataset.num_classes, cfg.local_test_fraction,
             cfg.seed,
         )  # fmt: skip
+    if cfg.validation_fraction > 0:
+        whole = partition if whole is None else whole
+        partition, validation = split_local_test(
+            partition, dataset.y_train.numpy(), dataset.num_classes, cfg.validation_fraction,
+            cfg.seed, VALIDATION,
+        )  # fmt: skip
+        use_validation_as_test(dataset, validation)
     train = LocalTrainConfig(
         epochs=cfg.local_epochs,
         batch_size=cfg.batch_size,
@@ -205,8 +215,39 @@ def prepare(cfg: ExperimentConfig, dataset: Dataset | None = None) -> Prepared:
     test = (dataset.x_test.to(device), dataset.y_test.to(device))
     return Prepared(
         cfg, dataset, model_name, partition, fed, algorithm, params, train, channels_last,
-        device, test, local_test, whole, privacy,
+        device, test, local_test, whole, privacy, validation,
     )  # fmt: skip
+
+
+def use_validation_as_test(dataset: Dataset, validation: list[np.ndarray]) -> None:
+    """Put the clients' validation parts, pooled, where the test set was, and drop the test
+    set: every evaluation of the run (accuracy, per-class accuracy, feature metrics) then
+    scores the validation split, and nothing can read the test set by mistake. The pooled
+    accuracy is the sample-weighted mean of the clients' own validation accuracies. Safe to
+    repeat on a dataset already changed (a worker's copy of its parent's): it reads only
+    the training tensors."""
+    where = torch.from_numpy(np.sort(np.concatenate(validation)))
+    dataset.x_test = dataset.x_train[where].clone()
+    dataset.y_test = dataset.y_train[where].clone()
+
+
+def validation_facts(prep: Prepared) -> dict[str, Any]:
+    """The validation split, when the run has one: what a reader needs to know the run never
+    scored on the test set, and to check two runs held out the same samples."""
+    if prep.validation is None:
+        return {}
+    sizes = [len(v) for v in prep.validation]
+    return {
+        "evaluated_on": "validation",
+        "validation_split": {
+            "fraction": prep.cfg.validation_fraction,
+            "seed": prep.cfg.seed,
+            "per_client": "stratified, from each client's training data after its local test split",
+            "samples": sum(sizes),
+            "client_samples": sizes,
+            "digest": partition_digest(prep.validation),
+        },
+    }
 
 
 def use_host_tensors(prep: Prepared, tensors: dict[str, torch.Tensor]) -> None:
@@ -287,6 +328,22 @@ def inactive_mechanisms(prep: Prepared, per_round: int) -> list[InactiveMechanis
     return list(prep.algorithm.inactive_mechanisms(prep.params, shape))
 
 
+def all_acted_round(cfg: ExperimentConfig) -> int:
+    """The first round (1-based) by which every mechanism the method declares has acted:
+    the fewest rounds for which ``Algorithm.inactive_mechanisms`` lists none (FedFM
+    launched at 0-based round s: s + 1; a method without such mechanisms: 1); rounds + 1
+    when some mechanism never acts within the run. Tuning reads it to judge a trial only
+    once the trial is the method it names."""
+    algorithm = get_algorithm(cfg.algorithm, feature_matching=cfg.feature_matching)
+    params = algorithm.make_params(cfg.params)
+    per_round = cfg.per_round()
+    for rounds in range(1, cfg.rounds + 1):
+        shape = RunShape(rounds=rounds, local_epochs=cfg.local_epochs, clients_per_round=per_round)
+        if not algorithm.inactive_mechanisms(params, shape):
+            return rounds
+    return cfg.rounds + 1
+
+
 def partition_class_facts(prep: Prepared) -> dict[str, Any]:
     """Per class, the training samples the partition holds and how many clients hold any,
     with the classes' names: what a report ranks minority and majority classes by, kept
@@ -308,6 +365,7 @@ def resolved_facts(prep: Prepared, per_round: int) -> dict[str, Any]:
         # lets a report check that compared runs had the same clients without it.
         "partition_digest": partition_digest(prep.clients_data),
         **local_test_facts(prep),
+        **validation_facts(prep),
         "algorithm": prep.algorithm.name,
         "algorithm_params": vars(prep.params),
         # Recorded once, when the run starts: a resume keeps config.json, and the reports

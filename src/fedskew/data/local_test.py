@@ -20,6 +20,7 @@ import numpy as np
 from fedskew.core.rng import numpy_rng
 
 PURPOSE = "local-test-split"
+VALIDATION = "validation-split"
 
 
 def held_out_per_class(counts: np.ndarray, fraction: float, rng: np.random.Generator) -> np.ndarray:
@@ -45,10 +46,16 @@ def held_out_per_class(counts: np.ndarray, fraction: float, rng: np.random.Gener
 
 
 def split_local_test(
-    partition: list[np.ndarray], labels: np.ndarray, num_classes: int, fraction: float, seed: int
+    partition: list[np.ndarray],
+    labels: np.ndarray,
+    num_classes: int,
+    fraction: float,
+    seed: int,
+    purpose: str = PURPOSE,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """(training part, local test part) of every client's indices; ``fraction`` 0 holds out
-    nothing."""
+    nothing. ``purpose`` addresses the generator: the validation split (``VALIDATION``) is
+    drawn apart from the local test split."""
     train: list[np.ndarray] = []
     test: list[np.ndarray] = []
     for cid, idx in enumerate(partition):
@@ -57,7 +64,7 @@ def split_local_test(
             train.append(idx)
             test.append(idx[:0])
             continue
-        rng = numpy_rng(seed, -1, cid, PURPOSE)
+        rng = numpy_rng(seed, -1, cid, purpose)
         y = labels[idx]
         counts = np.bincount(y, minlength=num_classes)
         take = held_out_per_class(counts, fraction, rng)

@@ -37,14 +37,16 @@ def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
 
 def tuned_compare(tune: Tune, studies: dict[str, optuna.Study]) -> dict[str, Any]:
     """The compare file of the tuned methods: the tune file's experiment and [compare]
-    table (its evaluation seeds), each method with its best trial's values put in."""
+    table (its evaluation seeds), each method with its best trial's values put in. Its
+    ``last`` is the objective's window, so that the evaluation reports on the test set the
+    same rounds the trials were selected on (on their validation split)."""
     methods = {}
     for method, study in studies.items():
         best = best_trial(study)
         if best is not None:
             methods[method] = merge(tune.grid.methods[method], typed_values(best.params, method))
     compare = {k: v for k, v in tune.raw_compare.items() if k.replace("-", "_") != "out_dir"}
-    compare.update(seeds=tune.eval_seeds, out_dir=str(tune.out_dir / "evaluation"))
+    compare.update(seeds=tune.eval_seeds, last=tune.last, out_dir=str(tune.out_dir / "evaluation"))
     return {"compare": compare, "experiment": tune.grid.base, "methods": methods}
 
 
@@ -81,9 +83,19 @@ def record(tune: Tune, studies: dict[str, optuna.Study]) -> dict[str, Any]:
         "trials_per_method": tune.trials,
         "tuning_seeds": tune.seeds,
         "evaluation_seeds": tune.eval_seeds,
-        "objective": f"mean accuracy (%) of {objective_window(tune)}, averaged over the "
-        "tuning seeds",
+        "objective": f"mean accuracy (%) on the validation split of {objective_window(tune)}, "
+        "averaged over the tuning seeds",
         "last": tune.last,
+        # What the objective scores: each client's stratified validation part of its training
+        # data (every trial's config.json, resolved.validation_split, records its sizes and
+        # digest); the test set is only scored by the evaluation (tuned.json).
+        "validation": {
+            "fraction": tune.validation,
+            "per_client": True,
+            "seed": "the tuning seed of each trial",
+        },
+        "pruner_judges_from": "pruner_warmup rounds after the round by which the trial's "
+        "last declared mechanism first acted",
         "sampler": tune.sampler,
         "sampler_seed": tune.sampler_seed,
         "pruner": tune.pruner,
@@ -130,7 +142,8 @@ def budget_lines(tune: Tune) -> list[str]:
     lines = [
         f"study {tune.study} in {tune.out_dir} (storage {storage_text(tune)}): "
         f"{tune.trials} trials per method, tuning seeds {tune.seeds}, evaluation seeds "
-        f"{tune.eval_seeds}; objective: mean accuracy of {objective_window(tune)}; "
+        f"{tune.eval_seeds}; objective: mean accuracy on a {tune.validation:g} validation "
+        f"split of every client's training data, {objective_window(tune)}; "
         f"{tune.sampler} sampler (seed {tune.sampler_seed}), {pruner_text(tune)}"
     ]
     for method, dims in tune.spaces.items():
@@ -142,7 +155,8 @@ def pruner_text(tune: Tune) -> str:
     """The pruner and when it may first stop a trial."""
     if tune.pruner == "none":
         return "no pruner"
-    after = f"from round {tune.pruner_warmup + 1} of a trial"
+    after = (f"from {tune.pruner_warmup} rounds after the round in which a trial's last "
+             "mechanism first acted")  # fmt: skip
     if tune.pruner == "median":
         after += f", once {tune.pruner_startup} trials completed"
     return f"pruner {tune.pruner} ({after})"

@@ -159,7 +159,8 @@ def test_a_folder_from_before_the_option_resumes_with_ieee_denormals(tmp_path):
     """A run folder whose config.json has no 'denormals' key ran with torch's default
     (kept): it resumes with that, its checkpoint's configuration hash still matches, and
     the resumed run ends with the metrics of an uninterrupted run that kept denormals."""
-    legacy = dict(TINY, rounds=3, workers=0)
+    # NIID-Bench's loop: what "dirichlet" drew when folders had no denormals key.
+    legacy = dict(TINY, rounds=3, workers=0, partition="dirichlet-niidbench")
     reference, _ = run(ExperimentConfig(**legacy, denormals="keep", out_dir=str(tmp_path / "r")))
 
     def kill(record):
@@ -174,12 +175,15 @@ def test_a_folder_from_before_the_option_resumes_with_ieee_denormals(tmp_path):
     (unfinished,) = (tmp_path / "old").iterdir()
     config = json.loads((unfinished / "config.json").read_text())
     del config["denormals"]  # as a folder written before the option existed
+    del config["partition_version"]  # which came later still
+    config["partition"] = "dirichlet"
     (unfinished / "config.json").write_text(json.dumps(config))
 
     cfg = saved_config(unfinished)
     assert cfg.denormals == "keep"
     # What such a folder's config held: none of the options added since (config.LEGACY).
     old_style = {k: v for k, v in cfg.to_dict().items() if k not in LEGACY}
+    old_style["partition"] = config["partition"]
     assert config_hash(cfg) == _old_hash(old_style)
     folder, _ = run(cfg, resume=unfinished)
     assert curves(folder) == curves(reference)

@@ -960,3 +960,16 @@ def test_the_report_writes_nothing_through_a_link(tmp_path, capsys, monkeypatch)
     assert sorted(p.name for p in elsewhere.iterdir()) == ["page"]
     assert (elsewhere / "page").read_text() == "mine"
     assert (root / "report_files").is_dir() and not (root / "report_files").is_symlink()
+
+
+def test_an_attachments_link_text_is_escaped_in_markdown():
+    """A table's file name made from a setting name keeps its underscores and brackets as
+    text: the link to it renders no emphasis or extra markup (found by the fuzz above)."""
+    from fedskew.report.document import Attachment, to_markdown
+
+    md, _ = to_markdown(
+        [Attachment("per-class-_x_javascript_alert_1_-_item.tex", "x", "As a LaTeX table")],
+        "report_files",
+    )
+    assert markdown_problems(md) == []
+    assert "_x_javascript" in md.replace("\\", "")

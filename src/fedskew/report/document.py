@@ -247,7 +247,8 @@ def to_markdown(blocks: list[Block], files_dir: str) -> tuple[str, dict[str, byt
         elif isinstance(block, Attachment):
             name = names[i]
             files[name] = _SURROGATE.sub("\ufffd", block.content).encode("utf-8")
-            out.append(f"{markdown_escape(block.text)}: [{name}]({files_dir}/{name})")
+            link = f"[{markdown_escape(name)}]({files_dir}/{name})"
+            out.append(f"{markdown_escape(block.text)}: {link}")
     return "\n\n".join(out) + "\n", files
 
 

@@ -410,10 +410,11 @@ def test_vmap_matches_one_after_another_in_fp32(case: str, device: str) -> None:
     expected, alone = _rounds("off", device=device, **options)
     got, together = _rounds("vmap", device=device, **options)
     assert together.engine.clients_together == "vmap"
-    # On the CPU the predictions agree on all 360 test images. On CUDA, stacked (grouped)
-    # kernels against per-client ones may flip a prediction near a tie: 1/360 = 2.8e-3 of
-    # accuracy each, so two are allowed there.
-    metrics = 1e-3 if device == "cpu" else 2 / 360 + 1e-9
+    # Stacked (grouped) kernels against per-client ones round differently in fp32 (the
+    # weights are compared to F32_WEIGHTS), which may flip a prediction near a tie: 1/360 =
+    # 2.8e-3 of accuracy each. On the CPU one is allowed (FedACD with BatchNorm and
+    # augmentation flips one on the exchangeable dirichlet default's clients), on CUDA two.
+    metrics = 1 / 360 + 1e-9 if device == "cpu" else 2 / 360 + 1e-9
     _compare(expected, alone, got, together, {**F32_WEIGHTS, "metrics": metrics})
 
 

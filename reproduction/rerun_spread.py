@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -71,6 +72,9 @@ PARTITION_KEYS = (
 )  # fmt: skip
 # Metrics that are a run's result; timings are not.
 RESULT_KEYS = ("accuracy", "loss", "train_loss", "client_dist_accuracy")
+# The metrics whose spread is measured: those the verdicts judge (global test accuracy, and
+# on test sets weighted by each client's label distribution).
+METRICS = ("accuracy", "client_dist_accuracy")
 
 
 class RerunError(SystemExit):
@@ -83,8 +87,10 @@ class RerunError(SystemExit):
 # --------------------------------------------------------------------------- comparing
 
 
-def accuracies(record: RunRecord) -> list[float]:
-    return [a for _, a in record.series("accuracy")]
+def series(record: RunRecord) -> dict[str, list[float]]:
+    """Per measured metric, the run's value at each round (metrics the run has)."""
+    out = {m: [v for _, v in record.series(m)] for m in METRICS}
+    return {m: v for m, v in out.items() if v}
 
 
 def window_gaps(a: list[float], b: list[float]) -> dict[str, float]:
@@ -138,28 +144,47 @@ def kind_of(committed: dict[str, list[str]], here: dict[str, list[str]]) -> str:
     return SAME
 
 
+def compare_runs(between: str, a: RunRecord, b: RunRecord, one_tree: bool) -> dict[str, Any]:
+    """How rerun ``a`` differs from ``b``: the kind of difference, whether bitwise, and the
+    gaps per metric (per round and per window). ``one_tree``: both ran from this script's
+    checkout as it is, modified or not (two reruns here), so only the machine may differ."""
+    sa, sb = series(a), series(b)
+    both = [m for m in METRICS if m in sa and m in sb]
+    if one_tree:
+        kind = SAME if origin(a)["cpu"] == origin(b)["cpu"] else MACHINE
+    else:
+        kind = kind_of(origin(b), origin(a))
+    return {
+        "between": between,
+        "kind": kind,
+        "bitwise": bitwise(a, b),
+        "round_gaps": {m: round_gaps(sa[m], sb[m]) for m in both},
+        "window_gaps": {m: window_gaps(sa[m], sb[m]) for m in both},
+    }
+
+
 def spread(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per kind of difference: the runs it was measured on, and the largest gap per window,
-    at round 1 and at any round."""
+    """Per kind of difference: the runs it was measured on and, per metric, the largest
+    gap per window, at round 1 and at any round. A window counts only where every run of
+    the kind reached it."""
     out: dict[str, dict[str, Any]] = {}
     for name, entry in runs.items():
         for pair in entry["pairs"]:
-            kind = out.setdefault(
-                pair["kind"], {"runs": [], "window": {}, "round_1": 0.0, "any_round": 0.0}
-            )
+            kind = out.setdefault(pair["kind"], {"runs": []})
             if name not in kind["runs"]:
                 kind["runs"].append(name)
-            gaps = pair["round_gaps"]
-            kind["round_1"] = max(kind["round_1"], abs(gaps[0]) if gaps else 0.0)
-            kind["any_round"] = max(kind["any_round"], max(map(abs, gaps), default=0.0))
-            for k, gap in pair["window_gaps"].items():
-                kind["window"][k] = max(kind["window"].get(k, 0.0), abs(gap))
-    # A window only counts where every run of the kind reached it.
+            for metric, gaps in pair["round_gaps"].items():
+                m = kind.setdefault(metric, {"window": {}, "round_1": 0.0, "any_round": 0.0})
+                m["round_1"] = max(m["round_1"], abs(gaps[0]) if gaps else 0.0)
+                m["any_round"] = max(m["any_round"], max(map(abs, gaps), default=0.0))
+                for k, gap in pair["window_gaps"][metric].items():
+                    m["window"][k] = max(m["window"].get(k, 0.0), abs(gap))
     for kind in out.values():
-        shortest = min(
-            len(runs[n]["committed"]["accuracy"]) for n in kind["runs"]
-        )  # fmt: skip
-        kind["window"] = {k: v for k, v in kind["window"].items() if int(k) <= shortest}
+        shortest = min(runs[n]["rounds"] for n in kind["runs"])
+        for metric in METRICS:
+            if metric in kind:
+                window = kind[metric]["window"]
+                kind[metric]["window"] = {k: v for k, v in window.items() if int(k) <= shortest}
     return {k: out[k] for k in KINDS if k in out}
 
 
@@ -200,13 +225,19 @@ def rerun(folder: Path, tmp: Path, name: str, threads: int) -> tuple[RunRecord, 
         [str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])]
     )
     started = time.perf_counter()
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "fedskew", "run", "-c", str(config_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True,
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    try:
+        _, stderr = proc.communicate()
+    except BaseException:  # interrupted: the run is not left behind, training on
+        proc.kill()
+        proc.wait()
+        raise
     seconds = time.perf_counter() - started
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        last = (stderr.strip().splitlines() or ["no message"])[-1]
         raise RerunError(f"rerunning {folder.relative_to(RUNS)} failed: {last}")
     record = read_run(tmp / name)
     if not record.finished:
@@ -233,38 +264,24 @@ def measure(name: str, times: int, threads: int) -> dict[str, Any]:
                     f"committed run's ({want}, {source}): not a rerun"
                 )
             reruns.append((record, seconds))
-    here = origin(reruns[0][0])
     pairs = []
     for i, (record, _) in enumerate(reruns):
-        ours = accuracies(record)
-        pairs.append({
-            "between": f"rerun {i + 1} and the committed run",
-            "kind": kind_of(origin(committed), origin(record)),
-            "bitwise": bitwise(record, committed),
-            "round_gaps": round_gaps(ours, accuracies(committed)),
-            "window_gaps": window_gaps(ours, accuracies(committed)),
-        })  # fmt: skip
+        pairs.append(
+            compare_runs(f"rerun {i + 1} and the committed run", record, committed, False)
+        )
         if i:
-            first = reruns[0][0]
-            pairs.append({
-                "between": f"rerun {i + 1} and rerun 1",
-                "kind": kind_of(origin(first), origin(record)),
-                "bitwise": bitwise(record, first),
-                "round_gaps": round_gaps(ours, accuracies(first)),
-                "window_gaps": window_gaps(ours, accuracies(first)),
-            })  # fmt: skip
+            pairs.append(compare_runs(f"rerun {i + 1} and rerun 1", record, reruns[0][0], True))
     return {
         "seed": committed.seed,
         "rounds": len(committed.metrics),
         "partition_digest": want,
         "digest_checked_against": source,
-        "committed": {**origin(committed), "accuracy": accuracies(committed)},
+        "committed": {**origin(committed), "series": series(committed)},
         "reruns": [
-            {**origin(r), "accuracy": accuracies(r), "seconds": round(s, 1),
+            {**origin(r), "series": series(r), "seconds": round(s, 1),
              "started": r.processes[0].get("started") if r.processes else None}
             for r, s in reruns
         ],  # fmt: skip
-        "here": here,
         "pairs": pairs,
     }
 
@@ -301,7 +318,7 @@ def markdown(result: dict[str, Any]) -> str:
     for name, entry in runs.items():
         c = entry["committed"]
         for pair in entry["pairs"]:
-            gaps = pair["round_gaps"]
+            gaps = pair["round_gaps"]["accuracy"]
             worst = max(range(len(gaps)), key=lambda i: abs(gaps[i])) if gaps else 0
             rerun_i = int(pair["between"].split()[1]) - 1
             r = entry["reruns"][rerun_i]
@@ -311,7 +328,8 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {pair['kind']} | {'yes' if pair['bitwise'] else 'no'} "
                 f"| {pts(gaps[0]) if gaps else '-'} "
                 f"| {pts(gaps[worst]) if gaps else '-'} ({worst + 1}) "
-                f"| {pts(pair['window_gaps'].get('3', float('nan')))} | {r['seconds']:.0f} |"
+                f"| {pts(pair['window_gaps']['accuracy'].get('3', float('nan')))} "
+                f"| {r['seconds']:.0f} |"
             )
     lines += [
         "",
@@ -322,17 +340,20 @@ def markdown(result: dict[str, Any]) -> str:
         "came from several commits or a modified tree on one CPU model against the first "
         "two; one whose runs came from several machines against all three.",
         "",
-        "| kind | runs | round 1 | any round | last 1 | last 3 | last 5 |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| kind | metric | runs | round 1 | any round | last 1 | last 3 | last 5 |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for kind, s in result["spread"].items():
-        w = s["window"]
-        lines.append(
-            f"| {kind} | {', '.join(s['runs'])} | {pts(s['round_1'], False)} "
-            f"| {pts(s['any_round'], False)} | "
-            + " | ".join(pts(w[k], False) if k in w else "-" for k in ("1", "3", "5"))
-            + " |"
-        )
+        for metric in METRICS:
+            if metric not in s:
+                continue
+            m, w = s[metric], s[metric]["window"]
+            lines.append(
+                f"| {kind} | {metric} | {', '.join(s['runs'])} | {pts(m['round_1'], False)} "
+                f"| {pts(m['any_round'], False)} | "
+                + " | ".join(pts(w[k], False) if k in w else "-" for k in ("1", "3", "5"))
+                + " |"
+            )
     lines += [
         "",
         "Machines and commits of the reruns (from their own processes.jsonl); the study's "
@@ -362,6 +383,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads < 1:
         raise RerunError("--threads must be at least 1")
+    # A terminated script ends its running rerun too (see rerun).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     planned = dict(RERUNS)
     unknown = [n for n in args.only or [] if n not in planned]
     if unknown:

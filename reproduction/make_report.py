@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 from fedskew.apps import compare
 from fedskew.apps.class_counts import PartitionCounts, class_names_of
 from fedskew.assembly.prepare import load_experiment_data
+from fedskew.report.intervals import LEVEL, t_quantile
 from fedskew.report.per_class import SAMPLES_DIFFER, minority_majority
 from fedskew.report.runs import (
     RunRecord,
@@ -38,6 +40,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RUNS = HERE / "runs"
 OUT = HERE / "REPRODUCTION.md"
+SPREAD_FILE = HERE / "rerun_spread.json"  # written by rerun_spread.py
+
+sys.path.insert(0, str(HERE))  # the study's scripts: the kinds of difference between runs
+import rerun_spread  # noqa: E402
+from rerun_spread import KINDS, MACHINE, SAME  # noqa: E402
 
 # grid name -> (compare file, what the paper ran: quoted from ALGORITHMS.md)
 GRIDS: dict[str, tuple[str, dict[str, str]]] = {
@@ -130,7 +137,13 @@ class Claim:
     kind: str = "above"
     metric: str = "accuracy"
     lower_is_better: bool = False  # e.g. a risk: "ahead" then means below
-    differs: list[str] = field(default_factory=list)  # how the setting differs from the paper
+    # How the setting differs from the paper: text, or what writes it from the claim's runs.
+    differs: list[Differ] = field(default_factory=list)
+
+
+# A difference from the paper that the runs decide (their rounds, launching round, tuned
+# values) is written from them when the report is made, not typed in.
+Differ = str | Callable[["Claim", "Grid | None"], str]
 
 
 FM_BASELINES = ["fedavg", "fedprox", "scaffold", "fednova", "moon", "feddyn"]
@@ -163,8 +176,121 @@ CME_DIFF = [
     "the model, epochs and rounds are [PROPOSAL] choices (the paper does not state them)",
 ]
 CME_CIFAR_DIFF = ["30 rounds of 2 local epochs instead of the proposed 100 of 10", *CME_DIFF[1:]]
-FM_DIFF = [
-    "12 rounds of 1 local epoch instead of 100 of 10 (T_s 3 instead of 20)",
+
+def fm_schedule(claim: Claim, grid: Grid | None) -> str:
+    """'R rounds of E local epochs instead of 100 of 10 (T_s S instead of 20)', read from the
+    configurations of the claim's runs (of the grid's plan before any has finished); the
+    launching round only where a method of the claim has one (FedFM, FedFM-Lite, a plug-in)."""
+    runs = claim_records(claim, grid)
+    if runs:
+        configs = [(r.config, r.resolved.get("algorithm_params") or {}) for r in runs]
+    elif grid is not None:
+        base, methods = grid.manifest.get("base", {}), grid.manifest.get("methods", {})
+        configs = [
+            ({**base, **methods.get(m, {})}, {})
+            for m in (claim.method, *claim.against)
+        ]  # fmt: skip
+    else:
+        return "scaled down from 100 rounds of 10 local epochs (not run yet)"
+    rounds = distinct(c.get("rounds") for c, _ in configs)
+    epochs = distinct(c.get("local_epochs") for c, _ in configs)
+    starts = distinct(start_round(c, a) for c, a in configs)
+    text = (
+        f"{rounds} rounds of {epochs} local epoch{'' if epochs == '1' else 's'} instead of "
+        "100 of 10"
+    )
+    return text + (f" (T_s {starts} instead of 20)" if starts else "")
+
+
+def start_round(config: dict[str, Any], algorithm_params: dict[str, Any]) -> Any:
+    """A run's launching round T_s (0-based): what it resolved (the algorithm's default
+    included), else its configuration; None for methods without one."""
+    return algorithm_params.get("start_round", (config.get("params") or {}).get("start_round"))
+
+
+def tuned_values(claim: Claim, grid: Grid | None) -> str:
+    """What the tuned runs used, per method: the values of the keys the study searched
+    (tune.json's search space), as the claim's run folders record them; tuned.json's where
+    no run has finished. With the study's budget, tuning seeds, objective and any
+    validation setting tune.json records."""
+    study = read_json(tuned_study() / "tune.json") or {}
+    tuned = (read_json(tuned_study() / "tuned.json") or {}).get("methods", {})
+    space = study.get("search_space") or {
+        m: {k: None for k in v if k != "algorithm"} for m, v in tuned.items()
+    }
+    runs = claim_records(claim, grid)
+    parts = []
+    for method in (claim.method, *claim.against):
+        keys = list(space.get(method) or {})
+        if not keys:
+            continue
+        mine = [r for r in runs if r.method == method]
+        values = []
+        for key in keys:
+            if mine:
+                found = distinct(config_value(r.config, r.resolved, key) for r in mine)
+            else:
+                found = distinct([nested(tuned.get(method, {}), key)])
+            values.append(f"{KEY_LABELS.get(key, key.removeprefix('params.'))} {found or '-'}")
+        parts.append(f"{method} {', '.join(values)}")
+    terms = []
+    if study.get("trials_per_method") is not None:
+        terms.append(f"{study['trials_per_method']} trials per method")
+    if study.get("tuning_seeds") is not None:
+        terms.append(f"tuning seeds {study['tuning_seeds']}")
+    terms += validation_terms(study)
+    if study.get("objective"):
+        terms.append(f"objective: {study['objective']}")
+    where = "the runs' values" if runs else "tuned.json's values (no evaluation run finished)"
+    return (
+        f"tuned ({'; '.join(terms) or 'see Tuning'}), {where}: {'; '.join(parts) or '-'}; "
+        "the paper's values (lr 0.01, lam 50, T_s 20 of 100) not used"
+    )
+
+
+def validation_terms(study: dict[str, Any]) -> list[str]:
+    """How the study held data out for its objective, as tune.json names it (any key with
+    'validation' in its name; none in studies made before it could)."""
+    return [f"{k.replace('_', ' ')} {v}" for k, v in study.items() if "validation" in k]
+
+
+# How tune.json's search keys read in the report.
+KEY_LABELS = {"params.start_round": "T_s", "params.lam": "lam"}
+
+
+def nested(values: dict[str, Any], key: str) -> Any:
+    """``values["params"]["lam"]`` for key "params.lam" (None where absent)."""
+    for part in key.split("."):
+        if not isinstance(values, dict):
+            return None
+        values = values.get(part)
+    return values
+
+
+def config_value(config: dict[str, Any], resolved: dict[str, Any], key: str) -> Any:
+    """A run's value of a tuned key: from its configuration, an algorithm parameter left
+    at its default from what the run resolved."""
+    value = nested(config, key)
+    if value is None and key.startswith("params."):
+        value = (resolved.get("algorithm_params") or {}).get(key.removeprefix("params."))
+    return value
+
+
+def distinct(values: Any) -> str:
+    """The distinct values, in order of first appearance, as text ('' when none): floats
+    to 4 significant digits."""
+    seen = dict.fromkeys(
+        f"{v:.4g}" if isinstance(v, float) else str(v) for v in values if v is not None
+    )
+    return ", ".join(seen)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+FM_DIFF: list[Differ] = [
+    fm_schedule,
     "simple-cnn instead of ResNet-18",
     "the CIFAR-10 copy is a JPEG re-encoding",
     "clients train on all their data (the official code keeps 20 % for validation)",
@@ -255,16 +381,15 @@ CLAIMS = [
         "FedFM", "FedFM above FedAvg, CIFAR-10 NIID-1, ResNet-18 at width 8",
         "about 72 % vs about 66 % (the official code's README [CODE])",
         "fedfm-cifar10", "resnet-w8", "fedfm", ["fedavg"],
-        differs=[FM_DIFF[0], "ResNet-18 with 8 instead of 64 channels in its first stage; "
-                 "seed 0 only", *FM_DIFF[2:]],
+        differs=[FM_DIFF[0], "ResNet-18 with 8 instead of 64 channels in its first stage",
+                 *FM_DIFF[2:]],
     ),
     Claim(
         "FedFM", "FedFM above FedAvg, CIFAR-10 NIID-1, simple-cnn with BatchNorm, both tuned "
-        "with the same budget (FedFM: lr, lam, T_s; FedAvg: lr)",
+        "with the same budget",
         "about 72 % vs about 66 % (the official code's README [CODE])",
         "fedfm-tuned/evaluation", "", "fedfm", ["fedavg"],
-        differs=[*FM_DIFF, "lr, lam and T_s tuned on seed 100 (see Tuning), the paper's "
-                 "values (lr 0.01, lam 50, T_s 20 of 100) not used"],
+        differs=[*FM_DIFF, tuned_values],
     ),
     Claim(
         "FedFM", "FedFM above SCAFFOLD, CIFAR-10 NIID-2, simple-cnn with BatchNorm",
@@ -346,8 +471,7 @@ CLAIMS = [
             "simple-cnn with BatchNorm",
             "about 72 % vs about 66 % (the official code's README [CODE])",
             "fedfm-longer", "", method, ["fedavg"],
-            differs=["30 rounds of 1 local epoch instead of 100 of 10 (T_s 10 instead of 20)",
-                     *FM_DIFF[1:]],
+            differs=FM_DIFF,
         )
         for lam, method in (("50", "fedfm"), ("5", "fedfm-lam5"))
     ],
@@ -494,6 +618,18 @@ def read_grids() -> dict[str, Grid]:
     return grids
 
 
+def claim_records(claim: Claim, grid: Grid | None) -> list[RunRecord]:
+    """The finished runs of the claim's methods in its setting, on the grid's seeds."""
+    if grid is None:
+        return []
+    methods = {claim.method, *claim.against}
+    return [
+        r for r in grid.records
+        if r.finished and r.setting == claim.setting and r.method in methods
+        and r.seed in grid.seeds
+    ]  # fmt: skip
+
+
 DIVERGED = re.compile(r"round (\d+): client (\d+) diverged")
 
 
@@ -551,9 +687,156 @@ class Outcome:
     verdict: str
     seeds: str
     open_seeds: tuple[int, ...] = ()  # seeds that no finished or diverged run has decided yet
+    margin: str = "-"  # the noise margin of the difference (Noise.text)
+    origin: str = "-"  # the machines and commits its runs came from (RunsOrigin.text)
 
 
-def judge(claim: Claim, grid: Grid | None) -> Outcome:
+# --------------------------------------------------------------------------- noise
+
+
+@dataclass
+class RerunSpread:
+    """What rerun_spread.py measured (rerun_spread.json): per kind of difference between
+    two runs of one configuration, seed and partition, and per metric, the largest gap of
+    their mean over the last k rounds, per k, in points."""
+
+    kinds: dict[str, dict[str, Any]]
+
+    def measured(self, kind: str, metric: str, last: int) -> float | None:
+        found = ((self.kinds.get(kind) or {}).get(metric) or {}).get("window", {})
+        value = found.get(str(last))
+        return float(value) if value is not None else None
+
+    def at(self, kind: str, metric: str, last: int) -> tuple[float, str, bool] | None:
+        """The spread a claim whose runs differ by ``kind`` admits, the kind measured that
+        gave it, and whether ``kind`` itself was measured: the largest of its kind and the
+        narrower ones. Where its own kind was not measured, the broadest kind measured
+        stands in (the row says so)."""
+        known = [k for k in KINDS if self.measured(k, metric, last) is not None]
+        admitted = [k for k in known if KINDS.index(k) <= KINDS.index(kind)]
+        own = kind in admitted
+        if not own:
+            admitted = known[-1:]
+        if not admitted:
+            return None
+        # On a tie the broadest kind names it (the claim's own where it was measured).
+        worst = max(reversed(admitted), key=lambda k: self.measured(k, metric, last) or 0.0)
+        return self.measured(worst, metric, last) or 0.0, worst, own
+
+
+def read_spread(path: Path | None = None) -> RerunSpread | None:
+    """rerun_spread.json's spread (None where the file is not there yet)."""
+    record = read_json(path or SPREAD_FILE)
+    return RerunSpread(record.get("spread") or {}) if record else None
+
+
+@dataclass
+class Noise:
+    """The noise margin of a lead (the mean paired difference, in points): the larger of
+    the rerun spread that the claim's runs admit and the half-width of the Student-t
+    interval (LEVEL) of the mean over its seeds."""
+
+    lead: float | None
+    # (spread, the kind measured that gave it, whether own_kind itself was measured)
+    rerun: tuple[float, str, bool] | None
+    own_kind: str  # the kind of difference among the claim's runs
+    t_half: float | None  # None with fewer than two seeds
+
+    @property
+    def margin(self) -> float | None:
+        parts = [x for x in (self.rerun[0] if self.rerun else None, self.t_half) if x is not None]
+        return max(parts) if parts else None
+
+    @property
+    def within(self) -> bool:
+        return self.lead is not None and self.margin is not None and abs(self.lead) <= self.margin
+
+    def text(self, metric: str) -> str:
+        if self.margin is None:
+            return f"none (one seed; no rerun spread measured for {metric})"
+        if self.rerun is None:
+            rerun = f"rerun spread not measured for {metric}"
+        else:
+            spread, kind, own = self.rerun
+            rerun = f"rerun {spread:.2f} [{kind}" + (
+                "]" if own else f", standing in for {self.own_kind}, not measured]"
+            )
+        t = "t: one seed" if self.t_half is None else f"t {self.t_half:.2f}"
+        return f"±{self.margin:.2f} ({rerun}; {t})"
+
+
+def noise_of(
+    diffs: list[float], kind: str, metric: str, last: int, spread: RerunSpread | None
+) -> Noise:
+    n = len(diffs)
+    lead = sum(diffs) / n if n else None
+    t_half = None
+    if n >= 2:
+        sd = math.sqrt(sum((d - lead) ** 2 for d in diffs) / (n - 1))
+        t_half = t_quantile(LEVEL, n - 1) * sd / math.sqrt(n)
+    rerun = spread.at(kind, metric, last) if spread is not None else None
+    return Noise(lead, rerun, kind, t_half)
+
+
+@dataclass
+class RunsOrigin:
+    kind: str  # rerun_spread's kind of difference among the runs: SAME, COMMIT or MACHINE
+    text: str
+
+
+def seeds_of(labels: list[tuple[str, int]]) -> str:
+    """'fedfm s0/1/2, scaffold s0' for (method, seed) pairs."""
+    by: dict[str, list[int]] = {}
+    for method, seed in labels:
+        if seed not in by.setdefault(method, []):
+            by[method].append(seed)
+    return ", ".join(f"{m} s{'/'.join(str(s) for s in sorted(ss))}" for m, ss in by.items())
+
+
+def runs_origin(records: list[RunRecord]) -> RunsOrigin:
+    """Whether the runs came from one machine (recorded CPU model) and one clean commit,
+    and if not which machines and commits computed which of them, from their processes.jsonl
+    (a resumed run may be listed under two)."""
+    facts: dict[str, dict[str, list[tuple[str, int]]]] = {
+        k: {} for k in ("cpu", "commit", "torch", "threads")
+    }
+    if not records:
+        return RunsOrigin(SAME, "-")
+    for rec in records:
+        found = rerun_spread.origin(rec)
+        for key in facts:
+            for value in found[key] or ["not recorded"]:
+                facts[key].setdefault(value, []).append((rec.method, rec.seed))
+    cpus, commits = facts["cpu"], facts["commit"]
+    unsure = "not recorded" in cpus or "not recorded" in commits
+    if unsure or len(cpus) > 1 or len(facts["torch"]) > 1 or len(facts["threads"]) > 1:
+        kind = MACHINE
+    elif len(commits) > 1 or any(c.endswith("(modified)") for c in commits):
+        kind = rerun_spread.COMMIT
+    else:
+        kind = SAME
+    if kind == SAME:
+        return RunsOrigin(kind, f"one machine and one clean commit ({next(iter(cpus))}; "
+                                f"{next(iter(commits))})")  # fmt: skip
+    parts = []
+    for key, what in (("cpu", "machines"), ("commit", "commits"), ("torch", "torch versions"),
+                      ("threads", "thread counts")):  # fmt: skip
+        found = facts[key]
+        if len(found) > 1 or (key == "commit" and kind != MACHINE):
+            label = what if len(found) > 1 else what[:-1]
+            if key == "commit" and len(found) > 1 and any("(modified)" in c for c in found):
+                label += " (a modified tree counted apart)"
+            parts.append(f"{len(found)} {label}: " + "; ".join(
+                f"[{value}] {seeds_of(runs)}" for value, runs in found.items()
+            ))  # fmt: skip
+        elif key in ("cpu", "commit"):
+            parts.append(f"1 {what[:-1]} ({next(iter(found))})")
+    return RunsOrigin(kind, "not one machine and one clean commit: " + "; ".join(parts))
+
+
+def judge(claim: Claim, grid: Grid | None, spread: RerunSpread | None = None) -> Outcome:
+    """The claim's numbers and verdict; ``spread``: the measured rerun spread (None: not
+    measured, the noise margin is then the seeds' t-interval alone)."""
     if grid is None:
         return Outcome("-", "-", "-", "pending: not run yet", "0")
     methods = [claim.method, *claim.against]
@@ -567,11 +850,14 @@ def judge(claim: Claim, grid: Grid | None) -> Outcome:
     # A "best of" claim loses a seed as soon as one finished method is ahead of the claimed
     # one: the runs still missing can only add rivals, never take that one away.
     lost_early: dict[int, str] = {}
+    used: dict[int, list[RunRecord]] = defaultdict(list)  # the finished runs of each seed
     for seed in grid.seeds:
         values = {}
         states = {}
         for m in methods:
             states[m], rec = run_state(grid, claim.setting, m, seed)
+            if rec is not None:
+                used[seed].append(rec)
             if states[m].startswith("diverged"):
                 diverged.append(f"{m} seed {seed}: {states[m]}")
             v = None if rec is None else last_mean(rec, claim.metric, grid.last)
@@ -632,6 +918,11 @@ def judge(claim: Claim, grid: Grid | None) -> Outcome:
             else "-"
         )
     wins += len(won_by_divergence)
+    origin = runs_origin([r for s in sorted(decided_seeds) for r in used[s]])
+    noise = noise_of(diffs, origin.kind, claim.metric, grid.last, spread)
+    # A seed decided by a divergence, or lost before its runs finished, has no paired
+    # number: the noise margin cannot speak for it, and the seeds' outcomes decide.
+    within = claim.kind != "similar" and n == decided and noise.within
     if decided == 0:
         verdict = "pending: no seed has all its runs finished"
     else:
@@ -644,13 +935,21 @@ def judge(claim: Claim, grid: Grid | None) -> Outcome:
             verdict = "reproduced" if close else "not reproduced"
             if n:
                 verdict += f" (mean difference {mean_diff:+.2f}, limit ±{SIMILAR_POINTS:g})"
+        elif within:
+            verdict = "within noise"
         elif ahead and wins == decided:
             verdict = "reproduced"
         elif ahead or wins > 0:
             verdict = "partly"
         else:
             verdict = "not reproduced"
-        if claim.kind != "similar":
+        if within:
+            # shown as measured (a risk not negated), as the difference column is
+            verdict += (
+                f" (lead {show * (noise.lead or 0.0):+.2f} within ±{noise.margin or 0.0:.2f}; "
+                f"ahead on {wins} of {decided} seeds)"
+            )
+        elif claim.kind != "similar":
             verdict += f" (ahead on {wins} of {decided} seeds)"
         if decided < planned:
             verdict += f"; {planned - decided} seed(s) pending"
@@ -665,6 +964,8 @@ def judge(claim: Claim, grid: Grid | None) -> Outcome:
         verdict,
         seeds,
         tuple(s for s in grid.seeds if s not in decided_seeds),
+        noise.text(claim.metric) if n else "-",
+        origin.text,
     )
 
 
@@ -685,7 +986,8 @@ def scale_section(grids: dict[str, Grid]) -> list[str]:
         settings = grid.manifest.get("settings", {}) if grid else {}
         models = sorted(
             {
-                f"{s.get('model', base.get('model', '-'))} {json.dumps(s.get('model_options', {}))}"
+                f"{s.get('model', base.get('model', '-'))} "
+                f"{json.dumps(s.get('model_options', base.get('model_options', {})))}"
                 for s in settings.values() or [base]
             }
         )
@@ -743,11 +1045,19 @@ def stability_section(grids: dict[str, Grid]) -> list[str]:
         rows.append(cells)
     lines = [
         f"Accuracy (%, mean of the last {grid.last} rounds) or what stopped the run; seed "
-        f"{grid.seeds[0]}, {grid.manifest['base'].get('rounds')} rounds, T_s = 3 (0-based).",
+        f"{grid.seeds[0]}, {grid.manifest['base'].get('rounds')} rounds, T_s = "
+        f"{launch_rounds(grid.records) or 'not recorded'} (0-based; from the runs).",
         "",
         *table(["setting (model, lr)", *methods], rows),
     ]
     return lines
+
+
+def launch_rounds(records: list[RunRecord]) -> str:
+    """The launching rounds (start_round) the runs resolved, distinct."""
+    return distinct(
+        start_round(r.config, r.resolved.get("algorithm_params") or {}) for r in records
+    )
 
 
 MEASURES = (
@@ -826,22 +1136,26 @@ def per_class_section(grids: dict[str, Grid]) -> list[str]:
     return lines[:-1]
 
 
-TUNED_STUDY = RUNS / "fedfm-tuned"
+def tuned_study() -> Path:
+    """The tuning study's folder (`fedskew tune -c reproduction/fedfm-tuned.toml`)."""
+    return RUNS / "fedfm-tuned"
 
 
 def tuning_section() -> list[str]:
     """The tuning study's budget, search space and best values, from its tune.json (written
     by `fedskew tune`, or `fedskew tune ... --results-only` while it runs)."""
-    path = TUNED_STUDY / "tune.json"
+    path = tuned_study() / "tune.json"
     if not path.is_file():
+        shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
         return ["Not started: `fedskew tune -c reproduction/fedfm-tuned.toml` has written no "
-                f"`{path.relative_to(ROOT)}` yet."]  # fmt: skip
+                f"`{shown}` yet."]  # fmt: skip
     record = json.loads(path.read_text(encoding="utf-8"))
     budget = record["trials_per_method"]
     lines = [
         f"`reproduction/fedfm-tuned.toml`: {budget} trials per method (the same budget for "
         f"each), tuning seeds {record['tuning_seeds']}, evaluation seeds "
-        f"{record['evaluation_seeds']}; objective: {record['objective']}; sampler "
+        f"{record['evaluation_seeds']}; objective: {record['objective']}"
+        f"{''.join(f'; {t}' for t in validation_terms(record))}; sampler "
         f"{record['sampler']} (seed {record['sampler_seed']}), pruner {record['pruner']}"
         f"{pruner_terms(record)}. "
         "The tuned values are then run on the evaluation seeds (`fedskew compare -c "
@@ -1038,7 +1352,7 @@ def pending_section(grids: dict[str, Grid], outcomes: list[tuple[Claim, Outcome]
     ]
 
 
-VERDICTS = ("reproduced", "partly", "not reproduced", "pending")
+VERDICTS = ("reproduced", "partly", "within noise", "not reproduced", "pending")
 
 
 def summary_section(outcomes: list[tuple[Claim, Outcome]]) -> list[str]:
@@ -1057,6 +1371,62 @@ def summary_section(outcomes: list[tuple[Claim, Outcome]]) -> list[str]:
             [[paper, *(str(n) for n in row.values())] for paper, row in counts.items()],
         ),
     ]
+
+
+def differences(claim: Claim, grid: Grid | None) -> str:
+    return "; ".join(d if isinstance(d, str) else d(claim, grid) for d in claim.differs)
+
+
+def noise_section(grids: dict[str, Grid]) -> list[str]:
+    """What rerun_spread.json measured, at the windows the claims use."""
+    record = read_json(SPREAD_FILE)
+    if not record or not record.get("spread"):
+        return [
+            "Not measured yet (`python reproduction/rerun_spread.py` writes "
+            "`reproduction/rerun_spread.json`): the noise margins below are the seeds' "
+            "t-intervals alone."
+        ]
+    windows = sorted({grids[c.grid].last for c in CLAIMS if c.grid in grids})
+    pairs = [p for entry in record["runs"].values() for p in entry["pairs"]]
+    rows = []
+    for kind, found in record["spread"].items():
+        cells = [kind, ", ".join(found.get("runs", []))]
+        for metric in rerun_spread.METRICS:
+            m = found.get(metric) or {}
+            cells += [fmt(m["window"].get(str(w))) if m else "-" for w in windows]
+        acc = found.get("accuracy") or {}
+        cells += [fmt(acc.get("round_1")), fmt(acc.get("any_round"))]
+        alike = [p["bitwise"] for p in pairs if p["kind"] == kind]
+        cells.append(f"{sum(alike)} of {len(alike)}")
+        rows.append(cells)
+    reruns = [r for entry in record["runs"].values() for r in entry["reruns"]]
+    where = "; ".join(dict.fromkeys(
+        f"{', '.join(r['cpu'])} at {', '.join(r['commit'])}, torch {', '.join(r['torch'])}, "
+        f"{', '.join(r['threads'])} thread(s)"
+        for r in reruns
+    ))  # fmt: skip
+    seeds = sorted({entry["seed"] for entry in record["runs"].values()})
+    lines = [
+        "Measured by `python reproduction/rerun_spread.py` "
+        "([rerun_spread.md](rerun_spread.md), [rerun_spread.json](rerun_spread.json)): each "
+        "run listed was run again with its own configuration, seed and partition (partition "
+        f"digest checked) on {where}; {len(reruns)} reruns, seeds {seeds}. The largest gap "
+        "(points) between two runs of one configuration, seed and partition, for each kind of "
+        "difference between them:",
+        "",
+        *table(
+            ["kind", "runs", *(f"{metric}, last {w}" for metric in rerun_spread.METRICS
+                               for w in windows), "accuracy, round 1", "accuracy, any round",
+             "pairs bitwise identical"],
+            rows,
+        ),  # fmt: skip
+        "",
+        "The spread was measured on the runs listed, not on every grid: a claim of another "
+        "grid (another dataset, model or method) is judged with it as the best measure at "
+        "hand. A kind no rerun measured is stood in for by the broadest kind measured, and "
+        "the claim's margin says so.",
+    ]
+    return lines
 
 
 def build(grids: dict[str, Grid]) -> str:
@@ -1084,23 +1454,45 @@ def build(grids: dict[str, Grid]) -> str:
         "Accuracy is the global model's on the uniform test set (client_dist_accuracy: on test "
         "sets weighted by each client's label distribution), in %, the mean of the last rounds "
         "given by each compare file's `last`, mean ± std over the seeds that finished every "
-        "run the claim needs. Difference: paired by seed (same partition and initial model; "
-        "the runs of one claim may come from different machines, see the provenance table, "
-        "and then train through different floating-point kernels). "
-        "Verdict rule: **reproduced** when the claimed method is ahead on average and on every "
-        "seed; **partly** when ahead on average or on some seeds; **not reproduced** otherwise. "
+        "run the claim needs. Difference: paired by seed (same partition and initial model); "
+        "its mean over the seeds is the claim's lead. The runs of one claim may come from "
+        "different machines and commits, which train through different floating-point "
+        "kernels and code: the column 'runs from' says, from the run folders' "
+        "processes.jsonl, whether they came from one machine (recorded CPU model) and one "
+        "clean commit, and if not which machine and commit computed which runs. "
+        "Verdict rule: a lead is **within noise** when its size is at most the noise margin, "
+        "the larger of (a) the rerun spread that the claim's runs admit: the largest gap, "
+        "over the same last rounds, measured between two runs of one configuration, seed and "
+        f"partition ({SAME}: two reruns here; another commit or a modified tree on one CPU "
+        "model; another machine; see Noise below; a single run's gap, not doubled for the "
+        "pair, as a mean over seeds of differences of runs that move independently moves "
+        "less than one run does); a claim whose runs came from one machine "
+        "and one clean commit admits the first, one from several commits or a modified tree "
+        "on one CPU model the first two, one from several machines all three; and (b) the "
+        f"half-width of the {100 * LEVEL:g} % Student-t interval of the mean paired difference "
+        "over its seeds (none with one seed). Outside the margin: **reproduced** when the "
+        "claimed method is ahead on average and on every seed; **partly** when ahead on "
+        "average or on some seeds; **not reproduced** otherwise. "
         "A seed where a run diverged (NaN; the run stops) has no accuracy and stays out of the "
         "means, but it counts as lost when the claimed method diverged and as won when only a "
         "method it is compared with did. A claim that a method is the best of several counts "
         "a seed as lost as soon as one finished rival is ahead of it, before the seed's other "
         "runs finish (they could only add rivals); such a seed also stays out of the means. "
+        "Such seeds have no paired number for the margin to speak of: where a claim has one, "
+        "its seeds' outcomes decide and no lead is called within noise. "
         "A claim of two methods being alike is "
-        f"**reproduced** when their mean difference is within {SIMILAR_POINTS:g} point. "
+        f"**reproduced** when their mean difference is within {SIMILAR_POINTS:g} point (its "
+        "noise margin is shown, not used). "
         "The last column lists how the setting differs from the paper's, the likely reasons "
         "for a gap; nothing here tests which of them it is.",
         "",
+        "### Noise: the rerun spread",
+        "",
+        *noise_section(grids),
+        "",
     ]
-    outcomes = [(claim, judge(claim, grids.get(claim.grid))) for claim in CLAIMS]
+    spread = read_spread()
+    outcomes = [(claim, judge(claim, grids.get(claim.grid), spread)) for claim in CLAIMS]
     lines += summary_section(outcomes)
     lines.append("")
     rows = []
@@ -1108,11 +1500,13 @@ def build(grids: dict[str, Grid]) -> str:
         where = f"{claim.grid}" + (f" / {claim.setting}" if claim.setting else "")
         rows.append(
             [claim.paper, claim.text, f"{claim.quoted} (paper)", where, o.ours, o.theirs,
-             o.difference, o.seeds, f"**{o.verdict}**", "; ".join(claim.differs)]
+             o.difference, o.margin, o.seeds, f"**{o.verdict}**", o.origin,
+             differences(claim, grids.get(claim.grid))]
         )  # fmt: skip
     lines += table(
         ["paper", "claim", "the paper says", "grid", "ours", "against", "difference (points)",
-         "seeds", "verdict", "differences from the paper"],
+         "noise margin (points)", "seeds", "verdict", "runs from",
+         "differences from the paper"],
         rows,
     )  # fmt: skip
     lines += ["", "## Tuning: FedFM and FedAvg with the same budget", "", *tuning_section()]

@@ -326,3 +326,43 @@ def test_a_partition_beyond_the_dataset_is_named_not_a_traceback(grid, tmp_path)
     why = "partition.npz: client 1 holds sample indices outside the dataset's 1437 training samples"
     assert f"Partition heatmap not drawn: {why}" in md
     assert f"No split: fedavg seed 0: class counts not available: {why}." in md
+
+
+def test_minority_majority_split_as_csv_and_latex(grid, tmp_path):
+    """The split's numbers, by hand from each run's per-class accuracy and the halves the
+    report names for its seed, in the CSV (a line per run) and the LaTeX table."""
+    out = tmp_path / "r"
+    assert main(["report", str(grid), "-o", str(out), "--display-name", "prox=FedProx"]) == 0
+    section = _section((out / "report.md").read_text(), "Per-class accuracy")
+    halves = {}
+    for seed in (0, 1):
+        line = next(x for x in section.splitlines() if x.startswith(f"- seed {seed}: ranked"))
+        minority = line.split("minority half: ", 1)[1].split(";", 1)[0]
+        majority = line.split("majority half: ", 1)[1].split(" (counts", 1)[0]
+        halves[seed] = (
+            [int(c) for c in minority.split(", ")],
+            [int(c) for c in majority.split(", ")],
+        )
+    rows = list(csv.DictReader(io.StringIO((out / "report_files/class-halves.csv").read_text())))
+    assert [(r["method"], r["seed"]) for r in rows] == [
+        ("fedavg", "0"), ("fedavg", "1"), ("prox", "0"), ("prox", "1")
+    ]  # fmt: skip
+    gaps: dict[str, list[float]] = {}
+    for r in rows:
+        per_class = np.mean(
+            [x["per_class_accuracy"] for x in _lines(grid / f"{r['method']}-s{r['seed']}")], axis=0
+        )  # the last 3 of 3 evaluated rounds
+        low, high = halves[int(r["seed"])]
+        assert float(r["minority"]) == pytest.approx(100 * per_class[low].mean(), abs=1e-4)
+        assert float(r["majority"]) == pytest.approx(100 * per_class[high].mean(), abs=1e-4)
+        assert float(r["gap"]) == pytest.approx(
+            100 * (per_class[high].mean() - per_class[low].mean()), abs=1e-4
+        )
+        assert float(r["lowest_class"]) == pytest.approx(100 * per_class.min(), abs=1e-4)
+        assert r["rounds"] == "3" and r["statistic"] == "last"
+        gaps.setdefault(r["method"], []).append(float(r["gap"]))
+    tex = (out / "report_files" / "class-halves-all.tex").read_text()
+    assert "Method & Minority half & Majority half & Gap & Lowest class \\\\" in tex
+    prox = next(x for x in tex.splitlines() if x.startswith("FedProx & "))
+    gap = np.array(gaps["prox"])
+    assert f"{gap.mean():+.2f} \\pm {gap.std(ddof=1):.2f}" in prox.split(" & ")[3]

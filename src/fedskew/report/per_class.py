@@ -30,6 +30,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fedskew.metrics.per_class import mean_of_last
+from fedskew.report.class_halves_table import (
+    MethodHalves,
+    RunHalves,
+    halves_csv,
+    halves_latex,
+    halves_table,
+)
 from fedskew.report.document import Attachment, Block, Bold, Bullets, Heading, Image, Para, Table
 from fedskew.report.latex_style import TableStyle
 from fedskew.report.per_class_plot import per_class_png
@@ -42,7 +49,6 @@ from fedskew.report.per_class_table import (
 )
 from fedskew.report.runs import NOT_RECORDED, RunRecord
 from fedskew.report.statistic import Statistic, list_at, rounds_at
-from fedskew.report.tables import mean_std
 
 # Class totals within 10 % of each other are taken as equal: ranking classes by a few
 # samples more or less (a natural dataset's mild imbalance) would call noise a minority.
@@ -174,12 +180,11 @@ def heatmap_values(methods: list[_Method]) -> np.ndarray:
 Found = dict[tuple[str, int], "Ranking | str"]
 
 
-def split_table(methods: list[_Method], found: Found) -> tuple[Table, list[str]]:
-    """Per method, over the seeds that have a ranking: the mean accuracy of the minority
-    and majority halves, their gap and the lowest class, each mean ± std over seeds."""
-    rows, unranked = [], []
+def method_halves(methods: list[_Method], found: Found) -> tuple[list[MethodHalves], list[str]]:
+    """Per method, its seeds that have a ranking with their split; and the runs without."""
+    out, unranked = [], []
     for m in methods:
-        low, high, gap, worst = [], [], [], []
+        halves = MethodHalves(m.name)
         for seed, values in sorted(m.runs.items()):
             ranking = found.get((m.name, seed))
             if not isinstance(ranking, Ranking):
@@ -188,20 +193,10 @@ def split_table(methods: list[_Method], found: Found) -> tuple[Table, list[str]]
             a, b = _mean(values, ranking.minority), _mean(values, ranking.majority)
             if a is None or b is None:
                 continue
-            low.append(a)
-            high.append(b)
-            gap.append(b - a)
-            worst.append(100 * min(v for v in values if v is not None))
-        if not low:
-            rows.append([m.name, "0", "no ranked seed", "", "", ""])
-            continue
-        rows.append(
-            [m.name, str(len(low)), mean_std(low), mean_std(high), mean_std(gap, sign=True),
-             mean_std(worst)]
-        )  # fmt: skip
-    header = ["method", "seeds", "minority half (%)", "majority half (%)",
-              "majority - minority (points)", "lowest class (%)"]  # fmt: skip
-    return Table(header, rows), unranked
+            lowest = 100 * min(v for v in values if v is not None)
+            halves.runs.append(RunHalves(seed, ranking.rule, m.rounds.get(seed, 0), a, b, lowest))
+        out.append(halves)
+    return out, unranked
 
 
 def ranking_lines(
@@ -245,15 +240,29 @@ def per_class_blocks(
     style: TableStyle | None = None,
 ) -> list[Block]:
     """The heatmap, the per-class table (and its LaTeX file) and the minority / majority
-    table of one setting's runs, each run's per-class accuracy at ``last`` (a statistic,
-    or the number of last rounds averaged)."""
+    table (and its LaTeX file) of one setting's runs, each run's per-class accuracy at
+    ``last`` (a statistic, or the number of last rounds averaged)."""
+    return _setting_blocks(
+        records, counts_of, class_names, last, setting_title, heading_level, style
+    )[0]
+
+
+def _setting_blocks(
+    records: list[RunRecord],
+    counts_of: CountsOf,
+    class_names: list[str] | None,
+    last: int | Statistic,
+    setting_title: str,
+    heading_level: int,
+    style: TableStyle | None,
+) -> tuple[list[Block], Split | None]:
     statistic = _as_statistic(last)
     blocks: list[Block] = []
     if setting_title:
         blocks.append(Heading(heading_level, setting_title))
     methods, missing = _methods(records, statistic)
     if not methods:
-        return blocks + [Para(f"Per-class accuracy {NOT_RECORDED} in any finished run.")]
+        return blocks + [Para(f"Per-class accuracy {NOT_RECORDED} in any finished run.")], None
     values = heatmap_values(methods)
     classes = [_name(class_names, c) for c in range(values.shape[1])]
     labels = [f"{m.name} ({len(m.runs)} seed{'s' if len(m.runs) != 1 else ''})" for m in methods]
@@ -285,9 +294,14 @@ def per_class_blocks(
     blocks.append(Bullets(split.lines))
     if split.table is not None:
         blocks.append(split.table)
+        tex = halves_latex(split.halves, records[0].setting, style)
+        blocks.append(
+            Attachment(f"{stem.replace('per-class', 'class-halves')}.tex", tex,
+                       "As a LaTeX table (booktabs)")
+        )  # fmt: skip
         if split.unranked:
             blocks.append(Para(f"Left out of the table (no ranking): {', '.join(split.unranked)}."))
-    return blocks
+    return blocks, split
 
 
 @dataclass
@@ -298,6 +312,7 @@ class Split:
     table: Table | None  # None when no partition has a ranking
     lines: list[str]
     unranked: list[str]
+    halves: list[MethodHalves] = field(default_factory=list)  # the table's numbers
 
 
 def minority_majority(
@@ -325,8 +340,8 @@ def _split(methods: list[_Method], counts_of: CountsOf, class_names: list[str] |
     lines = ranking_lines(found, where, class_names)
     if not any(isinstance(r, Ranking) for r in found.values()):
         return Split(None, lines, [])
-    table, unranked = split_table(methods, found)
-    return Split(table, lines, unranked)
+    halves, unranked = method_halves(methods, found)
+    return Split(halves_table(halves), lines, unranked, halves)
 
 
 SPLIT_TEXT = (
@@ -356,16 +371,19 @@ def per_class_section(
     statistic = _as_statistic(last)
     blocks: list[Block] = [Heading(heading_level, "Per-class accuracy")]
     tables: dict[str, tuple[list[MethodClasses], list[str] | None]] = {}
+    halves: dict[str, list[MethodHalves]] = {}
     for setting, recs in settings.items():
         names = names_of(recs)
-        blocks += per_class_blocks(
+        found, split = _setting_blocks(
             recs, counts_of, names, statistic,
-            setting_title=title(setting) if len(settings) > 1 else "",
-            heading_level=heading_level + 1, style=style,
+            title(setting) if len(settings) > 1 else "", heading_level + 1, style,
         )  # fmt: skip
+        blocks += found
         methods = _methods(recs, statistic)[0]
         if methods:
             tables[setting] = (method_classes(methods), names)
+        if split is not None and split.halves:
+            halves[setting] = split.halves
     if tables:
         text = per_class_csv(tables, statistic)
         blocks.append(
@@ -374,6 +392,15 @@ def per_class_section(
                 text,
                 "Per-class accuracy of every setting as CSV (a line per setting, method and "
                 "class: mean, std and each seed's value in %)",
+            )
+        )
+    if halves:
+        blocks.append(
+            Attachment(
+                "class-halves.csv",
+                halves_csv(halves, statistic),
+                "The minority / majority split of every setting as CSV (a line per setting "
+                "and run: both halves, their gap and the lowest class in %, and the ranking)",
             )
         )
     return blocks

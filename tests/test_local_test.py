@@ -213,3 +213,23 @@ def test_counts_that_cannot_be_a_clients_are_refused(caplog):
     mine = {0: _result(7, 10, personal_correct=-1)}
     with pytest.raises(FedskewError, match="personal_correct"):
         evaluate_on_clients(_Replies(mine, lossy=False), 0, {}, [10], personal=True)
+
+
+def test_a_fraction_that_holds_out_nothing_is_refused_or_named(tmp_path, capsys, caplog):
+    # Digits over 10 clients: the largest holds ~111 samples, so 0.001 rounds to none on all.
+    args = ["run", "--rounds", "1", "--quiet", "-o", str(tmp_path)]
+    assert main([*args, "--local-test-fraction", "0.001"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "local-test-fraction 0.001 holds out no sample on any client" in err[0]
+    assert not list(tmp_path.iterdir())  # refused before a folder was made
+    with pytest.raises(FedskewError, match="validation-fraction 0.001 holds out no sample"):
+        prepare(ExperimentConfig(validation_fraction=0.001))
+    # 20 clients: only those under 1 / (2 x 0.006) = 84 samples hold out nothing.
+    cfg = ExperimentConfig(num_clients=20, local_test_fraction=0.006)
+    with caplog.at_level("WARNING", logger="fedskew"):
+        prep = prepare(cfg)
+    empty = [k for k, t in enumerate(prep.fed.local_test) if len(t) == 0]
+    assert 0 < len(empty) < 20
+    assert f"holds out no sample on {len(empty)} of 20 clients (first: client {empty[0]}" in (
+        caplog.text
+    )

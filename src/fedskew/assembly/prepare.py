@@ -7,6 +7,7 @@ configuration here, so that every process holds the same data, partition and mod
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ from fedskew.models.cost import TRAIN_FLOPS_PER_FORWARD, forward_cost
 from fedskew.training.interface import Algorithm, InactiveMechanism, LocalTrainConfig, RunShape
 from fedskew.training.privacy import Privacy, check_privacy
 from fedskew.version import __version__
+
+log = logging.getLogger("fedskew")
 
 
 @dataclass
@@ -156,6 +159,29 @@ def execution_settings(cfg: ExperimentConfig) -> ExecutionSettings:
     )
 
 
+def check_held_out(
+    option: str, fraction: float, clients: list[np.ndarray], held: list[np.ndarray]
+) -> None:
+    """Refuse a held-out fraction that holds out nothing on every client (each client keeps
+    round(F * n) of its n samples: below 1 / (2 n) that is none), which would run with null
+    accuracies; warn, naming them, where only some clients hold out nothing."""
+    none = [k for k, h in enumerate(held) if len(h) == 0]
+    if not none:
+        return
+    sizes = [len(c) for c in clients]
+    if len(none) == len(held):
+        raise UsageError(
+            f"{option} {fraction:g} holds out no sample on any client (each holds out "
+            f"round({fraction:g} x its samples), and the largest client has {max(sizes)}): "
+            f"use at least {1 / (2 * max(sizes)):.2g}, or 0 for none"
+        )
+    log.warning(
+        "%s %g holds out no sample on %d of %d clients (first: client %d, %d samples): "
+        "they have no %s accuracy", option, fraction, len(none), len(held), none[0],
+        sizes[none[0]], "local test" if option.startswith("local") else "validation",
+    )  # fmt: skip
+
+
 def prepare(cfg: ExperimentConfig, dataset: Dataset | None = None) -> Prepared:
     """Data, partition, algorithm and training settings of ``cfg``; the training and test
     tensors are put on the run's device once (a no-op on the CPU). ``dataset``: the run's
@@ -183,12 +209,15 @@ def prepare(cfg: ExperimentConfig, dataset: Dataset | None = None) -> Prepared:
             partition, dataset.y_train.numpy(), dataset.num_classes, cfg.local_test_fraction,
             cfg.seed,
         )  # fmt: skip
+        check_held_out("local-test-fraction", cfg.local_test_fraction, whole, local_test)
     if cfg.validation_fraction > 0:
         whole = partition if whole is None else whole
+        before = partition
         partition, validation = split_local_test(
             partition, dataset.y_train.numpy(), dataset.num_classes, cfg.validation_fraction,
             cfg.seed, VALIDATION,
         )  # fmt: skip
+        check_held_out("validation-fraction", cfg.validation_fraction, before, validation)
         use_validation_as_test(dataset, validation)
     train = LocalTrainConfig(
         epochs=cfg.local_epochs,

@@ -312,6 +312,24 @@ def test_load_errors(tmp_path: Path) -> None:
         load_partition(bad)
 
 
+@pytest.mark.parametrize(
+    ("indices", "offsets", "what"),
+    [
+        (np.arange(4), np.array([0.0, 2.5, 4.0]), "offsets are float64"),
+        (np.array([0.0, 1.0, 2.7, 3.0]), np.array([0, 2, 4]), "indices are float64"),
+        (np.arange(4), np.array([0, 2, 2**64 - 1], dtype=np.uint64), "offsets are uint64"),
+    ],
+)
+def test_partition_files_with_fractional_or_wrapping_numbers_are_refused(
+    tmp_path: Path, indices: np.ndarray, offsets: np.ndarray, what: str
+) -> None:
+    # A cast to int64 read 2.5 as 2 and client sizes shifted without a word.
+    path = tmp_path / "p.npz"
+    np.savez(path, indices=indices, offsets=offsets, meta=np.array("{}"))
+    with pytest.raises(FedskewError, match=f"its {what}, not integers"):
+        load_partition(path)
+
+
 @pytest.mark.parametrize("num_clients", [10, 1000])
 def test_plot_partition_png(tmp_path: Path, num_clients: int) -> None:
     labels = mnist_like_labels()[:20_000]

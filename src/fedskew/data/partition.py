@@ -694,8 +694,7 @@ def load_partition(path: Path) -> tuple[list[np.ndarray], dict]:
     refuse_non_regular(path, "partition file")
     try:
         with np.load(path, allow_pickle=False) as data:
-            indices = data["indices"].astype(np.int64, copy=False)
-            offsets = data["offsets"].astype(np.int64, copy=False)
+            indices, offsets = data["indices"], data["offsets"]
             meta = json.loads(str(data["meta"]))
     except FileNotFoundError:
         raise FedskewError(f"cannot read partition file {path}: no such file") from None
@@ -704,6 +703,16 @@ def load_partition(path: Path) -> tuple[list[np.ndarray], dict]:
             f"{path} is not a fedskew partition file, or it is damaged ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})"
         ) from None
+    for key, arr in (("indices", indices), ("offsets", offsets)):
+        # A cast would truncate 2.5 to 2 (or wrap a huge unsigned value) without a word.
+        if arr.dtype.kind not in "iu" or (
+            arr.dtype.kind == "u" and arr.size and arr.max() >= 2**63
+        ):
+            raise FedskewError(
+                f"{path} is not a fedskew partition file: its {key} are {arr.dtype}, not integers"
+            )
+    indices = indices.astype(np.int64, copy=False)
+    offsets = offsets.astype(np.int64, copy=False)
     if (
         offsets.ndim != 1
         or offsets.size == 0

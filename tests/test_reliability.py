@@ -358,3 +358,52 @@ def _config_file(tmp_path: Path, cfg: ExperimentConfig) -> str:
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps({k: v for k, v in cfg.to_dict().items() if v is not None}))
     return str(path)
+
+
+def test_memory_exhaustion_is_one_line_with_what_was_asked(tmp_path, capsys):
+    # A 10^7-wide MLP asks for ~4e14 bytes: the allocator refuses it at once (no swapping).
+    args = ["run", "--rounds", "1", "-m", "mlp", "--model-option", "hidden=10000000",
+            "--quiet", "-o", str(tmp_path)]  # fmt: skip
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("fedskew: error: out of host memory: an allocation of ")
+    assert "GiB available of" in err[0] and "Traceback" not in err[0]
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (MemoryError("Unable to allocate 25.0 GiB for an array with shape (1,)"), "of 25.0 GiB"),
+        (
+            RuntimeError(
+                "DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                "2147483648 bytes. Error code 12"
+            ),
+            "of 2.00 GiB",
+        ),  # fmt: skip
+        (MemoryError(), "out of host memory: an allocation failed"),
+    ],
+)
+def test_every_kind_of_memory_error_reads_as_one_line(monkeypatch, capsys, exc, expected):
+    def fail(_args: object) -> int:
+        raise exc
+
+    import fedskew.apps.cli as cli
+
+    monkeypatch.setattr(cli, "cmd_list", fail)
+    assert main(["list"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+
+
+@pytest.mark.parametrize("command", ["run", "compare"])
+def test_a_huge_configuration_file_is_refused_before_it_is_read(tmp_path, capsys, command):
+    path = tmp_path / "big.toml"
+    with path.open("w") as fh:  # 17 MiB: a value no configuration needs
+        fh.write('name = "')
+        fh.write("x" * (17 * 2**20))
+        fh.write('"\n')
+    assert main([command, "-c", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is 17.0 MiB; at most 16 MiB is read" in err[0], err

@@ -17,7 +17,7 @@ from fedskew.core.device import check_device_spec, cuda_count
 from fedskew.core.errors import UsageError
 from fedskew.core.machine import usable_cores
 from fedskew.core.precision import check_precision
-from fedskew.core.structured_text import parse_structured_text
+from fedskew.core.structured_text import parse_structured_text, read_text_file
 from fedskew.data.partition import (
     PARTITION_VERSION,
     current_scheme,
@@ -659,14 +659,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"config file not found: {p}")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UsageError(f"cannot parse {p}: not UTF-8 text") from None
-    except OSError as exc:
-        raise UsageError(f"cannot read config file {p}: {exc.strerror or exc}") from None
     if p.suffix.lower() not in {".toml", ".yaml", ".yml", ".json"}:
         raise UsageError(f"config file must end in .toml, .yaml or .yml: {p}")
+    text = read_text_file(p, "config file")
     raw = parse_structured_text(text, p.suffix, str(p))
     if raw is None:  # an empty YAML file
         raw = {}

@@ -13,6 +13,7 @@ from typing import Any
 
 from fedskew.apps.options import add_experiment_options, add_run_options, cli_values, raw_cli_values
 from fedskew.core.errors import FedskewError, Terminated, UsageError
+from fedskew.core.memory_exhaustion import is_memory_exhaustion, memory_line
 
 
 def load_config(args: argparse.Namespace):
@@ -414,9 +415,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     latex = args.latex or args.latex_paired or latex_style_chosen(args)
     try:
         records = compare.collect(root)
-        md = compare.write_tables(
-            root, records, options, command, latex, args.latex_paired, style
-        )
+        md = compare.write_tables(root, records, options, command, latex, args.latex_paired, style)
         print(f"tables: {md}, {root / 'comparison.csv'}, {root / 'runs.csv'}")
         if latex:
             print(f"LaTeX table (booktabs): {latex_path(root, 'comparison')}")
@@ -600,6 +599,11 @@ def _main(argv: list[str] | None) -> int:
         print(f"fedskew: {text}" if text else "fedskew: interrupted", file=sys.stderr)
         by_sigterm = isinstance(exc, Terminated) or isinstance(exc.__context__, Terminated)
         return 128 + signal.SIGTERM if by_sigterm else 130
+    except (MemoryError, RuntimeError) as exc:
+        if not is_memory_exhaustion(exc):
+            raise
+        print(f"fedskew: error: {memory_line(exc)}", file=sys.stderr)
+        return 1
     except BrokenPipeError:
         # The reader (e.g. `| head`) went away: stop quietly, as command-line tools do.
         devnull = os.open(os.devnull, os.O_WRONLY)

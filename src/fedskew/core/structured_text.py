@@ -13,11 +13,36 @@ from __future__ import annotations
 
 import json
 import tomllib
+from pathlib import Path
 from typing import Any
 
 from fedskew.core.errors import UsageError
 
 MAX_DEPTH = 64  # tables and lists inside each other; a configuration needs a handful
+# A configuration is a few kilobytes; parsing a gigabyte of one takes several gigabytes of
+# memory before anything could say what is wrong with it.
+MAX_CONFIG_BYTES = 16 * 2**20
+
+
+def read_text_file(path: Path, what: str, max_bytes: int = MAX_CONFIG_BYTES) -> str:
+    """The UTF-8 text of a file a user gives, refused in one line when it is larger than
+    ``max_bytes`` (before it is read), missing, unreadable or not text."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise UsageError(f"{what} not found: {path}") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    if size > max_bytes:
+        raise UsageError(
+            f"{what} {path} is {size / 2**20:.1f} MiB; at most {max_bytes / 2**20:g} MiB is read"
+        )
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"cannot parse {path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
 
 
 def parse_structured_text(text: str, suffix: str, where: str) -> Any:

@@ -22,7 +22,7 @@ import numpy as np
 from fedskew.core.durable import refuse_non_regular, replace_durably
 from fedskew.core.errors import DataError, FedskewError, UsageError
 from fedskew.core.rng import numpy_rng
-from fedskew.core.structured_text import parse_structured_text
+from fedskew.core.structured_text import parse_structured_text, read_text_file
 
 
 @dataclass(frozen=True)
@@ -616,6 +616,8 @@ def partition_stats(
 # A client "holds" a class when it has at least this share of the class's samples: a few
 # strays left by rounding or the min_size repair are not a holding.
 HOLDER_SHARE = 0.01
+# A JSON list of every index of a million-sample dataset is about 8 MiB.
+MAX_PARTITION_JSON_BYTES = 256 * 2**20
 
 
 def class_holders(counts: np.ndarray, min_share: float = HOLDER_SHARE) -> np.ndarray:
@@ -735,12 +737,7 @@ def read_partition_file(path: str | Path) -> list[np.ndarray]:
     if p.suffix.lower() != ".json":
         raise UsageError(f"partition file must end in .npz or .json: {p}")
     refuse_non_regular(p, "partition file")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"partition file not found: {p}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"cannot read partition file {p}: {str(exc).splitlines()[0]}") from None
+    text = read_text_file(p, "partition file", MAX_PARTITION_JSON_BYTES)
     raw = parse_structured_text(text, ".json", f"partition file {p}")
     if isinstance(raw, dict):
         # isdecimal, not isdigit: "²" is a digit that int() refuses.

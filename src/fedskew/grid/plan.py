@@ -19,7 +19,7 @@ from fedskew.config import (
     normalise_keys,
 )
 from fedskew.core.errors import UsageError
-from fedskew.core.structured_text import parse_structured_text
+from fedskew.core.structured_text import parse_structured_text, read_text_file
 from fedskew.grid.executors import EXECUTOR_KEYS
 from fedskew.report.latex_style import check_display_names
 from fedskew.report.tables import Options
@@ -85,10 +85,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
         raise UsageError(f"config file not found: {p}")
     if p.suffix.lower() not in {".toml", ".yaml", ".yml", ".json"}:
         raise UsageError(f"config file must end in .toml, .yaml, .yml or .json: {p}")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UsageError(f"cannot parse {p}: not UTF-8 text") from None
+    text = read_text_file(p, "config file")
     raw = parse_structured_text(text, p.suffix, str(p))
     if raw is None:  # an empty YAML file
         raw = {}

@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from fedskew.apps import compare
 from fedskew.apps.cli import main
@@ -25,6 +26,7 @@ from fedskew.report.document import plain_text
 from fedskew.report.latex import comparison_latex
 from fedskew.report.runs import find_runs
 from fedskew.report.tables import Options, comparison_blocks, comparison_csv, per_run_table
+from fedskew.runs.checkpoint import read_checkpoint
 from fedskew.runs.folder import RunFolder
 from fedskew.runs.loop import run
 
@@ -319,3 +321,33 @@ def test_a_divergence_travels_back_from_a_ray_task_or_slurm_array():
     back = outcome_from(planned, outcome_data(Outcome(planned, "diverged", "NaN", 1.0, 1, 7)))
     assert (back.status, back.round) == ("diverged", 7)
     assert closing_line([back]) == "1 run: 0 finished, 1 diverged (fedavg-s0 at round 7), 0 failed"
+
+
+def test_a_server_state_that_overflows_diverges_and_is_not_checkpointed(tmp_path, monkeypatch):
+    """Two clients send finite but extreme SCAFFOLD control deltas in round 2: each reply
+    passes the NaN check, their sum overflows the server's c to Inf. The run stops there, the
+    checkpoint of round 1 is kept (before, it ended normally with Inf in its checkpoint)."""
+    import fedskew.runs.loop as loop
+
+    exchange = loop.FiniteReplies.exchange
+
+    def poisoned(self, messages, expect=None):
+        replies = exchange(self, messages, expect)
+        if self.round == 1:
+            for reply in replies.values():
+                for k, v in reply.arrays.items():
+                    if k.startswith("dc/"):
+                        reply.arrays[k] = torch.full_like(v, 3e38)
+        return replies
+
+    monkeypatch.setattr(loop.FiniteReplies, "exchange", poisoned)
+    cfg = ExperimentConfig(algorithm="scaffold", rounds=3, out_dir=str(tmp_path), name="sc",
+                           **TINY)  # fmt: skip
+    with pytest.raises(Diverged, match="round 2: the server state has NaN or Inf in 'c.") as got:
+        run(cfg)
+    assert got.value.round == 2
+    folder = tmp_path / "sc.incomplete"
+    assert (_stop(folder)["state"], _rounds(folder)) == ("diverged", 1)
+    saved = read_checkpoint(folder / "checkpoint.npz")
+    assert saved.round == 1
+    assert all(bool(torch.isfinite(t).all()) for t in saved.server["c"].values())

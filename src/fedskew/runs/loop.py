@@ -552,6 +552,17 @@ def play_round(state: RunState, rnd: int) -> dict[str, Any]:
             "the last good checkpoint is kept (lower --lr, or add --grad-clip)",
             rnd + 1,
         )
+    for name in server.checkpoint_fields:
+        where = non_finite_in(getattr(server, name), name)
+        if where is not None:
+            # SCAFFOLD's c, FedDyn's h, FedFM's anchors: a reply that passed the checks can
+            # still overflow the server's own state, which the next checkpoint would keep.
+            raise Diverged(
+                f"round {rnd + 1}: the server state has NaN or Inf in '{where}' after "
+                "aggregation; the last good checkpoint is kept (lower --lr, add --grad-clip, "
+                "or look for a client sending extreme values)",
+                rnd + 1,
+            )
     drift = changed_entry(state.setup.initial_arrays, server.global_arrays)
     if drift is not None:
         # A client replying in float64 would make every later checkpoint another model's:
@@ -636,6 +647,29 @@ def non_finite_array(arrays: dict[str, torch.Tensor]) -> str | None:
     for name, t in arrays.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             return name
+    return None
+
+
+def non_finite_in(value: Any, where: str) -> str | None:
+    """Where in ``value`` (tensors and float arrays, inside dicts, lists and tuples) a NaN
+    or Inf is, as 'field.key[index]', or None. Plain numbers are left alone: a server may
+    keep an infinite bound on purpose."""
+    if isinstance(value, torch.Tensor):
+        finite = not value.is_floating_point() or bool(torch.isfinite(value).all())
+        return None if finite else where
+    if isinstance(value, np.ndarray):
+        finite = value.dtype.kind != "f" or bool(np.isfinite(value).all())
+        return None if finite else where
+    if isinstance(value, Mapping):
+        items: Any = ((f"{where}.{k}", v) for k, v in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"{where}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for name, inner in items:
+        found = non_finite_in(inner, name)
+        if found is not None:
+            return found
     return None
 
 

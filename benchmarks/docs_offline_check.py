@@ -16,7 +16,7 @@ where that is not allowed, through a proxy address nothing listens on; the outpu
     python benchmarks/docs_offline_check.py --site site --screenshot /tmp/algorithms.png
 
 Exit status 0 when every check passes, 1 when one fails, 2 when there is no browser.
-tests/test_docs_math.py checks the built HTML without a browser (CI has none).
+tests/test_docs_site.py checks the built HTML without a browser (CI has none).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ pymdownx.arithmatex (generic mode, mkdocs.yml) keeps the TeX away from Markdown 
 this hook converts each with latex2mathml (the ``docs`` extra) and fails the build on an
 equation it cannot convert faithfully, instead of shipping TeX source or a wrong formula.
 
-Two gaps of latex2mathml are closed here, both checked by tests/test_docs_math.py:
+Two gaps of latex2mathml are closed here, both checked by tests/test_docs_site.py:
 
 - a few commands it does not know or does not size (``\\arg``, ``\\big\\|``) are rewritten to
   equivalents it does know before conversion (``_REWRITES``);

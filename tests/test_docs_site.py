@@ -1,6 +1,10 @@
-"""The documentation site shows its equations without a network: the TeX of docs/algorithms.md
-is MathML in the built HTML (docs/hooks/math.py), one <math> element per equation of the
-Markdown, and no page loads a script or style sheet from outside the site.
+"""The built documentation site (mkdocs build --strict) stands on its own:
+
+- its equations show without a network: the TeX of docs/algorithms.md is MathML in the built
+  HTML (docs/hooks/math.py), one <math> element per equation of the Markdown;
+- no page loads a script or style sheet from outside the site;
+- no relative link leaves it: repository files the docs link to (SECURITY.md, BENCHMARKS.md,
+  benchmarks/results/...) are pages or files of the site (docs/hooks/repo_links.py).
 
 Without a browser (CI has none); benchmarks/docs_offline_check.py checks the same pages in
 headless Chromium with the network off."""
@@ -8,6 +12,7 @@ headless Chromium with the network off."""
 from __future__ import annotations
 
 import importlib.util
+import posixpath
 import re
 import subprocess
 import sys
@@ -108,3 +113,31 @@ def test_no_page_loads_anything_from_outside(site: Path) -> None:
             outside[str(sheet.relative_to(site))] = found
     assert not outside, outside
     assert "mathjax" not in (ROOT / "mkdocs.yml").read_text(encoding="utf-8").lower()
+
+
+def test_no_link_leaves_the_site(site: Path) -> None:
+    attribute = re.compile(r"\b(?:href|src)=\"([^\"]*)\"")
+    broken: dict[str, list[str]] = {}
+    pages = sorted(site.rglob("*.html"))
+    for page in pages:
+        here = page.parent.relative_to(site).as_posix()
+        for value in attribute.findall(page.read_text(encoding="utf-8")):
+            if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", value) or value.startswith(("#", "//")):
+                continue  # a web address, mailto:, data:, or an anchor of the page itself
+            path = value.split("#", 1)[0].split("?", 1)[0]
+            if not path:
+                continue
+            # A path from the site's root (the 404 page's) or from the page's folder.
+            joined = posixpath.normpath(path[1:] if path.startswith("/") else f"{here}/{path}")
+            target = site / joined
+            if joined.startswith("..") or not (
+                target.is_file() or (target / "index.html").is_file()
+            ):
+                broken.setdefault(str(page.relative_to(site)), []).append(value)
+    assert not broken, broken
+    # The files the issue names are pages of the site, reached from the home page and the
+    # benchmarks page.
+    home = (site / "index.html").read_text(encoding="utf-8")
+    assert 'href="repository/SECURITY/"' in home
+    assert (site / "repository/BENCHMARKS/index.html").is_file()
+    assert (site / "repository/benchmarks/results/precision_throughput/index.html").is_file()

@@ -280,7 +280,7 @@ def markdown(result: dict[str, Any], command: str) -> str:
             f"Together / one after another, median of the pairs: {paired['ratio_median']:.2f}x "
             f"(pairs from {low:.2f}x to {high:.2f}x).",
         ]
-    lines += ["", "Issue 12's goals (computed from the rows above):", ""]
+    lines += ["", "Goals (computed from the rows above):", ""]
     together = ratios["together_vs_one_after_another"]
     verdict = "reached" if together >= GOAL_TOGETHER else "not reached"
     lines.append(

@@ -3,21 +3,28 @@
 Nothing is measured here and no figure or verdict is typed here: every number comes from a
 file under benchmarks/results/. The JSON files are written by the scripts that measured
 them (benchmarks/README.md says which script writes which file and how to rerun it);
-external_figures.json holds the figures issue 6 gives for other frameworks, measured on
-another machine, and every row or sentence that uses them says so. Sentences that draw a
+external_figures.json holds figures reported to the project for other frameworks, measured
+on another machine, and every row or sentence that uses them says so. Sentences that draw a
 conclusion (goal reached or not, which configuration is fastest, faster or slower) are
-computed from those numbers. Per-run command lists stay in the linked result files.
+computed from those numbers. Per-run command lists stay in the linked result files. The
+file opens with the summary of benchmarks_summary.py (headline ratios, each linked to its
+section); tests/test_benchmarks_md.py checks that BENCHMARKS.md is what this script writes.
 
-    python benchmarks/make_benchmarks_md.py
+    python benchmarks/make_benchmarks_md.py            # write BENCHMARKS.md
+    python benchmarks/make_benchmarks_md.py --check    # exit 1 if BENCHMARKS.md differs
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
+
+import benchmarks_summary as summary
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -61,15 +68,15 @@ def throughput_section() -> list[str]:
     frameworks = external["frameworks"]
     goal_of = external["goal"]["of"]
     goal = external["goal"]["factor"] * frameworks[goal_of]["round_throughput"]
-    issue_bare = external["bare_loop"]["fp32 contiguous"]
+    reported_bare = external["bare_loop"]["fp32 contiguous"]
     m = inproc["machine"]
     commands = " and ".join(f"`{r['command']}`" for r in (inproc, workers) if r is not None)
     lines = [
-        "## Round throughput: the issue-6 experiment",
+        f"## {summary.THROUGHPUT}",
         "",
-        f"Issue 6's experiment: {external['experiment']}. Round throughput = {external['unit']}.",
+        f"The experiment: {external['experiment']}. Round throughput = {external['unit']}.",
         "",
-        "- Rows from issue 6: the figures issue 6 gives for other frameworks "
+        "- Reported rows: other frameworks' figures "
         f"({external['source']}; that machine: {external['machine']}; "
         "[external_figures.json](benchmarks/results/external_figures.json)). The goal, "
         f"{external['goal']['factor']}x {goal_of}'s figure = {goal:,} samples/s, is a figure "
@@ -78,7 +85,8 @@ def throughput_section() -> list[str]:
         "the repeated measurement below is the one to read); "
         f"{inproc['setting']['rounds_setting']}.",
         "- 'x own bare fp32 loop' divides by the bare fp32 loop of the row's own machine: "
-        f"issue 6's {issue_bare:,} samples/s for its rows, the same invocation's for "
+        f"the reported {reported_bare:,} samples/s for the reported rows, the same "
+        "invocation's for "
         "fedskew's.",
         "",
         "| source | framework / configuration | round throughput (samples/s) "
@@ -88,8 +96,8 @@ def throughput_section() -> list[str]:
     for name, f in frameworks.items():
         value = f["round_throughput"]
         lines.append(
-            f"| issue 6 (another machine, not rerun) | {name} | {value:,} | "
-            f"{value / issue_bare:.2f} | {value / goal:.2f} |"
+            f"| reported (another machine, not rerun) | {name} | {value:,} | "
+            f"{value / reported_bare:.2f} | {value / goal:.2f} |"
         )
     for source, result in (
         ("precision_throughput.json", inproc),
@@ -148,7 +156,7 @@ def repeats_section(result: dict | None, external: dict[str, Any], goal: int) ->
     n = s["repeat"]
     goal_of = external["goal"]["of"]
     flower = external["frameworks"][goal_of]["round_throughput"]
-    issue_bare = external["bare_loop"]["fp32 contiguous"]
+    reported_bare = external["bare_loop"]["fp32 contiguous"]
     bare: dict[tuple[str, bool], list[float]] = {}
     for r in result["bare"]:
         bare.setdefault((r["precision"], r["compiled"]), []).append(r["samples_per_s"])
@@ -159,7 +167,7 @@ def repeats_section(result: dict | None, external: dict[str, Any], goal: int) ->
         f"The bare fp32 loop of the same invocation ran at {own:,.0f} samples/s (median).",
         "",
         "| fedskew configuration | round throughput (samples/s) | x own bare fp32 loop "
-        f"| x goal ({goal:,}; issue 6) | x {goal_of}'s figure (issue 6) |",
+        f"| x goal ({goal:,}; reported) | x {goal_of}'s reported figure |",
         "|---|---|---|---|---|",
     ]
     rows: list[tuple[float, str, list[float]]] = []
@@ -181,24 +189,25 @@ def repeats_section(result: dict | None, external: dict[str, Any], goal: int) ->
             )
     med, label, vals = max(rows)
     reached = med >= goal
-    flower_own = flower / issue_bare
+    flower_own = flower / reported_bare
     lines += [
         "",
         f"Fastest configuration (median): {label}, {med:,.0f} samples/s (best of {n}: "
-        f"{max(vals):,.0f}). Against the goal ({goal:,}, from issue 6's figures on another "
+        f"{max(vals):,.0f}). Against the goal ({goal:,}, from the figures reported on another "
         f"machine): {med / goal:.2f}, goal **{'reached' if reached else 'not reached'}**"
         + ("" if reached else f" (it needs {goal / med:.2f}x more)")
         + f". Each against its own machine's bare fp32 loop: fedskew {med / own:.2f}x "
-        f"(this invocation), {goal_of} {flower_own:.2f}x (issue 6: {flower:,} / "
-        f"{issue_bare:,}); ratio {med / own / flower_own:.2f}.",
+        f"(this invocation), {goal_of} {flower_own:.2f}x (reported: {flower:,} / "
+        f"{reported_bare:,}); ratio {med / own / flower_own:.2f}.",
     ]
-    gain, issue_gain = bf16_gain(), external["bare_loop"]["bf16 channels_last"] / issue_bare
+    gain = bf16_gain()
+    reported_gain = external["bare_loop"]["bf16 channels_last"] / reported_bare
     if gain:
         lines += [
             "",
             f"Bare loop, bf16 channels_last / fp32 contiguous: {gain:.2f} here "
-            f"(precision_throughput.json) and {issue_gain:.2f} in issue 6 "
-            f"({external['bare_loop']['bf16 channels_last']:,} / {issue_bare:,}, another "
+            f"(precision_throughput.json) and {reported_gain:.2f} as reported "
+            f"({external['bare_loop']['bf16 channels_last']:,} / {reported_bare:,}, another "
             "machine).",
         ]
     compiled = {
@@ -347,11 +356,21 @@ def without_commands(body: list[str]) -> list[str]:
     return out
 
 
+# Result files written before their scripts spoke only of the project: an issue number that is
+# only a label becomes the project's words (the scripts now write these).
+WORDING = [
+    ("Issue 12's goals (computed from the rows above):", "Goals (computed from the rows above):"),
+]
+
+
 def include(title: str, name: str, script: str) -> list[str]:
     path = RESULTS / name
     if not path.exists():
         return [f"## {title}", "", f"(run `{script}`)", ""]
-    body = path.read_text().splitlines()
+    text = path.read_text()
+    for old, new in WORDING:
+        text = text.replace(old, new)
+    body = text.splitlines()
     if body and body[0].startswith("# "):
         body = body[1:]
     shown = without_commands(body)
@@ -372,9 +391,13 @@ def include(title: str, name: str, script: str) -> list[str]:
     ]
 
 
-def main() -> None:
+def render() -> str:
+    """BENCHMARKS.md's text."""
     lines = [
         "# Benchmarks",
+        "",
+        *summary.summary_lines(),
+        "## How this file is made",
         "",
         "Assembled by `python benchmarks/make_benchmarks_md.py` from the result files under "
         "benchmarks/results/; [benchmarks/README.md](benchmarks/README.md) says which script "
@@ -384,13 +407,13 @@ def main() -> None:
         "",
         *throughput_section(),
         *include(
-            "bf16 against fp32: accuracy",
+            summary.CPU_ACCURACY,
             "precision_accuracy.md",
             "python benchmarks/precision_accuracy.py",
         ),  # fmt: skip
         *round_time_reading(),
         *include(
-            "Round time per algorithm, relative to FedAvg",
+            summary.ROUND_TIME,
             "algorithm_round_time.md",
             "python benchmarks/algorithm_round_time.py",
         ),  # fmt: skip
@@ -401,7 +424,7 @@ def main() -> None:
             "python benchmarks/flower_round_time.py",
         ),  # fmt: skip
         *include(
-            "Flower and fedskew side by side, equal precision (issue 35)",
+            summary.SIDE_BY_SIDE,
             "flower_side_by_side.md",
             "python benchmarks/flower_side_by_side.py --repeat 2 --busy",
         ),  # fmt: skip
@@ -421,22 +444,22 @@ def main() -> None:
             "python benchmarks/round_profile.py",
         ),  # fmt: skip
         *include(
-            "GPU: one after another against together, fp32/TF32/bf16 (issue 39)",
+            summary.GPU_TABLE,
             "gpu_table.md",
             "python benchmarks/gpu_table.py --device cuda",
         ),  # fmt: skip
         *include(
-            "GPU: the ResNet-18 rows again, minutes later on the same machine",
+            summary.GPU_REPEAT,
             "gpu_table_resnet18_repeat.md",
             "python benchmarks/gpu_table.py --device cuda --models resnet18 --rounds 3",
         ),  # fmt: skip
         *include(
-            "GPU: TF32 and bf16 against fp32, accuracy (issue 39)",
+            summary.GPU_ACCURACY,
             "precision_accuracy_cuda.md",
             "python benchmarks/precision_accuracy.py --device cuda --modes fp32 tf32 bf16",
         ),  # fmt: skip
         *include(
-            "GPU check (issue 39)",
+            summary.GPU_CHECK,
             "gpu_check.md",
             "bash benchmarks/gpu_check.sh",
         ),  # fmt: skip
@@ -446,9 +469,24 @@ def main() -> None:
             "python benchmarks/pool_relu_order.py",
         ),  # fmt: skip
     ]
-    (ROOT / "BENCHMARKS.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {ROOT / 'BENCHMARKS.md'}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="BENCHMARKS.md from benchmarks/results/")
+    parser.add_argument("--check", action="store_true", help="exit 1 if BENCHMARKS.md differs")
+    args = parser.parse_args(argv)
+    text, target = render(), ROOT / "BENCHMARKS.md"
+    if args.check:
+        if target.read_text() != text:
+            print("BENCHMARKS.md differs from what the result files give: run "
+                  "python benchmarks/make_benchmarks_md.py", file=sys.stderr)
+            return 1
+        return 0
+    target.write_text(text)
+    print(f"wrote {target}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

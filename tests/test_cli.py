@@ -185,3 +185,32 @@ def test_partition_with_an_empty_client_is_one_line(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "partition 'dirichlet' leaves" in err and "min_size >= 1" in err
+
+
+def imported_modules(*args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """``python -m fedskew ARGS`` and the modules it imported (Python's -X importtime)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "fedskew", *args],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    names = {
+        line.rsplit("|", 1)[1].strip()
+        for line in done.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+    assert "fedskew.apps.cli" in names, done.stderr[-2000:]  # importtime did report
+    return done, names
+
+
+def test_help_imports_no_torch():
+    # torch's import is about 1.5 s of CPU (2.6-2.9 s for `fedskew --help` on a loaded
+    # 2-core machine before): asking for help should not wait for it.
+    from fedskew.apps.cli import make_parser
+
+    [commands] = [a.choices for a in make_parser()._actions if a.dest == "command"]
+    for args in (["--help"], *([name, "--help"] for name in commands)):
+        done, names = imported_modules(*args)
+        assert done.returncode == 0 and "usage: fedskew" in done.stdout, (args, done.stderr[-500:])
+        heavy = sorted(n for n in names if n.split(".")[0] in ("torch", "torchvision", "flwr"))
+        assert not heavy, (args, heavy[:5])

@@ -212,6 +212,28 @@ def test_tensorboard_shows_every_scalar_with_either_loader(load_fast, tracked):
     assert_per_class_and_client_scalars(got, "tensorboard", tracked)
 
 
+def test_tensorboard_shows_a_grids_runs_by_setting_and_method(tmp_path):
+    # fedskew compare's layout: <grid>/tensorboard/<setting>/<method>-s<seed>, served as
+    # runs named setting/method-sSEED by `tensorboard --logdir <grid>/tensorboard`.
+    needs("tensorboard")
+    from fedskew.runs.tracking.base import RunInfo
+    from fedskew.runs.tracking.tensorboard_tracker import TensorBoardTracker
+
+    written: dict[str, Series] = {}
+    for method in ("fedavg", "prox"):
+        name = f"beta0.5/{method}-s0"
+        tracker = TensorBoardTracker(RunInfo(tmp_path, name, "grid", "beta0.5", method, 0, {}), {})
+        values = {"accuracy": 0.1 + len(method) / 7, "bytes_up": 123456789, "loss": 1e-9}
+        for step in (1, 2):
+            tracker.log_round(step, values)
+        tracker.close("finished")
+        written[name] = shown("tensorboard", {k: [(1, v), (2, v)] for k, v in values.items()})
+    with tensorboard(tmp_path / "tensorboard") as url:
+        for name, expected in written.items():
+            assert read_served(url, name, expected) == expected, name
+        assert sorted(served_runs(url)) == sorted(written)
+
+
 def test_mlflow_holds_params_tags_and_the_run_folder_as_artifacts(tracked):
     needs("mlflow")
     ids = json.loads((tracked / "tracking.json").read_text())["trackers"]["mlflow"]

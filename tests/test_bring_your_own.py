@@ -118,7 +118,7 @@ def test_entry_points_are_found(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["-a", "no_such_module_xyz:Alg"], "cannot import"),
+        (["-a", "no_such_module_xyz:Alg"], "no module no_such_module_xyz in the working folder"),
         (["-a", "fedskew.config:ExperimentConfig"], "not a subclass"),
         (["-a", "fedskew.algorithms.fedavg:Nope"], "has no Nope"),
         (["-m", "fedskew.config:FINITE"], "not a model builder"),
@@ -130,6 +130,46 @@ def test_bad_references_give_one_line(tmp_path, capsys, args, needle):
     code = main(["run", "-o", str(tmp_path), "-r", "1", "-q", *args])
     err = capsys.readouterr().err
     assert code in (1, 2) and err.count("\n") == 1 and needle in err, err
+
+
+def test_a_module_outside_the_working_folder_gets_a_hint(tmp_path, monkeypatch, capsys):
+    # As a researcher's own method kept in a folder of its own, fedskew started one above.
+    (tmp_path / "methods").mkdir()
+    (tmp_path / "methods" / "fedadam.py").write_text((EXAMPLES / "fedavgm.py").read_text())
+    monkeypatch.chdir(tmp_path)
+    args = ["run", "-o", str(tmp_path / "out"), "-r", "1", "-n", "4", "--clients-per-round", "2",
+            "-e", "1", "-q"]  # fmt: skip
+    assert main([*args, "-a", "fedadam:FedAvgM"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"no module fedadam in the working folder ({tmp_path})" in err
+    assert "PYTHONPATH" in err and "(methods/fedadam.py is here: PYTHONPATH=methods)" in err
+    # A file path names the module and folder to use instead.
+    assert main([*args, "-a", "methods/fedadam.py:FedAvgM"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "give the module (fedadam:FedAvgM)" in err, err
+    assert "PYTHONPATH=methods" in err
+    # A module that is found but imports a missing one says so, not "no module".
+    (tmp_path / "needs_more.py").write_text("import no_such_dependency_xyz\n")
+    assert main([*args, "-a", "needs_more:Alg"]) == 2
+    err = capsys.readouterr().err
+    assert "importing needs_more failed" in err and "no_such_dependency_xyz" in err, err
+    assert "working folder" not in err
+    # Doing what the hint says runs it.
+    monkeypatch.syspath_prepend(str(tmp_path / "methods"))  # PYTHONPATH=methods
+    assert main([*args, "-a", "fedadam:FedAvgM"]) == 0
+
+
+def test_run_folders_of_the_examples_are_not_committed():
+    # `cd examples; fedskew run -a fedavgm:FedAvgM` (docs/extending.md) writes examples/runs/.
+    root = EXAMPLES.parent
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    for path in ("examples/runs/fedavgm-s0/summary.json", "examples/runs/x.incomplete/lock"):
+        done = subprocess.run(["git", "check-ignore", "-q", path], cwd=root, timeout=60)
+        assert done.returncode == 0, f"{path} is not ignored by git"
+    done = subprocess.run(["git", "check-ignore", "-q", "examples/fedavgm.py"], cwd=root)
+    assert done.returncode == 1  # the examples themselves are
 
 
 def _partition_json(tmp_path: Path, clients: list[list[int]]) -> Path:

@@ -185,3 +185,57 @@ def test_partition_with_an_empty_client_is_one_line(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "partition 'dirichlet' leaves" in err and "min_size >= 1" in err
+
+
+def imported_modules(*args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """``python -m fedskew ARGS`` and the modules it imported (Python's -X importtime)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "fedskew", *args],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    names = {
+        line.rsplit("|", 1)[1].strip()
+        for line in done.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+    assert "fedskew.apps.cli" in names, done.stderr[-2000:]  # importtime did report
+    return done, names
+
+
+def test_help_and_list_import_no_torch():
+    # torch's import is about 1.5 s of CPU (2.6-2.9 s for `fedskew --help` or `list` on a
+    # loaded 2-core machine before): asking for help or the names should not wait for it.
+    from fedskew.apps.cli import make_parser
+
+    [commands] = [a.choices for a in make_parser()._actions if a.dest == "command"]
+    for args in (["--help"], *([name, "--help"] for name in commands), ["list"]):
+        done, names = imported_modules(*args)
+        assert done.returncode == 0, (args, done.stderr[-500:])
+        assert "usage: fedskew" in done.stdout or args == ["list"], args
+        heavy = sorted(n for n in names if n.split(".")[0] in ("torch", "torchvision", "flwr"))
+        assert not heavy, (args, heavy[:5])
+    assert "  fedavg " in done.stdout and "  digits " in done.stdout and "  mlp " in done.stdout
+
+
+def test_list_reads_every_built_in_from_source_as_the_registries_have_it(monkeypatch):
+    from fedskew.algorithms import ALGORITHMS
+    from fedskew.apps import catalogue
+    from fedskew.data.datasets import DATASETS
+    from fedskew.models import MODELS
+
+    registries = {
+        "algorithms": {name: cls.description for name, cls in ALGORITHMS.items()},
+        "datasets": {name: info.description for name, info in DATASETS.items()},
+        "models": {name: info.description for name, info in MODELS.items()},
+    }
+    # Read without importing: a description the source does not state as a literal fails
+    # here (and `fedskew list` imports the registries for it).
+    assert catalogue.algorithms_from_source() == registries["algorithms"]
+    assert catalogue.datasets_from_source() == registries["datasets"]
+    assert catalogue.models_from_source() == registries["models"]
+    # Without the source (or with a computed description) it imports them: the same text.
+    monkeypatch.setattr(catalogue, "PACKAGE", Path("/nonexistent/fedskew"))
+    assert catalogue.algorithms() == registries["algorithms"]
+    assert catalogue.datasets() == registries["datasets"]
+    assert catalogue.models() == registries["models"]

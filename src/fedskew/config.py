@@ -12,11 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedskew.core.denormals import LEGACY_DENORMALS, check_denormals
-from fedskew.core.device import check_device_spec, cuda_count
 from fedskew.core.errors import UsageError
 from fedskew.core.machine import usable_cores
-from fedskew.core.precision import check_precision
+from fedskew.core.option_values import (
+    LEGACY_DENORMALS,
+    check_denormals,
+    check_device_spec,
+    check_precision,
+)
 from fedskew.core.structured_text import parse_structured_text, read_text_file
 from fedskew.data.partition import (
     PARTITION_VERSION,
@@ -62,6 +65,15 @@ DP_CLIPPING = ("fixed", "adaptive")
 # Flower's SecAgg+ masks and sums modulo 2**32 (its largest modulus_range): the quantised
 # values of a round's clients must add up below it.
 SECAGG_MODULUS = 2**32
+
+
+def cuda_count() -> int:
+    """CUDA devices this process sees (:func:`fedskew.core.device.cuda_count`). torch is
+    imported only here, when a configuration asks about CUDA: declaring and checking the
+    other options (``fedskew --help``, ``fedskew list``) needs none of it."""
+    from fedskew.core.device import cuda_count as visible
+
+    return visible()
 
 
 @dataclass

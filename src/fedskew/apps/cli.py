@@ -133,15 +133,14 @@ def format_summary(summary: dict[str, Any], folder: Path) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from fedskew.algorithms import ALGORITHMS
-    from fedskew.data.datasets import DATASETS
+    # The catalogue reads the descriptions without importing torch (see there).
+    from fedskew.apps import catalogue
     from fedskew.data.partition import PARTITIONS
-    from fedskew.models import MODELS
 
     sections = [
-        ("algorithms", {n: a.description for n, a in ALGORITHMS.items()}),
-        ("datasets", {n: d.description for n, d in DATASETS.items()}),
-        ("models", {n: m.description for n, m in MODELS.items()}),
+        ("algorithms", catalogue.algorithms()),
+        ("datasets", catalogue.datasets()),
+        ("models", catalogue.models()),
         (
             "partitions",
             {

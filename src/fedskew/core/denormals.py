@@ -28,23 +28,17 @@ from contextlib import contextmanager
 
 import torch
 
-from fedskew.core.errors import UsageError
+from fedskew.core.option_values import (  # noqa: F401 (re-exported)
+    DENORMALS,
+    LEGACY_DENORMALS,
+    check_denormals,
+)
 
 log = logging.getLogger("fedskew")
 
-DENORMALS = ("flush", "keep")
-# What a run folder written before the option existed ran with (torch's default).
-LEGACY_DENORMALS = "keep"
 _DENORMAL_BITS = 0x000FFFFF  # a float32 denormal (about 1.5e-39): exponent bits all zero
 
 _warned: set[str] = set()
-
-
-def check_denormals(value: object) -> str:
-    """``value`` if it names a denormal policy, else a one-line UsageError."""
-    if value not in DENORMALS:
-        raise UsageError(f"denormals must be one of {', '.join(DENORMALS)}, got {value!r}")
-    return str(value)
 
 
 def apply_denormals(mode: str) -> str:

@@ -25,7 +25,6 @@ the default, or keep them), acts on the CPU only: see fedskew.core.denormals.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,19 +35,7 @@ import fedskew.core.cuda_environment as cuda_environment
 from fedskew.core.cuda_environment import CUBLAS_DETERMINISTIC, CUBLAS_VALUE, CUBLAS_VARIABLE
 from fedskew.core.denormals import LEGACY_DENORMALS, apply_denormals, denormals_state
 from fedskew.core.errors import UsageError
-
-_SPEC = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
-DEVICE_TEXT = "auto, cpu, cuda or cuda:N"
-
-
-def check_device_spec(value: object) -> str:
-    """``value`` if it is a device option (auto, cpu, cuda, cuda:N), else a one-line error.
-
-    Only the spelling is checked here: whether CUDA exists is the business of the process
-    that resolves it (:func:`resolve_device`)."""
-    if not isinstance(value, str) or not _SPEC.match(value.strip().lower()):
-        raise UsageError(f"device must be {DEVICE_TEXT}, got {value!r}")
-    return value.strip().lower()
+from fedskew.core.option_values import DEVICE_TEXT, check_device_spec  # noqa: F401 (re-exported)
 
 
 def cuda_count() -> int:

@@ -9,8 +9,6 @@ import platform
 import subprocess
 from pathlib import Path
 
-import torch
-
 from fedskew.version import __version__
 
 # /proc/cpuinfo flags that decide which kernels torch runs: bf16 is native only with the
@@ -22,6 +20,8 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 def cpu_features() -> dict[str, object]:
     """What this CPU offers torch: its kernel level (``torch_cpu_capability``: DEFAULT,
     AVX2, AVX512...), the CPU_FLAGS it shows, and whether it computes bf16 natively."""
+    import torch  # here, not above: fedskew.config uses usable_cores, --help needs no torch
+
     flags: set[str] = set()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
@@ -40,6 +40,8 @@ def cpu_features() -> dict[str, object]:
 
 def machine_facts() -> dict[str, str | int]:
     """CPU, cores, memory, OS and torch of this machine: what a run folder records."""
+    import torch  # as in cpu_features
+
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:

@@ -20,17 +20,10 @@ from typing import Any, TypeVar
 import torch
 
 from fedskew.core.errors import UsageError
+from fedskew.core.option_values import PRECISIONS, check_precision  # noqa: F401 (re-exported)
 
-PRECISIONS = ("fp32", "bf16")
 _LOW = (torch.bfloat16, torch.float16)
 F_ = TypeVar("F_", bound=Callable[..., Any])
-
-
-def check_precision(value: object) -> str:
-    """``value`` if it names a precision, else a one-line UsageError."""
-    if value not in PRECISIONS:
-        raise UsageError(f"precision must be one of {', '.join(PRECISIONS)}, got {value!r}")
-    return str(value)
 
 
 def autocast(precision: str, device_type: str) -> AbstractContextManager[object]:

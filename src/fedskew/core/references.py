@@ -15,6 +15,7 @@ import importlib
 import importlib.metadata
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from fedskew.core.errors import UsageError
@@ -41,6 +42,13 @@ def import_reference(ref: str, kind: str) -> Any:
         sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if _is_the_module(exc.name, module_name):
+            raise UsageError(f"{kind} '{ref}': {not_found(module_name, attr)}") from None
+        # The module is there; something it imports is not.
+        raise UsageError(
+            f"{kind} '{ref}': importing {module_name} failed: ModuleNotFoundError: {exc}"
+        ) from None
     except ImportError as exc:
         raise UsageError(f"{kind} '{ref}': cannot import {module_name} ({exc})") from None
     except Exception as exc:  # the user's module failed while importing
@@ -54,6 +62,49 @@ def import_reference(ref: str, kind: str) -> Any:
         except AttributeError:
             raise UsageError(f"{kind} '{ref}': {module_name} has no {attr}") from None
     return obj
+
+
+def _is_the_module(missing: str | None, module_name: str) -> bool:
+    """Whether the module Python could not find is ``module_name`` or a package of it
+    (rather than one that ``module_name`` imports)."""
+    return missing is not None and (module_name + ".").startswith(missing + ".")
+
+
+def not_found(module_name: str, attr: str) -> str:
+    """Why ``module_name`` was not found and what finds it: modules are looked up in the
+    working folder and on PYTHONPATH, never by file path. Where the working folder has a
+    file of that name one or two folders down, the hint names its folder."""
+    cwd = Path.cwd()
+    if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
+        path = Path(module_name)
+        folder = path.parent.as_posix() if path.parent != Path(".") else "."
+        return (
+            f"{module_name} is a file path, not a module name: give the module "
+            f"({path.stem}:{attr}) and put its folder on PYTHONPATH (PYTHONPATH={folder})"
+        )
+    top, *rest = module_name.split(".")
+    hint = (
+        f"no module {module_name} in the working folder ({cwd}) or on PYTHONPATH; run "
+        f"fedskew in the folder that holds {top}.py or {top}/, or add that folder to PYTHONPATH"
+    )
+    found = _nearby(cwd, top)
+    if found is not None:
+        hint += f" ({found.as_posix()} is here: PYTHONPATH={found.parent.as_posix()})"
+    return hint
+
+
+def _nearby(cwd: Path, top: str) -> Path | None:
+    """A module file ``top.py`` or package ``top/`` one or two folders below ``cwd``, as a
+    path relative to it; None where there is none (or the folders cannot be read)."""
+    for pattern in (f"*/{top}.py", f"*/{top}/__init__.py", f"*/*/{top}.py"):
+        try:
+            for path in sorted(cwd.glob(pattern)):
+                if not any(part.startswith(".") for part in path.relative_to(cwd).parts):
+                    found = path.relative_to(cwd)
+                    return found.parent if found.name == "__init__.py" else found
+        except OSError:
+            return None
+    return None
 
 
 def entry_points(kind: str) -> dict[str, importlib.metadata.EntryPoint]:

@@ -9,9 +9,12 @@ order, or in how many processes, and a resumed run continues exactly.
 from __future__ import annotations
 
 import zlib
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported where a generator is made: partitions need numpy only
+    import torch
 
 SERVER = -1  # client address used for server-side draws
 
@@ -46,6 +49,8 @@ def torch_rng(
     seed: int, round_: int = -1, client: int = SERVER, purpose: str = "", device: str = "cpu"
 ) -> torch.Generator:
     """A torch generator for one address."""
+    import torch
+
     gen = torch.Generator(device=device)
     gen.manual_seed(derive_seed(seed, round_, client, purpose))
     return gen

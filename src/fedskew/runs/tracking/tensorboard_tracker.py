@@ -1,7 +1,10 @@
 """TensorBoard: event files under ``<track dir>/tensorboard/<run>``, one step per round.
 
-Scalars are written as float64 tensors (TensorBoard's newer scalar format), so that what
-TensorBoard shows equals metrics.jsonl rather than its float32 rounding."""
+Scalars are float32 ``simple_value`` summaries, the form every TensorBoard loader reads.
+float64 tensor summaries would carry metrics.jsonl's numbers exactly, but TensorBoard's default
+loader (the Rust data server of ``tensorboard-data-server``, TensorBoard 2.21) skips them and
+shows the run empty; they appear only with ``--load_fast=false``. TensorBoard therefore shows
+each number to float32's 7 significant digits; metrics.jsonl keeps it exactly."""
 
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ class TensorBoardTracker(Tracker):
 
     def log_round(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
-            self.writer.add_scalar(key, value, step, new_style=True, double_precision=True)
+            # Not new_style/double_precision: see the module's docstring.
+            self.writer.add_scalar(key, value, step)
         self.writer.flush()  # on disk before the round counts as logged
         self.last_step = step
 

@@ -141,6 +141,7 @@ class LocalStep:
         if after_step is not None and loss is None:
             raise ValueError("after_step needs the loss whose aux it reads")
         shift = dict(grad_shift or {})
+        self.shifts_given = list(shift.values())
         # The optimiser's parameters, as run_plain's SGD has them: the model's, then the
         # tensors trained beside it. Only the model's are clipped (clip_grad_norm_ over
         # model.parameters()). Frozen ones get no gradient and SGD leaves them alone.

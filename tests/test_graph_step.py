@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import weakref
 
 import pytest
@@ -19,9 +20,10 @@ from test_together import CASES, SEAMS, _fm_options, _rounds
 from tiny_bn import NAME as TINY_BN
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fedskew.apps.cli import main
 from fedskew.data.federated import ClientData
 from fedskew.models import build_model
-from fedskew.training.graph_step import LocalStep
+from fedskew.training.graph_step import LocalStep, resolve_graphs
 from fedskew.training.interface import LocalTrainConfig
 from fedskew.training.local import (
     LossOutput,
@@ -208,3 +210,40 @@ def test_the_check_flags_a_loop_that_rebinds_state() -> None:
     static += [opt.state[p]["momentum_buffer"] for p in model.parameters()]
     _, left = _recorded(loop_step, static)
     assert len(left) == len(list(model.parameters()))  # one new gradient per parameter
+
+
+# ---------------------------------------------------------------- --cuda-graphs
+
+
+def test_cuda_graphs_is_recorded_with_why_not(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """On the CPU the step runs eagerly whatever the option says, and processes.jsonl says
+    so; a bad value is one line and exit 2."""
+    for mode in ("auto", "on", "off"):
+        out = tmp_path / mode
+        argv = ["run", "-q", "--rounds", "1", "-n", "4", "--clients-per-round", "2",
+                "--device", "cpu", "--cuda-graphs", mode,
+                "--out-dir", str(out), "--name", "r"]  # fmt: skip
+        assert main(argv) == 0
+        process = json.loads((out / "r" / "processes.jsonl").read_text().splitlines()[0])
+        assert process["cuda_graphs"] == "off"
+        want = "cuda-graphs off" if mode == "off" else "no CUDA graphs on cpu"
+        assert process["cuda_graphs_reason"].startswith(want)
+        assert json.loads((out / "r" / "config.json").read_text())["cuda_graphs"] == mode
+    capsys.readouterr()
+    assert main(["run", "-q", "--cuda-graphs", "maybe", "--out-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("cuda-graphs must be one of auto, on, off, got 'maybe'"), err
+    assert len(err.splitlines()) == 1
+
+
+def test_graphs_where_the_step_is_graph_safe() -> None:
+    cuda = torch.device("cuda", 0)
+    model, _ = _client()
+    assert resolve_graphs("auto", cuda, model) == (True, "")
+    assert resolve_graphs("on", cuda, model) == (True, "")
+    assert resolve_graphs("off", cuda, model) == (False, "cuda-graphs off")
+    assert resolve_graphs("auto", torch.device("cpu"), model)[0] is False
+    dropout = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    assert "dropout" in resolve_graphs("auto", cuda, dropout)[1]
+    cumulative = torch.nn.Sequential(torch.nn.BatchNorm1d(4, momentum=None))
+    assert "cumulatively" in resolve_graphs("on", cuda, cumulative)[1]

@@ -201,6 +201,24 @@ def local_train(
     return TrainResult(steps=steps, samples=n * n_epochs, mean_loss=mean_loss)
 
 
+# Which loop run_plain trains with: "graph-safe" (fedskew.training.graph_step, the default:
+# the step a CUDA graph replays, run eagerly on the CPU) or "loop" (local_train through
+# train_client, with torch.optim.SGD: the reference the graph-safe step is tested against).
+LOCAL_STEP: ContextVar[str] = ContextVar("fedskew_local_step", default="graph-safe")
+
+
+@contextlib.contextmanager
+def local_step_path(path: str) -> Iterator[None]:
+    """``run_plain`` trains with ``path`` ("graph-safe" or "loop") in the block."""
+    if path not in ("graph-safe", "loop"):
+        raise ValueError(f"local step path must be graph-safe or loop, got {path!r}")
+    token = LOCAL_STEP.set(path)
+    try:
+        yield
+    finally:
+        LOCAL_STEP.reset(token)
+
+
 def train_client(
     ctx: ClientContext,
     *,
@@ -209,8 +227,16 @@ def train_client(
     before_step: StepHook | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     purpose: str = "train",
+    plan: PlainTraining | None = None,
 ) -> TrainResult:
-    """``local_train`` on a client's context, with the loss terms plug-ins installed there."""
+    """``local_train`` on a client's context, with the loss terms plug-ins installed there;
+    given the ``plan`` these arguments come from (``run_plain``), the graph-safe step instead
+    (the same numbers), unless ``local_step_path("loop")`` says otherwise."""
+    if plan is not None and LOCAL_STEP.get() == "graph-safe":
+        # Imported here: graph_step builds on this module's loop helpers.
+        from fedskew.training.graph_step import train_plain
+
+        return train_plain(plan, ctx)
     return local_train(
         ctx.model,
         ctx.data,
@@ -361,34 +387,11 @@ class _StepwiseLoss:
                 t.copy_(self.carried[name])
 
 
-# Which loop run_plain trains with: "graph-safe" (fedskew.training.graph_step, the default:
-# the step a CUDA graph replays, run eagerly on the CPU) or "loop" (local_train through
-# train_client, with torch.optim.SGD: the reference the graph-safe step is tested against).
-LOCAL_STEP: ContextVar[str] = ContextVar("fedskew_local_step", default="graph-safe")
-
-
-@contextlib.contextmanager
-def local_step_path(path: str) -> Iterator[None]:
-    """``run_plain`` trains with ``path`` ("graph-safe" or "loop") in the block."""
-    if path not in ("graph-safe", "loop"):
-        raise ValueError(f"local step path must be graph-safe or loop, got {path!r}")
-    token = LOCAL_STEP.set(path)
-    try:
-        yield
-    finally:
-        LOCAL_STEP.reset(token)
-
-
 def run_plain(plan: PlainTraining, ctx: ClientContext) -> Message:
-    """Train one client as ``plan`` says and return its reply: with the graph-safe step
-    (replayed as a CUDA graph where ``ctx.train.cuda_graphs`` and the device allow), which
-    gives local_train's numbers bit for bit; with ``local_train`` under
-    ``local_step_path("loop")``."""
-    if LOCAL_STEP.get() == "graph-safe":
-        # Imported here: graph_step builds on this module's loop helpers.
-        from fedskew.training.graph_step import train_plain
-
-        return plan.finish(train_plain(plan, ctx))
+    """Train one client as ``plan`` says and return its reply: through ``train_client``,
+    which trains with the graph-safe step (replayed as a CUDA graph where
+    ``ctx.train.cuda_graphs`` and the device allow; local_train's numbers bit for bit), or
+    with ``local_train`` under ``local_step_path("loop")``."""
     loss_fn = plan.loss_fn(len(batch_bounds(len(ctx.data), ctx.train.batch_size)))
     result = train_client(
         ctx,
@@ -397,8 +400,10 @@ def run_plain(plan: PlainTraining, ctx: ClientContext) -> Message:
         before_step=plan.before_step(),
         optimizer=plan.optimizer(ctx.model, ctx.train),
         purpose=plan.purpose,
+        plan=plan,
     )
-    if isinstance(loss_fn, _StepwiseLoss):
+    # The graph-safe step leaves the plan's carried tensors final itself.
+    if isinstance(loss_fn, _StepwiseLoss) and LOCAL_STEP.get() == "loop":
         loss_fn.keep_final()
     return plan.finish(result)
 

@@ -247,3 +247,13 @@ def test_graphs_where_the_step_is_graph_safe() -> None:
     assert "dropout" in resolve_graphs("auto", cuda, dropout)[1]
     cumulative = torch.nn.Sequential(torch.nn.BatchNorm1d(4, momentum=None))
     assert "cumulatively" in resolve_graphs("on", cuda, cumulative)[1]
+
+
+@pytest.mark.parametrize("case", ["fedavg-bn-augment-clip", "moon", "fedacd-bn-augment"])
+def test_the_graph_safe_step_is_local_train_bit_for_bit_in_bf16(case: str) -> None:
+    """Under bf16 autocast (fp32 weights): the same casts, so the same bits."""
+    options = {"rounds": 2, **ALGORITHMS[case], "precision": "bf16"}
+    with local_step_path("loop"):
+        want, reference = _rounds("off", **options)
+    got, graph_safe = _rounds("off", **options)
+    _same_bits(reference, graph_safe, want, got)

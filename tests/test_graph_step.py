@@ -131,6 +131,7 @@ def _client(n: int = 40, seed: int = 0) -> tuple[torch.nn.Module, ClientData]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 1, 8, 8, generator=g)
     y = torch.randint(0, 10, (n,), generator=g)
+    torch.manual_seed(seed)
     model = build_model(TINY_BN, (1, 8, 8), 10)
     return model, ClientData(x, y, torch.arange(n), 10)
 
@@ -257,3 +258,55 @@ def test_the_graph_safe_step_is_local_train_bit_for_bit_in_bf16(case: str) -> No
         want, reference = _rounds("off", **options)
     got, graph_safe = _rounds("off", **options)
     _same_bits(reference, graph_safe, want, got)
+
+
+class _FakeGraph:
+    """A stand-in for torch.cuda.CUDAGraph on the CPU: 'replay' runs the captured body."""
+
+    def __init__(self, body) -> None:  # type: ignore[no-untyped-def]
+        self.body = body
+
+    def replay(self) -> None:
+        self.body()
+
+
+def test_the_graph_schedule_warms_up_captures_once_and_replays(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The driver on the CPU with capture and replay stood in (they run the step eagerly):
+    per client, two full-size warm-up steps on the side stream, one capture, replays for
+    every later full-size step, the short last batch of each epoch eager; the numbers are
+    those of the plain eager loop."""
+    kinds: list[str] = []
+
+    def side(self, size):  # type: ignore[no-untyped-def]
+        kinds.append("warm-up")
+        self.body(size)
+
+    def capture(self, size):  # type: ignore[no-untyped-def]
+        kinds.append("capture")
+        self._graph[size] = _FakeGraph(functools.partial(self.body, size))
+        self._graph[size].replay()  # a capture records; the step itself is its first replay
+
+    body = LocalStep.body
+
+    def traced(self, size):  # type: ignore[no-untyped-def]
+        kinds.append("body" if size == self.cfg.batch_size else f"eager {size}")
+        return body(self, size)
+
+    cfg = LocalTrainConfig(epochs=2, batch_size=8, momentum=0.9, weight_decay=1e-3)
+    results = {}
+    for graphs in (False, True):
+        model, data = _client(n=37)  # 4 batches of 8 and one of 5 per epoch
+        step = LocalStep(model, data, cfg, graphs=graphs)
+        if graphs:
+            monkeypatch.setattr(LocalStep, "_on_side_stream", side)
+            monkeypatch.setattr(LocalStep, "_capture", capture)
+            monkeypatch.setattr(LocalStep, "body", traced)
+        result = step.train(torch.Generator().manual_seed(5))
+        results[graphs] = (result, {k: v.clone() for k, v in model.state_dict().items()})
+    assert results[True][0] == results[False][0]
+    for name, value in results[False][1].items():
+        assert torch.equal(results[True][1][name], value), name
+    compact = [k for k in kinds if k != "body"]
+    assert compact == ["warm-up", "warm-up", "capture", "eager 5", "eager 5"], kinds
+    assert kinds.count("body") == 8  # each full-size step once: 2 warm-up, capture, 5 replays
+    assert kinds[:6] == ["warm-up", "body", "warm-up", "body", "capture", "body"], kinds

@@ -302,8 +302,8 @@ def bare_loop(s: Setting) -> dict[str, Any]:
     return out
 
 
-def fedskew_round(s: Setting, graphs: str) -> dict[str, Any]:
-    """A fedskew FedAvg run, clients one after another, ``--cuda-graphs graphs``: training
+def fedskew_round(s: Setting, graphs: str, together: str = "off") -> dict[str, Any]:
+    """A fedskew FedAvg run, ``--cuda-graphs graphs --clients-together together``: training
     samples per second of each measured round (median), peak memory from metrics.jsonl."""
     name = f"graph-step-check-{s.model}-{'x'.join(map(str, s.shape))}"
     n = s.clients * s.client_steps * s.batch
@@ -327,7 +327,7 @@ def fedskew_round(s: Setting, graphs: str) -> dict[str, Any]:
             local_epochs=1, batch_size=s.batch, lr=LR, momentum=MOMENTUM,
             weight_decay=WEIGHT_DECAY, precision=s.precision, rounds=s.rounds + 1,
             eval_every=s.rounds + 1, checkpoint_every=0, workers=0, device=str(s.device),
-            clients_together="off", cuda_graphs=graphs, seed=0, out_dir=out_dir,
+            clients_together=together, cuda_graphs=graphs, seed=0, out_dir=out_dir,
             name=f"{graphs}-{time.monotonic_ns()}", quiet=True,
         )  # fmt: skip
         folder, _ = run(cfg)
@@ -349,16 +349,18 @@ def fedskew_round(s: Setting, graphs: str) -> dict[str, Any]:
 PathFn = Callable[[Setting], dict[str, Any]]
 # The paths measured side by side, in report order. HOOK (issue 47, fused clients): the
 # fused model's path registers here under "fused" and "fused + graph" (same signature: a
-# Setting in, samples_per_second / peak_mib / note out); until then those names are listed
-# in FUTURE_PATHS and reported as not built.
+# Setting in, samples_per_second / peak_mib / note out; or pass --paths with the module that
+# registers them imported); until then those names are in FUTURE_PATHS, reported as not built.
 PATHS: dict[str, PathFn] = {
     "fedskew step, eager": fedskew_eager,
     "fedskew step, CUDA graph": fedskew_graph,
     "bare CUDA-graph loop": bare_loop,
     "fedskew round, --cuda-graphs off": lambda s: fedskew_round(s, "off"),
     "fedskew round, --cuda-graphs on": lambda s: fedskew_round(s, "on"),
+    "fedskew round, clients together (vmap)": lambda s: fedskew_round(s, "off", "vmap"),
 }
-FUTURE_PATHS = ("fused", "fused + graph")
+# Issue 47's other paths, not in this branch: reported as "not built" rows until registered.
+FUTURE_PATHS = ("fused", "fused + graph", "streams", "N processes")
 BARE = "bare CUDA-graph loop"
 
 

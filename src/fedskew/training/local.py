@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -219,6 +220,15 @@ def local_step_path(path: str) -> Iterator[None]:
         LOCAL_STEP.reset(token)
 
 
+_SAID: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    if line not in _SAID:
+        _SAID.add(line)
+        logging.getLogger("fedskew").info("%s", line)
+
+
 def train_client(
     ctx: ClientContext,
     *,
@@ -237,6 +247,13 @@ def train_client(
         from fedskew.training.graph_step import train_plain
 
         return train_plain(plan, ctx)
+    if plan is None and ctx.data.device.type == "cuda" and ctx.train.cuda_graphs != "off":
+        # A handler that calls train_client itself (not through run_plain's plan) may pass
+        # any hook or optimiser: it trains with local_train, eagerly. Said once per process.
+        _say_once(
+            "local steps of a handler without a plain split (train_client called directly) "
+            "run eagerly with local_train, not as CUDA graphs"
+        )
     return local_train(
         ctx.model,
         ctx.data,

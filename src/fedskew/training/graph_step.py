@@ -28,8 +28,9 @@ full-size steps run eagerly on a side stream (the warm-up, in which cuDNN choose
 algorithms), the next is captured, and the rest are replays.
 
 What a fused chunk of clients would need is the same contract: static inputs, in-place
-state, one body per batch size; :meth:`LocalStep.body` is written against lists of tensors
-(parameters, gradients, momentum) so that another model layout can drive it.
+state, one body per batch size. The optimiser works on lists of tensors (parameters,
+gradients, momentum), and the loss is one method (:meth:`LocalStep.loss_of`), so another
+model layout overrides that and keeps the update and the capture driver.
 """
 
 from __future__ import annotations
@@ -174,6 +175,20 @@ class LocalStep:
     def body(self, size: int) -> None:
         """One step on the batch in the static buffers of ``size``: graph-safe (reads static
         tensors, writes in place, no host reads, the same operators every time)."""
+        loss = self.loss_of(size)
+        grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+        self.sgd(list(grads))
+        self.loss_sum.add_(loss.detach())
+        if self._pending:
+            self._carry(self._pending)
+            self._pending = {}
+
+    def loss_of(self, size: int) -> torch.Tensor:
+        """The step's loss from the static buffers (gather, augmentation, forward under the
+        precision's autocast, plug-in terms; the carried state's update kept for after the
+        optimiser step). The seam another layout overrides (a fused chunk of clients: its
+        stacked parameters in ``params``, the sum of its clients' losses here), keeping
+        :meth:`body`, :meth:`sgd` and the capture driver."""
         xb, yb = self.data.batch(self.rows[size])
         if self.augment:
             xb = crop_and_flip(xb, self.draws[size])
@@ -188,13 +203,7 @@ class LocalStep:
                     raise TypeError("after_step needs a loss that returns a LossOutput (its aux)")
                 aux = {name: t.detach() for name, t in out.aux.items()}
                 self._pending = self.after_step(self.carried, aux)
-            loss = combined_loss(out, self.extra_terms, yb)
-        grads = torch.autograd.grad(loss, self.params, allow_unused=True)
-        self.sgd(list(grads))
-        self.loss_sum.add_(loss.detach())
-        if self._pending:
-            self._carry(self._pending)
-            self._pending = {}
+            return combined_loss(out, self.extra_terms, yb)
 
     @torch.no_grad()
     def sgd(self, grads: list[torch.Tensor | None]) -> None:

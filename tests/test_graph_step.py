@@ -16,22 +16,28 @@ import weakref
 
 import pytest
 import torch
-from test_together import CASES, SEAMS, _fm_options, _rounds
+from test_together import CASES, SEAMS, _fm_options, _rounds, _seam_plan
 from tiny_bn import NAME as TINY_BN
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedskew.apps.cli import main
+from fedskew.assembly.prepare import new_model, prepare
+from fedskew.config import ExperimentConfig
 from fedskew.data.federated import ClientData
 from fedskew.models import build_model
 from fedskew.training.graph_step import LocalStep, resolve_graphs
-from fedskew.training.interface import LocalTrainConfig
+from fedskew.training.interface import ClientContext, LocalTrainConfig
 from fedskew.training.local import (
     LossOutput,
+    batch_bounds,
     cross_entropy_loss,
     draw_augmentation,
     local_step_path,
     make_optimizer,
+    run_plain,
+    set_arrays,
 )
+from fedskew.training.protocol import ClientState
 
 FM = ("fedavg+fm", "scaffold+fm-uniform", "fedrod+fm", "fedacd+fm", "fedcme+fm")
 ALGORITHMS = {**CASES, **SEAMS, **{k: _fm_options(k) for k in FM}}
@@ -310,3 +316,27 @@ def test_the_graph_schedule_warms_up_captures_once_and_replays(monkeypatch) -> N
     assert compact == ["warm-up", "warm-up", "capture", "eager 5", "eager 5"], kinds
     assert kinds.count("body") == 8  # each full-size step once: 2 warm-up, capture, 5 replays
     assert kinds[:6] == ["warm-up", "body", "warm-up", "body", "capture", "body"], kinds
+
+
+def test_carried_updates_that_reuse_old_values_are_applied_as_meant() -> None:
+    """An epoch update that moves one carried value into another while resetting it
+    (``last_epoch = seen; seen = 0``) must give what the loop gives: the in-place copies of
+    the graph-safe step first wrote the new ``seen`` and then copied it into ``last_epoch``
+    (found by test_together's seam test)."""
+    cfg = ExperimentConfig(num_clients=4, workers=0, device="cpu")
+    prep = prepare(cfg)
+    train = LocalTrainConfig(epochs=2, batch_size=8, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    data = prep.fed.client(0)
+    data.indices = data.indices[:33]
+    sizes = [b - a for a, b in batch_bounds(len(data), 8)] * 2
+    model = new_model(prep)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    carried = {}
+    for path in ("loop", "graph-safe"):
+        plan = _seam_plan(sizes, [])
+        set_arrays(model, start)
+        with local_step_path(path):
+            run_plain(plan, ClientContext(0, 0, 7, data, model, ClientState(), train))
+        carried[path] = {n: float(v) for n, v in plan.carried.items()}
+    assert carried["graph-safe"] == carried["loop"]
+    assert carried["loop"]["last_epoch"] == 33.0

@@ -252,8 +252,13 @@ class LocalStep:
         torch._foreach_add_(params, step, alpha=-cfg.lr)
 
     def _carry(self, new: Mapping[str, torch.Tensor]) -> None:
-        """New carried values into the static carried tensors, in place."""
+        """New carried values into the static carried tensors, in place. A new value may be
+        one of the old ones (an epoch update's ``"last": carried["seen"]`` beside a new
+        ``"seen"``): such values are copied aside first, so that every static tensor gets
+        the value the update meant, whatever order the copies run in."""
+        homes = {t.untyped_storage().data_ptr() for t in self.carried.values()}
         with torch.no_grad():
+            staged = {}
             for name, t in new.items():
                 static = self.carried[name]
                 if t.shape != static.shape or t.dtype != static.dtype:
@@ -261,7 +266,11 @@ class LocalStep:
                         f"carried tensor '{name}' changed from {tuple(static.shape)} "
                         f"{static.dtype} to {tuple(t.shape)} {t.dtype}: its update must keep both"
                     )
-                static.copy_(t)
+                if t is static:
+                    continue  # unchanged
+                staged[name] = t.clone() if t.untyped_storage().data_ptr() in homes else t
+            for name, t in staged.items():
+                self.carried[name].copy_(t)
 
     # ------------------------------------------------------------------ the loop
 

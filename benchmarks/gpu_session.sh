@@ -1,25 +1,36 @@
 #!/usr/bin/env bash
-# What a lent GPU machine runs, in order of need, inside one time budget:
-#   1. benchmarks/gpu_check.sh (CUDA tests, CPU/CUDA curves per algorithm, throughput table);
-#   2. benchmarks/gpu_table.py (one after another against together, fp32/TF32/bf16,
+# What a lent GPU machine runs, in order of need, inside one time budget (default 360 s: a
+# lent machine's session has 15 minutes of device time, start and copies included):
+#   1. benchmarks/graph_step_check.py (issue 47: the local step as a CUDA graph against eager,
+#      bit for bit over 20 steps; samples/s and peak memory of fedskew's step eager and as a
+#      graph, a bare CUDA-graph loop of the same model, precision and batches, and fedskew
+#      rounds with --cuda-graphs off/on; ResNet-18 and fedavg-cnn, fp32 and bf16), at most
+#      half the budget;
+#   2. benchmarks/gpu_check.sh (CUDA tests, CPU/CUDA curves per algorithm, throughput table);
+#   3. benchmarks/gpu_table.py (one after another against together, fp32/TF32/bf16,
 #      fedavg-cnn and ResNet-18, samples/s and peak memory);
-#   3. benchmarks/precision_accuracy.py --device cuda --modes fp32 tf32 bf16 (TF32's and bf16's
+#   4. benchmarks/precision_accuracy.py --device cuda --modes fp32 tf32 bf16 (TF32's and bf16's
 #      accuracy cost, seeds 0-2, 10 rounds, three runs at a time on the one GPU: under 2 minutes
 #      on an H200).
-# Each step gets what is left of the budget (seconds, default 540) and is skipped when under a
-# minute is left; every result lands in OUT_DIR (.md, .json, logs), step by step, so a run
-# cut short keeps what it finished, and OUT_DIR.tgz packs the folder (no checkpoints).
+# Each step gets what is left of the budget (seconds) and is cut there (`timeout`); steps 3
+# and 4 are skipped when under a minute is left; every result lands in OUT_DIR (.md, .json,
+# logs), step by step, so a run cut short keeps what it finished, and OUT_DIR.tgz packs the
+# folder (no checkpoints).
 #
 #   benchmarks/gpu_session.sh OUT_DIR [BUDGET_SECONDS]
+#   benchmarks/gpu_session.sh --dry-run OUT_DIR   # step 1 at tiny size on the CPU (seconds);
+#       the other steps' own dry runs take minutes: python benchmarks/gpu_check.py --device cpu
 #
 # Provenance: the machine may hold a stale copy of .git, so beside `git rev-parse HEAD` the
 # script records the tree of the files it ran (`tree.txt`: `git write-tree` of the working
 # tree through a temporary index); `git rev-parse COMMIT^{tree}` here names the commit it was.
-# Fashion-MNIST for steps 1-3: carry data/fmnist (see gpu_check.sh).
+# Fashion-MNIST for steps 2-4: carry data/fmnist (see gpu_check.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${1:?usage: benchmarks/gpu_session.sh OUT_DIR [BUDGET_SECONDS]}"
-budget="${2:-540}"
+dry_run=0
+if [ "${1:-}" = "--dry-run" ]; then dry_run=1; shift; fi
+out="${1:?usage: benchmarks/gpu_session.sh [--dry-run] OUT_DIR [BUDGET_SECONDS]}"
+budget="${2:-360}"
 mkdir -p "$out"
 started=$(date +%s)
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -43,7 +54,22 @@ left() { echo $(( budget - ($(date +%s) - started) )); }
 } >"$out/tree.txt"
 cat "$out/tree.txt"
 
-bash benchmarks/gpu_check.sh --out "$out/gpu_check.md" >"$out/gpu_check.log" 2>&1
+if [ "$dry_run" = 1 ]; then
+    "$PY" benchmarks/graph_step_check.py --dry-run --out "$out/graph_step.md" \
+        >"$out/graph_step.log" 2>&1
+    status=$?
+    echo "gpu_session: graph_step_check (dry run, CPU) exit $status, $(left) s left"
+    echo "gpu_session: dry run: gpu_check, gpu_table and precision_accuracy not run"
+    exit "$status"
+fi
+
+# Step 1 first (issue 47: its report is what a lent GPU is wanted for now), half the budget.
+timeout $(( budget / 2 )) "$PY" benchmarks/graph_step_check.py --device cuda \
+    --budget $(( budget / 2 - 20 )) --out "$out/graph_step.md" >"$out/graph_step.log" 2>&1
+echo "gpu_session: graph_step_check exit $?, $(left) s left"
+
+timeout "$(left)" bash benchmarks/gpu_check.sh --out "$out/gpu_check.md" \
+    >"$out/gpu_check.log" 2>&1
 echo "gpu_session: gpu_check exit $?, $(left) s left"
 cp /tmp/gpu_check_tests.* "$out/gpu_check_tests.log" 2>/dev/null
 

@@ -57,6 +57,7 @@ def option(default: Any = dataclasses.MISSING, *, factory: Any = None, **metadat
 
 MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
 CLIENTS_TOGETHER = ("auto", "off", "vmap")
+CUDA_GRAPHS = ("auto", "on", "off")  # fedskew.training.graph_step.GRAPH_MODES
 DIVERGENCE_POLICIES = ("stop", "drop")
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 ENGINES = ("inprocess", "flower-sim", "flower")  # "flower": set by the deployed ServerApp
@@ -212,6 +213,16 @@ class ExperimentConfig:
         default_text="auto: as many as the GPU's free memory holds, by an estimate",
         help="train at most N clients together at once (with --clients-together vmap); "
         "more are trained in chunks of N",
+    )
+    # The local step (one client after another) replayed as a CUDA graph: the same kernels
+    # as eager, launched by one host call (fedskew.training.graph_step). auto and on: on CUDA
+    # where the step is graph-safe (no dropout, BatchNorm with a momentum); the CPU runs the
+    # same step eagerly whatever this says.
+    cuda_graphs: str = option(
+        "auto", metavar="auto|on|off", execution=True, resumable=True,
+        default_text="auto: on CUDA where the step is graph-safe, off on the CPU",
+        help="replay each client's local step as a CUDA graph (clients trained one after "
+        "another; docs/gpu.md)",
     )
     params: dict[str, Any] = option(
         factory=dict, short="-p", flag="--param", action="pairs",
@@ -448,6 +459,10 @@ class ExperimentConfig:
                 f"got {self.clients_together!r}"
             )
         self.clients_together_max = parse_clients_together_max(self.clients_together_max)
+        if self.cuda_graphs not in CUDA_GRAPHS:
+            raise UsageError(
+                f"cuda-graphs must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}"
+            )
         if self.name is not None and self.name.endswith(".incomplete"):
             raise UsageError(
                 f"name {self.name!r} ends in .incomplete, the mark of an unfinished run folder"

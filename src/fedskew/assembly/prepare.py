@@ -228,6 +228,7 @@ def prepare(cfg: ExperimentConfig, dataset: Dataset | None = None) -> Prepared:
         augment=cfg.augment,
         grad_clip=cfg.grad_clip,
         precision=cfg.precision,
+        cuda_graphs=cfg.cuda_graphs,
     )
     model_name = resolve_model_name(cfg, dataset)
     channels_last = use_channels_last(cfg, dataset, model_name)

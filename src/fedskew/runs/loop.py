@@ -71,6 +71,7 @@ from fedskew.runs.saved_state import (
     metrics_digest,
 )
 from fedskew.runs.tracking import TrackingSession, check_available, check_saved_trackers
+from fedskew.training.graph_step import resolve_graphs
 from fedskew.training.interface import ClientLogic, ServerLogic, ServerSetup
 from fedskew.training.local import set_arrays
 from fedskew.training.privacy import plain_mean
@@ -410,6 +411,7 @@ def execution_facts(state: RunState) -> dict[str, Any]:
         "tf32": cfg.tf32,
         "deterministic": cfg.deterministic,
         "clients_together": engine.clients_together,
+        **graph_facts(state),
     }
     if engine.worker_devices:
         facts["worker_devices"] = list(engine.worker_devices)
@@ -430,6 +432,24 @@ def execution_facts(state: RunState) -> dict[str, Any]:
     client_denormals = getattr(engine, "client_denormals", None)
     if client_denormals:
         facts["client_denormals"] = dict(client_denormals)
+    return facts
+
+
+def graph_facts(state: RunState) -> dict[str, Any]:
+    """Whether this process's local steps replay as CUDA graphs (``cuda_graphs``: on or off)
+    and, where not everywhere, why (``cuda_graphs_reason``), as fedskew.training.graph_step
+    decides for the run's device and model."""
+    graphs, reason = resolve_graphs(state.cfg.cuda_graphs, state.prep.device, state.eval_model)
+    facts: dict[str, Any] = {"cuda_graphs": "on" if graphs else "off"}
+    if not graphs:
+        facts["cuda_graphs_reason"] = reason
+    elif state.engine.clients_together == "vmap":
+        # The stacked (vmap) step is not graphed; clients that fall back to one after
+        # another are.
+        facts["cuda_graphs_reason"] = (
+            "clients trained together (--clients-together vmap) run eagerly; only clients "
+            "trained one after another replay graphs (--clients-together off)"
+        )
     return facts
 
 

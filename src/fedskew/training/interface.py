@@ -45,6 +45,9 @@ class LocalTrainConfig:
     precision: str = (
         "fp32"  # forward passes in fp32 or under bf16 autocast (fedskew.core.precision)
     )
+    # The local step replayed as a CUDA graph: "auto"/"on" where the device is CUDA and the
+    # step graph-safe, "off" never (fedskew.training.graph_step).
+    cuda_graphs: str = "auto"
 
 
 @dataclass

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -119,6 +122,24 @@ def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def combined_loss(
+    out: LossOutput | torch.Tensor, extra_terms: Sequence[LossTerm], y: torch.Tensor
+) -> torch.Tensor:
+    """The loss a step minimises: the loss function's, plus each plug-in term of its
+    features and logits (inside the forward's autocast, as the terms' callers expect)."""
+    if not isinstance(out, LossOutput):
+        if extra_terms:
+            raise RuntimeError("extra loss terms need a loss_fn that returns a LossOutput")
+        return out
+    loss = out.loss
+    if extra_terms:
+        if out.features is None or out.logits is None:
+            raise RuntimeError("extra loss terms need a loss_fn that returns features")
+        for term in extra_terms:
+            loss = loss + term(out.features, out.logits, y)
+    return loss
+
+
 def local_train(
     model: torch.nn.Module,
     data: ClientData,
@@ -167,22 +188,7 @@ def local_train(
                 xb = crop_and_flip(xb, draws[:, start:stop])
             # Forward pass and loss under the precision policy; backward outside, weights fp32.
             with autocast(cfg.precision, xb.device.type):
-                out = loss_fn(model, xb, yb)
-                if isinstance(out, LossOutput):
-                    loss = out.loss
-                    if extra_terms:
-                        if out.features is None or out.logits is None:
-                            raise RuntimeError(
-                                "extra loss terms need a loss_fn that returns features"
-                            )
-                        for term in extra_terms:
-                            loss = loss + term(out.features, out.logits, yb)
-                else:
-                    if extra_terms:
-                        raise RuntimeError(
-                            "extra loss terms need a loss_fn that returns a LossOutput"
-                        )
-                    loss = out
+                loss = combined_loss(loss_fn(model, xb, yb), extra_terms, yb)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.grad_clip > 0:
@@ -196,6 +202,33 @@ def local_train(
     return TrainResult(steps=steps, samples=n * n_epochs, mean_loss=mean_loss)
 
 
+# Which loop run_plain trains with: "graph-safe" (fedskew.training.graph_step, the default:
+# the step a CUDA graph replays, run eagerly on the CPU) or "loop" (local_train through
+# train_client, with torch.optim.SGD: the reference the graph-safe step is tested against).
+LOCAL_STEP: ContextVar[str] = ContextVar("fedskew_local_step", default="graph-safe")
+
+
+@contextlib.contextmanager
+def local_step_path(path: str) -> Iterator[None]:
+    """``run_plain`` trains with ``path`` ("graph-safe" or "loop") in the block."""
+    if path not in ("graph-safe", "loop"):
+        raise ValueError(f"local step path must be graph-safe or loop, got {path!r}")
+    token = LOCAL_STEP.set(path)
+    try:
+        yield
+    finally:
+        LOCAL_STEP.reset(token)
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    if line not in _SAID:
+        _SAID.add(line)
+        logging.getLogger("fedskew").info("%s", line)
+
+
 def train_client(
     ctx: ClientContext,
     *,
@@ -204,8 +237,23 @@ def train_client(
     before_step: StepHook | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     purpose: str = "train",
+    plan: PlainTraining | None = None,
 ) -> TrainResult:
-    """``local_train`` on a client's context, with the loss terms plug-ins installed there."""
+    """``local_train`` on a client's context, with the loss terms plug-ins installed there;
+    given the ``plan`` these arguments come from (``run_plain``), the graph-safe step instead
+    (the same numbers), unless ``local_step_path("loop")`` says otherwise."""
+    if plan is not None and LOCAL_STEP.get() == "graph-safe":
+        # Imported here: graph_step builds on this module's loop helpers.
+        from fedskew.training.graph_step import train_plain
+
+        return train_plain(plan, ctx)
+    if plan is None and ctx.data.device.type == "cuda" and ctx.train.cuda_graphs != "off":
+        # A handler that calls train_client itself (not through run_plain's plan) may pass
+        # any hook or optimiser: it trains with local_train, eagerly. Said once per process.
+        _say_once(
+            "local steps of a handler without a plain split (train_client called directly) "
+            "run eagerly with local_train, not as CUDA graphs"
+        )
     return local_train(
         ctx.model,
         ctx.data,
@@ -357,7 +405,10 @@ class _StepwiseLoss:
 
 
 def run_plain(plan: PlainTraining, ctx: ClientContext) -> Message:
-    """Train one client as ``plan`` says and return its reply."""
+    """Train one client as ``plan`` says and return its reply: through ``train_client``,
+    which trains with the graph-safe step (replayed as a CUDA graph where
+    ``ctx.train.cuda_graphs`` and the device allow; local_train's numbers bit for bit), or
+    with ``local_train`` under ``local_step_path("loop")``."""
     loss_fn = plan.loss_fn(len(batch_bounds(len(ctx.data), ctx.train.batch_size)))
     result = train_client(
         ctx,
@@ -366,8 +417,10 @@ def run_plain(plan: PlainTraining, ctx: ClientContext) -> Message:
         before_step=plan.before_step(),
         optimizer=plan.optimizer(ctx.model, ctx.train),
         purpose=plan.purpose,
+        plan=plan,
     )
-    if isinstance(loss_fn, _StepwiseLoss):
+    # The graph-safe step leaves the plan's carried tensors final itself.
+    if isinstance(loss_fn, _StepwiseLoss) and LOCAL_STEP.get() == "loop":
         loss_fn.keep_final()
     return plan.finish(result)
 

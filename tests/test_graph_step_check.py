@@ -1,0 +1,82 @@
+"""benchmarks/graph_step_check.py and gpu_session.sh's dry run: the device check of the local
+step as a CUDA graph runs its code at tiny size on the CPU, green, and computes its ratios
+from the numbers it measured."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def check():  # type: ignore[no-untyped-def]
+    sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(
+        "graph_step_check_under_test", BENCHMARKS / "graph_step_check.py"
+    )
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[spec.name] = module  # type: ignore[union-attr]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    yield module
+    sys.modules.pop(spec.name, None)  # type: ignore[union-attr]
+    sys.path.remove(str(BENCHMARKS))
+
+
+def test_the_dry_run_is_green_and_its_ratios_are_computed(check, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "graph_step.md"
+    argv = ["--dry-run", "--models", "fedavg-cnn", "--precisions", "fp32", "--out", str(out)]
+    assert check.main(argv) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    bits = [c for c in data["cells"] if c["kind"] == "bits"]
+    assert len(bits) == 1 and bits[0]["graph_equals_eager"] and bits[0]["eager_equals_eager"]
+    assert not bits[0]["graph_captured"]  # the CPU runs the step eagerly, and says so
+    paths = {c["path"]: c for c in data["cells"] if c["kind"] == "path"}
+    assert set(paths) == set(check.PATHS) | set(check.FUTURE_PATHS)
+    bare = paths[check.BARE]["samples_per_second"]
+    for name in check.PATHS:
+        cell = paths[name]
+        assert not cell.get("error"), cell
+        assert cell["samples_per_second"] > 0
+        assert cell["over_bare_loop"] == round(cell["samples_per_second"] / bare, 3)
+    for name in check.FUTURE_PATHS:  # the hook, reported, not dropped
+        assert "not built" in paths[name]["note"]
+    text = out.read_text()
+    assert (
+        "Dry run on the CPU" in text and "| fedavg-cnn | fp32 | 3 | False | True | True |" in text
+    )
+
+
+def test_a_registered_path_joins_the_table(check, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The hook the fused model's path uses: register_path adds a row beside the others."""
+    monkeypatch.setattr(check, "PATHS", dict(check.PATHS))
+    check.register_path("fused", lambda s: {"samples_per_second": 1.0, "note": "stand-in"})
+    out = tmp_path / "g.md"
+    argv = ["--dry-run", "--models", "fedavg-cnn", "--precisions", "fp32", "--out", str(out),
+            "--paths", "fused", check.BARE]  # fmt: skip
+    assert check.main(argv) == 0
+    cells = json.loads(out.with_suffix(".json").read_text())["cells"]
+    fused = next(c for c in cells if c.get("path") == "fused")
+    assert fused["samples_per_second"] == 1.0 and fused["over_bare_loop"] is not None
+
+
+@pytest.mark.slow
+def test_gpu_session_dry_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The whole session's dry run (every model and precision of step 1, on the CPU)."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", str(BENCHMARKS / "gpu_session.sh"), "--dry-run", str(tmp_path / "s")],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads((tmp_path / "s" / "graph_step.json").read_text())
+    assert all(c["graph_equals_eager"] for c in data["cells"] if c["kind"] == "bits")
+    assert not [c for c in data["cells"] if c.get("error")]

@@ -200,3 +200,16 @@ def test_a_run_whose_every_round_was_skipped_fails():
         check_some_round_played([{"round": 1, "skipped": 1.0}, {"round": 2, "skipped": 1.0}])
     check_some_round_played([{"round": 1, "skipped": 1.0}, {"round": 2}])
     check_some_round_played([])
+
+
+def test_on_flower_a_run_whose_every_reply_is_lost_fails(tmp_path):
+    """Local DP on Flower with every reply lost "finished" with the initial model; now the
+    run stops with the reason (one tiny Flower run: 4 nodes, 2 rounds)."""
+    pytest.importorskip("flwr")
+    from flower_grid import LocalGrid
+
+    from fedskew.apps.flower.server import serve
+
+    grid = LocalGrid(4, drop={(r, p) for r in range(2) for p in range(4)})
+    with pytest.raises(FedskewError, match=r"every round \(2\) was skipped"):
+        serve(grid, cfg_of(tmp_path, dp="local", dp_noise=0.5))

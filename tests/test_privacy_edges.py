@@ -213,3 +213,25 @@ def test_on_flower_a_run_whose_every_reply_is_lost_fails(tmp_path):
     grid = LocalGrid(4, drop={(r, p) for r in range(2) for p in range(4)})
     with pytest.raises(FedskewError, match=r"every round \(2\) was skipped"):
         serve(grid, cfg_of(tmp_path, dp="local", dp_noise=0.5))
+
+
+def test_the_docs_examples_are_the_scripts_and_learn():
+    """docs/privacy.md's first block runs in benchmarks/privacy_examples.py word for word,
+    and the table under it is what that script wrote from its results file."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location(
+        "privacy_examples", root / "benchmarks" / "privacy_examples.py"
+    )
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    doc = (root / "docs" / "privacy.md").read_text(encoding="utf-8")
+    block = doc[doc.index("```bash") : doc.index("```\n", doc.index("```bash") + 7)]
+    for command in script.EXAMPLES:
+        assert f"\n{command}\n" in block
+    results = json.loads(script.RESULTS.read_text(encoding="utf-8"))
+    assert [r["command"] for r in results["examples"]] == list(script.EXAMPLES)
+    assert script.render(results) in doc
+    assert all(r["final_accuracy"] > 0.3 for r in results["examples"])  # 10 classes: 0.1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import math
 import os
 import sys
@@ -100,6 +101,11 @@ def failure(argv: list[str], where: Path) -> str | None:
     """None when ``argv`` ran cleanly (or was refused in one line), else the kind of failure:
     a traceback by its exception, a malformed error, or a run that finished uselessly."""
     out, err = io.StringIO(), io.StringIO()
+    # What the run warned, however the logger is wired (under pytest, the CLI's handler
+    # may not be the one that prints).
+    warned = Collected()
+    logger = logging.getLogger("fedskew")
+    logger.addHandler(warned)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main([*argv, "--out-dir", str(where)])
@@ -107,6 +113,8 @@ def failure(argv: list[str], where: Path) -> str | None:
         return None if exc.code == 2 and "Traceback" not in err.getvalue() else "bad exit"
     except Exception as exc:  # noqa: BLE001 - what the fuzz looks for
         return f"traceback: {type(exc).__name__}: {str(exc)[:60]}"
+    finally:
+        logger.removeHandler(warned)
     text = err.getvalue()
     if "Traceback" in text + out.getvalue():
         return "traceback printed"
@@ -115,7 +123,18 @@ def failure(argv: list[str], where: Path) -> str | None:
         if code not in (1, 2) or not lines or not lines[-1].startswith("fedskew: error: "):
             return f"exit {code} without a one-line error"
         return None
-    return useless_run(where, text)
+    return useless_run(where, text + "\n".join(warned.messages))
+
+
+class Collected(logging.Handler):
+    """Keeps the messages of the records it gets."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def useless_run(where: Path, stderr: str) -> str | None:

@@ -235,3 +235,19 @@ def test_the_docs_examples_are_the_scripts_and_learn():
     assert [r["command"] for r in results["examples"]] == list(script.EXAMPLES)
     assert script.render(results) in doc
     assert all(r["final_accuracy"] > 0.3 for r in results["examples"])  # 10 classes: 0.1
+
+
+def test_the_accountant_leaves_the_logging_configuration_alone():
+    """Poisson sampling's RDP logs a warning per fractional order it drops; logged before
+    any handler existed, that configured the root logger, and every later fedskew line
+    printed twice ("INFO:fedskew.execution:...")."""
+    root = logging.getLogger()
+    before = root.handlers[:]
+    try:
+        root.handlers[:] = []
+        central_epsilon(1.2345, 20, 8, 2, 1e-5, POISSON)  # not in the cache yet
+        noise_for_epsilon(2.0, local=False, num_clients=20, per_round=8, rounds=2,
+                          most_participations=2, delta=1e-5, method=POISSON)  # fmt: skip
+        assert root.handlers == []
+    finally:
+        root.handlers[:] = before

@@ -70,15 +70,20 @@ def accountant() -> Any:
 @contextmanager
 def quiet_accountant() -> Iterator[None]:
     """The accountant logs through absl a line per RDP order it drops at extreme settings
-    (hundreds of lines for one epsilon); what it returns is still an upper bound, so the
-    lines are noise to a user."""
+    (hundreds of lines for one epsilon, Poisson sampling at ordinary ones too); what it
+    returns is still an upper bound, so the lines are noise to a user. Nothing it does to
+    the logging configuration outlasts the call."""
     logger = logging.getLogger("absl")
     level = logger.level
+    # A warning logged before any handler exists makes logging configure the root logger
+    # (basicConfig): every later fedskew line would then print twice, in Python's format.
+    root_handlers = logging.root.handlers[:]
     logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
         logger.setLevel(level)
+        logging.root.handlers[:] = root_handlers
 
 
 def _event(method: str, noise: float, num_clients: int, per_round: int) -> Any:

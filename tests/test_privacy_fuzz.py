@@ -12,7 +12,11 @@ skipped.
 
 ``python tests/test_privacy_fuzz.py N`` runs N examples of each search (seeded, the same
 examples on any code) without stopping at the first failure and prints how many fail, per
-kind; PYTHONPATH picks the code (run it with the previous commit's src/ to compare).
+kind; PYTHONPATH picks the code (run it with the previous commit's src/ to compare). With 40
+examples a search (80 runs, about 14 minutes on the loaded 2-core AMD EPYC): on the code
+before issue 50's fixes 15 failed (14 an epsilon above 10 without a warning, 1 a "math domain
+error" traceback from the accountant), none after. There the target-epsilon and accounting
+options did not exist yet: those examples were argparse errors, counted clean.
 """
 
 from __future__ import annotations

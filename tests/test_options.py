@@ -60,7 +60,8 @@ def test_the_tags_make_the_lists_other_modules_use():
     assert set(config.RESUME_MAY_CHANGE) == tagged("resumable")
     assert set(config.RESUME_MAY_CHANGE) <= set(config.EXECUTION_ONLY)
     assert set(config.MEASUREMENT_ONLY) == {
-        "feature_metrics_every", "local_risk_every", "tsne", "dp_delta",
+        "feature_metrics_every", "local_risk_every", "tsne", "dp_delta", "dp_target_epsilon",
+        "dp_accounting",
     }  # fmt: skip
     assert config.TABLES == ("model_options", "partition_params", "params")
     assert set(config.NOT_IN_FLOWER_RUN_CONFIG) == {

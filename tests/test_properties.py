@@ -330,6 +330,9 @@ def _option_values() -> dict[str, st.SearchStrategy]:
         "--dp-clip-lr": float_values(lambda x: x >= 0, 0.0, 1.0),
         "--dp-count-noise": float_values(lambda x: x >= 0, 0.0, 5.0),
         "--dp-delta": float_values(lambda x: 0 < x < 1, 1e-9, 0.5),
+        # Solving for the noise takes seconds: only values refused before any accounting.
+        "--dp-target-epsilon": float_values(lambda x: x > 0, 0.0, 0.0),
+        "--dp-accounting": choice_values(["replace-one", "poisson-add-remove"]),
         # TensorBoard only: MLflow and W&B keep copies of summary.json that
         # check_finished_run would count as runs. Names take other spellings (" TensorBoard").
         "--track": choice_values(["tensorboard"], strict=False),

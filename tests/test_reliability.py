@@ -14,6 +14,7 @@ import pytest
 
 from fedskew.apps.cli import main
 from fedskew.config import ExperimentConfig
+from fedskew.core.errors import FedskewError
 from fedskew.runs.checkpoint import read_checkpoint, save_checkpoint
 from fedskew.runs.loop import RunInterrupted, run
 
@@ -212,9 +213,12 @@ def test_divergence_stops_the_run_naming_round_and_client(tmp_path, capsys):
 def test_divergence_drop_leaves_the_replies_out(tmp_path):
     cfg = ExperimentConfig(out_dir=str(tmp_path), name="d", lr=1e30, on_divergence="drop",
                            **SMALL)  # fmt: skip
-    folder, summary = run(cfg)
-    rows = lines(folder)
-    assert [r["skipped"] for r in rows] == [1.0] * 3  # every reply diverged
+    # Every reply diverged, so every round was skipped: the run trained nothing and fails
+    # (issue 50: it used to finish with the initial model), its rows kept in the folder.
+    with pytest.raises(FedskewError, match=r"every round \(3\) was skipped"):
+        run(cfg)
+    rows = lines(tmp_path / "d.incomplete")
+    assert [r["skipped"] for r in rows] == [1.0] * 3
     assert all(sorted(r["diverged_replies"]) == sorted(r["clients"]) for r in rows)
     assert all(r["samples"] == 0 for r in rows)
 

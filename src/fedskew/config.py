@@ -9,6 +9,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from fedskew.data.partition import (
     read_partition_file,
     stable_name,
 )
+from fedskew.metrics.privacy_accounting import ACCOUNTING, noise_for_epsilon
 
 
 def option(default: Any = dataclasses.MISSING, *, factory: Any = None, **metadata: Any) -> Any:
@@ -66,6 +68,15 @@ DP_CLIPPING = ("fixed", "adaptive")
 # Flower's SecAgg+ masks and sums modulo 2**32 (its largest modulus_range): the quantised
 # values of a round's clients must add up below it.
 SECAGG_MODULUS = 2**32
+# The clip ranges SecAgg+ sums usefully (ExperimentConfig.check_secagg_range): at least 1
+# (a training loss or an update value above R is cut; more precision comes from a larger
+# Q, not a smaller R), and a resolution no coarser than SECAGG_MAX_STEP.
+SECAGG_MIN_RANGE = 1.0
+# A Gaussian draw beyond this many deviations does not happen in a model's worth of draws
+# (probability about 1e-15 each): dp-noise x dp-clip times it must stay within float32.
+DP_DRAW_MAX = 8.0
+SECAGG_MAX_STEP = 1e-4
+FLOAT32_EPSILON = 2.0**-23
 
 
 def cuda_count() -> int:
@@ -284,10 +295,23 @@ class ExperimentConfig:
         help="adaptive clipping: standard deviation of the noise on the count of unclipped "
         "updates",
     )
-    # Only what is reported (the accountant's epsilon at this delta): a measurement.
+    # Only what is reported (the accountant's epsilon at this delta): a measurement. With
+    # dp_target_epsilon it also decides dp_noise, which is hashed.
     dp_delta: float = option(
         1e-5, metavar="DELTA", measurement=True,
         help="DP: the delta at which the privacy spent (epsilon) is reported",
+    )
+    # Sets dp_noise (validate solves for it; the noise is hashed, so not the target itself).
+    dp_target_epsilon: float | None = option(
+        None, metavar="EPS", measurement=True, default_text="none: dp-noise sets the noise",
+        help="DP: the epsilon at dp-delta the whole run may spend; the noise multiplier is "
+        "solved for with dp-accounting (replaces dp-noise)",
+    )
+    dp_accounting: str = option(
+        "replace-one", choices=ACCOUNTING, measurement=True, default_text="replace-one",
+        help="DP: how epsilon is accounted: replace-one (fedskew's mechanism: replace-one "
+        "adjacency, sampling without replacement) or poisson-add-remove (what DP-FL papers "
+        "state: Poisson sampling of rate m/N, add-or-remove adjacency)",
     )
     eval_every: int = option(1, help="evaluate every N rounds")
     # Changes which samples train (in the config hash); folders from before the option ran
@@ -525,6 +549,11 @@ class ExperimentConfig:
             raise UsageError(f"dp-clip-lr must be >= 0, got {self.dp_clip_lr}")
         if self.dp_count_noise < 0:
             raise UsageError(f"dp-count-noise must be >= 0, got {self.dp_count_noise}")
+        if self.dp_accounting not in ACCOUNTING:
+            raise UsageError(
+                f"dp-accounting must be one of {', '.join(ACCOUNTING)}, got {self.dp_accounting!r}"
+            )
+        self.check_secagg_range()
         if self.secure_aggregation:
             if self.per_round() < 2:
                 raise UsageError(
@@ -537,7 +566,11 @@ class ExperimentConfig:
                     f"secagg-quantization {q} must stay below 2**32 (the sum's modulus)"
                 )
         if self.dp == "off":
+            if self.dp_target_epsilon is not None:
+                raise UsageError("dp-target-epsilon needs dp central or local")
             return
+        if self.dp_target_epsilon is not None:
+            self.dp_noise = self.noise_for_target()
         if self.validation_fraction > 0:
             raise UsageError(
                 "dp: validation-fraction evaluates on samples of the clients' data, outside "
@@ -564,6 +597,70 @@ class ExperimentConfig:
                     f"{self.dp_noise / 2:g} (got {sigma:g}): the count's noise takes part of "
                     "the noise budget (Andrew et al. 2021)"
                 )
+        noise = self.dp_noise
+        if self.dp_clipping == "adaptive" and noise > 0:
+            noise = (noise**-2 - (2 * self.count_noise()) ** -2) ** -0.5  # the updates' share
+        std = noise * self.dp_clip
+        if std * DP_DRAW_MAX > FLOAT32_MAX:
+            # The noisy update (local) or model (central) would be Inf in float32: every
+            # reply refused and every round skipped, or the model lost to Inf.
+            raise UsageError(
+                f"dp-noise x dp-clip: noise of deviation {std:.3g} makes float32 updates "
+                f"infinite (it must stay below {FLOAT32_MAX / DP_DRAW_MAX:.3g})"
+            )
+
+    def check_secagg_range(self) -> None:
+        """Refuse, under secure aggregation, a clip range R that leaves SecAgg+ nothing to
+        sum: every value (the updates and the summed training loss) is cut to [-R, R], and
+        Flower's quantisation adds R to the float32 value and rounds to a step of 2R/Q, so
+        the resolution is the larger of 2R/Q and R x 2**-23. R = 1e-30 cut every update to
+        nothing and R = 3e38 rounded every one away, each with a train loss of R or 0."""
+        if not self.secure_aggregation:
+            return
+        r, q = self.secagg_clip_range, self.secagg_quantization
+        top = min(SECAGG_MAX_STEP * q / 2, SECAGG_MAX_STEP / FLOAT32_EPSILON)
+        if top < SECAGG_MIN_RANGE:
+            raise UsageError(
+                f"secagg-quantization {q} is too coarse: its step 2R/Q is above "
+                f"{SECAGG_MAX_STEP:g} for any clip range of at least {SECAGG_MIN_RANGE:g} "
+                f"(give at least {math.ceil(2 * SECAGG_MIN_RANGE / SECAGG_MAX_STEP)})"
+            )
+        if not SECAGG_MIN_RANGE <= r <= top:
+            raise UsageError(
+                f"secagg-clip-range {r:g} must be from {SECAGG_MIN_RANGE:g} to {top:.6g} "
+                f"with secagg-quantization {q}: values beyond R (the summed training loss "
+                f"among them) are cut to R, and a resolution (2R/Q, or float32's of R) "
+                f"above {SECAGG_MAX_STEP:g} rounds updates away"
+            )
+
+    def noise_for_target(self) -> float:
+        """The noise multiplier that spends dp_target_epsilon at dp_delta by the last round,
+        as the run will report it (fedskew.metrics.privacy_accounting.noise_for_epsilon);
+        a dp_noise given besides it must be that value (a run folder's config.json holds
+        both)."""
+        target = self.dp_target_epsilon
+        assert target is not None
+        if not target > 0:
+            raise UsageError(f"dp-target-epsilon must be > 0, got {target}")
+        # Imported here: the sampling needs torch, which the command line's --help does not.
+        from fedskew.data.federated import sample_clients
+
+        m, n = self.per_round(), self.num_clients
+        counts = [0] * n
+        for rnd in range(self.rounds):
+            for c in sample_clients(self.seed, rnd, n, m):
+                counts[c] += 1
+        noise = solved_noise(
+            target, self.dp == "local", n, m, self.rounds, max(counts), self.dp_delta,
+            self.dp_accounting,
+        )  # fmt: skip
+        given = self.dp_noise
+        if given != LEGACY["dp_noise"] and not math.isclose(given, noise, rel_tol=1e-9):
+            raise UsageError(
+                f"give dp-noise or dp-target-epsilon, not both (dp-noise {given:g}; the "
+                f"target {target:g} gives {noise:.6g})"
+            )
+        return noise
 
     def count_noise(self) -> float:
         """The noise on the count of unclipped updates (adaptive clipping): dp_count_noise,
@@ -580,8 +677,21 @@ class ExperimentConfig:
 FINITE = (
     "lr", "momentum", "weight_decay", "grad_clip", "participation", "reply_timeout",
     "synthetic_alpha", "synthetic_beta", "secagg_clip_range", "dp_clip", "dp_noise",
-    "dp_target_quantile", "dp_clip_lr", "dp_count_noise", "dp_delta",
+    "dp_target_quantile", "dp_clip_lr", "dp_count_noise", "dp_delta", "dp_target_epsilon",
 )  # fmt: skip
+
+
+@lru_cache(maxsize=32)
+def solved_noise(
+    target: float, local: bool, num_clients: int, per_round: int, rounds: int,
+    most_participations: int, delta: float, method: str,
+) -> float:  # fmt: skip
+    """noise_for_epsilon, once per setting: a configuration is validated several times and
+    the accountant takes seconds for sampling without replacement."""
+    return noise_for_epsilon(
+        target, local=local, num_clients=num_clients, per_round=per_round, rounds=rounds,
+        most_participations=most_participations, delta=delta, method=method,
+    )  # fmt: skip
 FIELDS = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
 TABLES = tuple(name for name, f in FIELDS.items() if f.metadata.get("action") == "pairs")
 
@@ -711,6 +821,12 @@ def normalise_keys(raw: dict[str, Any], where: str) -> dict[str, Any]:
 
 def build_config(file_values: dict[str, Any], cli_values: dict[str, Any]) -> ExperimentConfig:
     """Merge file and command-line values (the latter win; tables merge key by key)."""
+    for source in (file_values, cli_values):
+        if source.get("dp_target_epsilon") is not None and source.get("dp_noise") is not None:
+            # One source that names both (a saved config.json holds both: validate checks
+            # that its noise is the target's).
+            if source is cli_values or "dp_noise" in cli_values:
+                raise UsageError("give dp-noise or dp-target-epsilon, not both")
     merged: dict[str, Any] = {}
     for source in (file_values, cli_values):
         for key, value in source.items():
@@ -727,6 +843,12 @@ def build_config(file_values: dict[str, Any], cli_values: dict[str, Any]) -> Exp
     cfg = ExperimentConfig(**merged)
     cfg.validate()
     return cfg
+
+
+# Number options whose default is None (not given), with their type.
+OPTIONAL_NUMBERS: dict[str, type] = {
+    "participation": float, "clients_per_round": int, "dp_target_epsilon": float,
+}  # fmt: skip
 
 
 def parse_value(key: str, value: Any, where: str | None = None) -> Any:
@@ -751,7 +873,7 @@ def parse_value(key: str, value: Any, where: str | None = None) -> Any:
         return parse_trackers(value)
     if isinstance(value, str) and "\0" in value:  # no path or name holds one
         raise UsageError(f"{label} contains a NUL character: {value!r}")
-    if default is None and key not in {"participation", "clients_per_round"}:
+    if default is None and key not in OPTIONAL_NUMBERS:
         if not isinstance(value, str):  # data_dir, name: text or nothing
             raise UsageError(f"{label} expects text, got {value!r}")
         return value
@@ -759,7 +881,7 @@ def parse_value(key: str, value: Any, where: str | None = None) -> Any:
         return parse_workers(value)
     if key == "clients_together_max":
         return parse_clients_together_max(value)
-    kind = {"participation": float, "clients_per_round": int}.get(key, type(default))
+    kind = OPTIONAL_NUMBERS.get(key, type(default))
     if kind is bool:
         if isinstance(value, bool):
             return value

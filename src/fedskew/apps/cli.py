@@ -96,6 +96,31 @@ def resume_config(args: argparse.Namespace):
     return saved_config(folder.path, values, "--resume"), folder.path
 
 
+def dp_summary(summary: dict[str, Any]) -> str:
+    """The DP part of the summary's privacy line: the epsilon spent (or that there is no
+    guarantee), how it was accounted, and the clip norm the run ended with."""
+    from fedskew.metrics.privacy_accounting import MEANINGFUL_EPSILON
+
+    eps = summary.get("dp_epsilon")
+    if eps is None:
+        spent = "NO PRIVACY: epsilon infinite (dp-noise 0, clipping only)"
+    else:
+        spent = f"epsilon {eps:.3g} at delta {summary['dp_delta']:g}"
+        if eps > MEANINGFUL_EPSILON:
+            spent += f" (above {MEANINGFUL_EPSILON:g}: a weak guarantee)"
+        method = summary.get("dp_accounting", "replace-one")
+        spent += f", {method} accounting"
+        if summary.get("dp_target_epsilon") is not None:
+            spent += f", target {summary['dp_target_epsilon']:g}"
+    clip = f"clip {summary['dp_clip']:g}"
+    if summary.get("dp_clip_final") is not None:
+        clip += f" adapted to {summary['dp_clip_final']:.3g}"
+    return (
+        f"{summary['dp']} DP, {spent} (noise {summary['dp_noise']:.4g}, {clip}, "
+        f"{summary['dp_clipping']} clipping)"
+    )
+
+
 def format_summary(summary: dict[str, Any], folder: Path) -> str:
     def pct(v: float | None) -> str:
         return "n/a" if v is None else f"{100 * v:.2f} %"
@@ -105,13 +130,7 @@ def format_summary(summary: dict[str, Any], folder: Path) -> str:
     if summary.get("secure_aggregation") or summary.get("dp", "off") != "off":
         parts = ["secure aggregation"] if summary.get("secure_aggregation") else []
         if summary.get("dp", "off") != "off":
-            eps = summary.get("dp_epsilon")
-            spent = "no finite epsilon (no noise)" if eps is None else f"epsilon {eps:.3g}"
-            parts.append(
-                f"{summary['dp']} DP, {spent} at delta {summary['dp_delta']:g} "
-                f"(noise {summary['dp_noise']:g}, clip {summary['dp_clip']:g}, "
-                f"{summary['dp_clipping']})"
-            )
+            parts.append(dp_summary(summary))
         privacy = ["  privacy: " + "; ".join(parts)]
     return "\n".join(
         [

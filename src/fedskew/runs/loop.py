@@ -156,6 +156,8 @@ def _run(
         )
     for mechanism in inactive_mechanisms(prep, per_round):
         log.warning("%s: %s", prep.algorithm.name, mechanism.line())
+    for line in ledger.warnings(cfg.rounds):
+        log.warning("%s", line)
     measurements = Measurements(prep, eval_model)
     state = RunState(
         prep, setup, server, engine, eval_model, per_round, measurements=measurements,
@@ -542,6 +544,11 @@ def play_round(state: RunState, rnd: int) -> dict[str, Any]:
     served = channel if state.measurements is None else state.measurements.channel(rnd, channel)
     try:
         round_metrics = server.round(rnd, clients, served)
+    except Diverged as exc:
+        cause = dp_noise_cause(state)
+        if not cause:
+            raise
+        raise Diverged(f"{exc}. {cause}", exc.round) from None
     except NoReplies as exc:
         assert before is not None  # only lost or dropped replies leave a round without any
         load_server_state(server, before)
@@ -569,7 +576,8 @@ def play_round(state: RunState, rnd: int) -> dict[str, Any]:
     if where is not None:
         raise Diverged(
             f"round {rnd + 1}: the global model has NaN or Inf in '{where}' after aggregation; "
-            "the last good checkpoint is kept (lower --lr, or add --grad-clip)",
+            "the last good checkpoint is kept (lower --lr, or add --grad-clip)"
+            + (f". {cause}" if (cause := dp_noise_cause(state)) else ""),
             rnd + 1,
         )
     for name in server.checkpoint_fields:
@@ -593,6 +601,40 @@ def play_round(state: RunState, rnd: int) -> dict[str, Any]:
             "and shapes)"
         )
     return record
+
+
+def dp_noise_cause(state: RunState) -> str:
+    """Under DP, what noise the model a client diverged on carried: the noise follows the
+    clip norm, which adaptive clipping grows while updates are larger than it; noise that
+    wrecks the model makes the next updates larger still, and training ends in NaN ("client
+    11: NaN" at a clip norm grown from 1 to 155 on digits) with no fault of the client or of
+    --lr. "" without DP or before any round was played."""
+    privacy = state.prep.privacy
+    if privacy is None or privacy.dp == "off" or not state.history:
+        return ""
+    last = state.history[-1]
+    clip = last.get("dp_clip")
+    if clip is None:
+        return ""
+    if privacy.local:
+        std, where = privacy.noise * clip, "each client's update"
+    else:
+        std, where = last.get("dp_noise_std", 0.0), "the mean update"
+    grown = (
+        f", grown from {privacy.clip:g} by adaptive clipping"
+        if privacy.adaptive and clip > privacy.clip
+        else ""
+    )
+    remedy = (
+        "fixed clipping, or a lower dp-target-quantile or dp-clip-lr, keeps it smaller"
+        if privacy.adaptive
+        else "a smaller dp-clip or dp-noise keeps it smaller"
+    )
+    return (
+        f"Under DP the model it trained had Gaussian noise of deviation {std:.3g} per value "
+        f"on {where} in round {last['round']} (clip norm {clip:.3g}{grown}); noise that "
+        f"large can wreck the model and make training diverge ({remedy})"
+    )
 
 
 def changed_entry(
@@ -763,8 +805,27 @@ def keep_round(state: RunState, rnd: int, record: dict[str, Any]) -> None:
     state.metrics_digest = digest
 
 
+def privacy_state(server: Any) -> dict[str, float] | None:
+    """The server's privacy state (the adaptive clip norm), where its algorithm keeps one."""
+    found = getattr(server, "privacy_state", None)
+    return found if isinstance(found, dict) else None
+
+
+def check_some_round_played(history: list[dict[str, Any]]) -> None:
+    """A run whose every round was skipped (no reply arrived or could be summed) trained
+    nothing: its model is the initial one, and a summary would read as a result."""
+    if history and all("skipped" in row for row in history):
+        raise FedskewError(
+            f"every round ({len(history)}) was skipped: no client's reply arrived or could be "
+            "summed, so the model is the initial one (the warnings above say why each round "
+            "was skipped)"
+        )
+
+
 def finish(state: RunState, seconds_this_process: float) -> tuple[Path, dict[str, Any]]:
-    """Write the summary and give the run folder its final name."""
+    """Write the summary and give the run folder its final name (a run that played no
+    round is a failure, not a result)."""
+    check_some_round_played(state.history)
     folder = state.run_folder
     summary = make_summary(
         state.cfg,
@@ -777,7 +838,7 @@ def finish(state: RunState, seconds_this_process: float) -> tuple[Path, dict[str
     summary.update(final_values(state.history))  # final_personal_accuracy and the like
     summary.update(per_class_summary(state.history))
     if state.ledger is not None:
-        summary.update(state.ledger.summary(state.history))
+        summary.update(state.ledger.summary(state.history, privacy_state(state.server)))
     summary.update(client_state_size(state.engine))
     summary.update(run_peaks(state.history))
     summary["wall_seconds_this_process"] = round(seconds_this_process, 3)

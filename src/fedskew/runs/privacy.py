@@ -13,7 +13,13 @@ from typing import Any
 
 from fedskew.assembly.prepare import Prepared
 from fedskew.data.federated import sample_clients
-from fedskew.metrics.privacy_accounting import accountant, central_epsilon, local_epsilon
+from fedskew.metrics.privacy_accounting import (
+    MEANINGFUL_EPSILON,
+    POISSON,
+    accountant,
+    local_epsilon,
+    reported_epsilon,
+)
 
 
 class PrivacyLedger:
@@ -42,13 +48,13 @@ class PrivacyLedger:
         the amplified bound (WOR amplification can be looser at high sampling rates)."""
         p = self.privacy
         assert p is not None and p.dp != "off"
-        known = local_epsilon(p.noise, self.most_participations(rnd), p.delta)
-        if p.local or self.per_round >= self.num_clients:
-            return known, known
-        amplified = central_epsilon(p.noise, self.num_clients, self.per_round, rnd + 1, p.delta)
-        if amplified is None or known is None:
-            return None, None
-        return min(amplified, known), known
+        known = local_epsilon(p.noise, self.most_participations(rnd), p.delta, p.accounting)
+        reported = reported_epsilon(
+            p.noise, local=p.local, num_clients=self.num_clients, per_round=self.per_round,
+            rounds=rnd + 1, most_participations=self.most_participations(rnd), delta=p.delta,
+            method=p.accounting,
+        )  # fmt: skip
+        return reported, known
 
     def most_participations(self, rnd: int) -> int:
         """The most rounds any one client was sampled in, up to round ``rnd``: a client's
@@ -72,8 +78,34 @@ class PrivacyLedger:
             out["dp_epsilon_known_sampling"] = known
         return out
 
-    def summary(self, history: list[dict[str, Any]]) -> dict[str, Any]:
-        """What summary.json adds: the settings, and the epsilon after the last round."""
+    def warnings(self, rounds: int) -> list[str]:
+        """What a run should say before it starts: a DP run without noise has no guarantee,
+        and one whose last round will have spent an epsilon above MEANINGFUL_EPSILON bounds
+        little (it is known in advance: it depends only on the settings and the seed)."""
+        if not self.accounted:
+            return []
+        p = self.privacy
+        assert p is not None
+        if p.noise == 0:
+            return [
+                "dp-noise 0: clipping only, no differential privacy (epsilon is infinite); "
+                "give dp-noise or dp-target-epsilon for a guarantee"
+            ]
+        final, _ = self.epsilons_after(rounds - 1)
+        if final is not None and final > MEANINGFUL_EPSILON:
+            return [
+                f"{p.dp} DP will spend epsilon {final:.3g} at delta {p.delta:g} by round "
+                f"{rounds}: above {MEANINGFUL_EPSILON:g} the guarantee bounds little (raise "
+                "dp-noise, or give dp-target-epsilon)"
+            ]
+        return []
+
+    def summary(
+        self, history: list[dict[str, Any]], state: dict[str, float] | None = None
+    ) -> dict[str, Any]:
+        """What summary.json adds: the settings, the epsilon after the last round (null and
+        ``dp_guarantee`` "none" without noise) and, under adaptive clipping, the clip norm
+        the run ended with (``state``: the server's privacy_state)."""
         if self.privacy is None:
             return {}
         out = self.privacy.describe()
@@ -82,6 +114,10 @@ class PrivacyLedger:
             out["dp_epsilon"] = last.get("dp_epsilon", 0.0)
             if "dp_epsilon_known_sampling" in last:
                 out["dp_epsilon_known_sampling"] = last["dp_epsilon_known_sampling"]
+            if self.privacy.noise == 0:
+                out["dp_guarantee"] = "none (dp-noise 0: epsilon infinite)"
+            if self.privacy.adaptive and state is not None and "clip" in state:
+                out["dp_clip_final"] = float(state["clip"])
         return out
 
     def facts(self) -> dict[str, Any]:
@@ -98,15 +134,25 @@ class PrivacyLedger:
             if self.per_round >= self.num_clients
             else f"{self.per_round} of {self.num_clients} clients per round, without replacement"
         )
-        return {
-            "privacy_accounting": {
-                "accountant": f"dp-accounting {package}, RDP",
-                "adjacency": "replace one client's data (client-level)",
-                "mechanism": "central: Gaussian on the sum of clipped updates"
-                if self.privacy.central
-                else "local: Gaussian on each clipped update; the most-sampled client",
-                "sampling": sampling,
-                "noise_multiplier": self.privacy.noise,
-                "delta": self.privacy.delta,
-            }
+        poisson = self.privacy.accounting == POISSON
+        if poisson and self.privacy.central and self.per_round < self.num_clients:
+            sampling += (
+                f"; accounted as Poisson sampling of rate {self.per_round / self.num_clients:g} "
+                "(the papers' convention, not this run's sampling)"
+            )
+        facts: dict[str, Any] = {
+            "method": self.privacy.accounting,
+            "accountant": f"dp-accounting {package}, RDP",
+            "adjacency": "add or remove one client's data (client-level)"
+            if poisson
+            else "replace one client's data (client-level)",
+            "mechanism": "central: Gaussian on the sum of clipped updates"
+            if self.privacy.central
+            else "local: Gaussian on each clipped update; the most-sampled client",
+            "sampling": sampling,
+            "noise_multiplier": self.privacy.noise,
+            "delta": self.privacy.delta,
         }
+        if self.privacy.target_epsilon is not None:
+            facts["noise_from_target_epsilon"] = self.privacy.target_epsilon
+        return {"privacy_accounting": facts}

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fedskew.config import ExperimentConfig
-from fedskew.core.errors import FedskewError, UsageError
+from fedskew.core.errors import Diverged, FedskewError, UsageError
 from fedskew.core.rng import SERVER, torch_rng
 from fedskew.training.protocol import (
     ArraySpec,
@@ -79,6 +79,8 @@ class Privacy:
     delta: float
     clip_range: float
     quantization: int
+    accounting: str = "replace-one"
+    target_epsilon: float | None = None
 
     @classmethod
     def of(cls, cfg: ExperimentConfig) -> Privacy | None:
@@ -97,6 +99,8 @@ class Privacy:
             delta=cfg.dp_delta,
             clip_range=cfg.secagg_clip_range,
             quantization=cfg.secagg_quantization,
+            accounting=cfg.dp_accounting,
+            target_epsilon=cfg.dp_target_epsilon,
         )
 
     @property
@@ -122,6 +126,9 @@ class Privacy:
         if self.dp != "off":
             facts.update(dp_clip=self.clip, dp_noise=self.noise, dp_delta=self.delta)
             facts["dp_clipping"] = "adaptive" if self.adaptive else "fixed"
+            facts["dp_accounting"] = self.accounting
+            if self.target_epsilon is not None:
+                facts["dp_target_epsilon"] = self.target_epsilon
         return facts
 
 
@@ -160,7 +167,11 @@ def summand_reply(logic: ClientLogic, sent: Message, reply: Message, ctx: Client
     for name, t in arrays.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             # Inside a secure sum nobody could tell: stop here (a lost reply on Flower).
-            raise FedskewError(f"client {ctx.client_id}: NaN or Inf in its update '{name}'")
+            raise Diverged(
+                f"round {ctx.round + 1}: client {ctx.client_id} diverged (NaN or Inf in its "
+                f"update '{name}')",
+                ctx.round + 1,
+            )
     clip = float(sent.scalars.get(CLIP, 0.0))
     within = 1.0
     if clip > 0:

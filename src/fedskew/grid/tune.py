@@ -49,6 +49,10 @@ DEFAULT_VALIDATION = 0.2
 # benchmarks/results/tune_rank_correlation.md (Spearman of that round's accuracy against the
 # objective >= 0.8 for FedAvg and FedFM, and so is its mean over the later rounds).
 DEFAULT_WARMUP = 4
+# A completed trial scoring at most this multiple of chance (100 / classes %) is marked: the
+# model learned next to nothing (too small or too large a step), and its value is not a
+# measure of the method.
+CHANCE_FACTOR = 1.5
 # Options a trial's pruner steps are counted in: tuning them would number the same step
 # differently in two trials.
 STEP_KEYS = ("rounds",)
@@ -472,6 +476,18 @@ def num_classes(folder: Path) -> int | None:
         return None
 
 
+def trial_mark(trial: optuna.trial.FrozenTrial) -> str:
+    """Why a trial's value says little about the method: diverged, or no better than chance."""
+    if "diverged_round" in trial.user_attrs:
+        return f"diverged at round {trial.user_attrs['diverged_round']}"
+    classes = trial.user_attrs.get("num_classes")
+    if trial.state == TrialState.COMPLETE and classes and trial.value is not None:
+        chance = 100 / int(classes)
+        if trial.value <= CHANCE_FACTOR * chance:
+            return f"chance level ({chance:.3g} % with {classes} classes)"
+    return ""
+
+
 @dataclass
 class TrialOutcome:
     number: int
@@ -620,9 +636,13 @@ def tune_method(
             outcome = run_trial(tune, method, study, trial, past, progress)
         finally:
             unlock(own)
-        done = sum(t.state in _FINISHED for t in held(study.get_trials(deepcopy=False)).values())
+        slots = held(study.get_trials(deepcopy=False))
+        done = sum(t.state in _FINISHED for t in slots.values())
         shown = ", ".join(f"{k}={_short(v)}" for k, v in outcome.params.items())
         result = f"{outcome.value:.2f}" if outcome.value is not None else outcome.state
+        mark = trial_mark(slots[outcome.number]) if outcome.number in slots else ""
+        if mark and outcome.value is not None:
+            result += f" [{mark}]"
         detail = f" ({outcome.detail})" if outcome.detail else ""
         print_line(f"[{method} {done}/{tune.trials}] trial {outcome.number}: {result}{detail}"
                    f"  {shown}")  # fmt: skip

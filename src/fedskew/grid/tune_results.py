@@ -20,6 +20,7 @@ from fedskew.grid.tune import (
     slot_of,
     step_round,
     trial_folders,
+    trial_mark,
 )
 from fedskew.grid.tune_plots import history_png, slices_png
 from fedskew.report.document import (
@@ -40,10 +41,6 @@ RECORD_FILE = "tune.json"
 # forest fits one tree point per completed trial, and with a handful of points the ranking
 # moves with each new trial (an importance is a share of variance over the points it has).
 IMPORTANCE_TRIALS = 10
-# A completed trial scoring at most this multiple of chance (100 / classes %) is marked: the
-# model learned next to nothing (too small or too large a step), and its value is not a
-# measure of the method.
-CHANCE_FACTOR = 1.5
 
 
 def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
@@ -206,18 +203,6 @@ def importance(study: optuna.Study, params: int) -> dict[str, float] | None:
         return None
 
 
-def trial_mark(trial: optuna.trial.FrozenTrial) -> str:
-    """Why a trial's value says little about the method: diverged, or no better than chance."""
-    if "diverged_round" in trial.user_attrs:
-        return f"diverged at round {trial.user_attrs['diverged_round']}"
-    classes = trial.user_attrs.get("num_classes")
-    if trial.state == TrialState.COMPLETE and classes and trial.value is not None:
-        chance = 100 / int(classes)
-        if trial.value <= CHANCE_FACTOR * chance:
-            return f"chance level ({chance:.3g} % with {classes} classes)"
-    return ""
-
-
 def importance_caution(study: optuna.Study) -> str:
     """A line under the importances when too few trials completed for them to be stable."""
     n = len([t for t in held(study.get_trials(deepcopy=False)).values()
@@ -235,14 +220,14 @@ def report_blocks(tune: Tune, studies: dict[str, optuna.Study]) -> list[Block]:
     for method, study in studies.items():
         blocks.append(Heading(2, method))
         best = best_trial(study)
-        if best is None:
-            blocks.append(Para("No trial completed."))
-            continue
-        shown: list[Span] = ["Best: ", Bold(f"{best.value:.2f} %"),
-                             f" (trial {slot_of(best)}): "]  # fmt: skip
-        for i, (k, v) in enumerate(best.params.items()):
-            shown += [", " if i else "", Mono(k), f" = {_cell(v)}"]
-        blocks.append(Para([*shown, "."]))
+        if best is None:  # the trials' table still says how each ended
+            blocks.append(Para(f"No trial completed ({why_none(study)}): nothing tuned."))
+        else:
+            shown: list[Span] = ["Best: ", Bold(f"{best.value:.2f} %"),
+                                 f" (trial {slot_of(best)}): "]  # fmt: skip
+            for i, (k, v) in enumerate(best.params.items()):
+                shown += [", " if i else "", Mono(k), f" = {_cell(v)}"]
+            blocks.append(Para([*shown, "."]))
         keys = [d.key for d in tune.spaces[method]]
         trials = list(held(study.get_trials(deepcopy=False)).values())
         rows, so_far = [], None

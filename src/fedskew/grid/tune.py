@@ -13,7 +13,11 @@ several ``tune`` processes can share a study:
   it FAIL and enqueues its parameters again, with its folder name, so the new trial resumes
   that trial's run folders from their last checkpoint instead of starting over;
 * asking for a trial, counting the budget and the stale check happen under one lock per
-  study, so two processes never exceed the budget and never both resume one folder.
+  study, so two processes never exceed the budget and never both resume one folder;
+* each trial holds a budget slot (a retry its stale trial's), and slot k is drawn and judged
+  against the finished trials of the slots before its batch only, so a study is the same
+  whether it was killed and continued or run by several processes;
+* a study stores what it was made from and refuses to continue under another tune file.
 """
 
 from __future__ import annotations
@@ -291,9 +295,9 @@ def make_pruner(name: str, warmup: int = 0, startup: int = 5) -> optuna.pruners.
 
 
 def sampler_for(name: str, seed: int, number: int) -> optuna.samplers.BaseSampler:
-    """The sampler seeded by (sampler seed, trial number): a trial's draw depends on the
-    study's history and its number, not on which process asked for it or what that process
-    drew before (randomness is addressed, not consumed, as in runs)."""
+    """The sampler seeded by (sampler seed, slot): a trial's draw depends on the history
+    :func:`draw` gives it and its slot, not on which process asked for it or what that
+    process drew before (randomness is addressed, not consumed, as in runs)."""
     state = int(np.random.SeedSequence([seed, number]).generate_state(1)[0])
     if name == "random":
         return optuna.samplers.RandomSampler(seed=state)

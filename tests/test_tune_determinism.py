@@ -142,3 +142,25 @@ def test_batch_is_checked(tmp_path, capsys):
     assert main(["tune", "-c", str(file), "-o", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "batch" in err and err.count("\n") == 1
+
+
+def test_a_study_from_before_slots_continues_without_reusing_a_folder():
+    """Its folders were numbered by Optuna's trial number, which counted a cut-off trial: a
+    new trial takes the slot after the last, and its history is every finished one."""
+    from types import SimpleNamespace
+
+    from fedskew.grid.tune import counted, history, next_slot
+
+    dist = {"lr": optuna.distributions.FloatDistribution(0.01, 0.1)}
+    study = optuna.create_study(direction="maximize")
+    state = optuna.trial.TrialState
+    made = [("fedavg-t0", state.FAIL, None, {}), ("fedavg-t0", state.COMPLETE, 30.0,
+            {"retry_of": 0}), ("fedavg-t2", state.COMPLETE, 40.0, {})]  # fmt: skip
+    for folder, st, value, attrs in made:
+        study.add_trial(optuna.trial.create_trial(state=st, value=value, params={"lr": 0.05},
+                                                  distributions=dist,
+                                                  user_attrs={"folder": folder, **attrs}))
+    trials = study.get_trials()
+    assert counted(trials) == 2 and next_slot(trials) == 3
+    past = history(SimpleNamespace(batch=1), 3, trials)
+    assert [t.number for t in past] == [1, 2]

@@ -146,6 +146,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
                 if jobs > 1:
                     from fedskew.grid.tune_jobs import tune_in_processes
 
+                    if jobs > tune.batch:
+                        print(f"note: [tune] batch is {tune.batch}: at most {tune.batch} of the "
+                              f"{jobs} jobs run a trial at once (set batch = {jobs} for all)")
+
                     absolute = {**overrides, "out_dir": str(tune.out_dir.resolve())}
                     tune_in_processes(args.config, base, args.methods, absolute, jobs,
                                       tune.grid.threads or 1)  # fmt: skip

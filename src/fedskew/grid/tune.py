@@ -367,11 +367,19 @@ def history(tune: Tune, slot: int, trials: list[optuna.trial.FrozenTrial]) -> li
     """The trials slot ``slot`` is drawn and judged against: the holders of the slots before
     its batch, in slot order; None while one of them has not finished (another process
     runs it)."""
-    slots = held(trials)
-    earlier = [slots.get(s) for s in range(slot - slot % tune.batch)]
-    if any(t is None or t.state not in _FINISHED for t in earlier):
+    first = slot - slot % tune.batch
+    earlier = [t for s, t in sorted(held(trials).items()) if s < first]
+    if any(t.state not in _FINISHED for t in earlier):
         return None
     return earlier
+
+
+def next_slot(trials: list[optuna.trial.FrozenTrial]) -> int:
+    """The slot of a new trial: after the last one held. Contiguous in a study made with
+    slots; a study from before them numbered its folders by Optuna's trial number, which
+    counted cut-off trials too, so its slots may have gaps and a new one must not reuse one."""
+    slots = held(trials)
+    return max(slots) + 1 if slots else 0
 
 
 def draw(tune: Tune, method: str, slot: int, past: list[optuna.trial.FrozenTrial]) -> dict:
@@ -619,8 +627,8 @@ def tune_method(
                     if s < slot_of(trial) and t.state in _FINISHED
                 ]
             else:
-                slot = counted(trials)
-                if slot >= tune.trials:
+                slot = next_slot(trials)
+                if counted(trials) >= tune.trials:
                     if not wait or all(t.state in _FINISHED for t in trials):
                         return study
                 else:

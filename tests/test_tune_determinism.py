@@ -130,6 +130,7 @@ def test_jobs_give_the_trials_of_one_process_even_when_killed(tmp_path):
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "[job 0]" in proc.stdout and "[job 1]" in proc.stdout
+    assert "A new study created" not in proc.stdout + proc.stderr  # Optuna's INFO lines
     assert outcome(out) == expected
     out = tmp_path / "jobs-killed"
     killed_run(file, out, ["--jobs", "2"], [random.Random(1).uniform(5.0, 9.0)])

@@ -17,12 +17,14 @@ def tune_job(
 ) -> None:  # fmt: skip
     """One tune process: plain data in (nothing pickled but these values); prints its lines
     prefixed with its job number."""
+    import optuna
     import torch
 
     from fedskew.core.progress import LiveLine
     from fedskew.grid.plan import read_file
     from fedskew.grid.tune import tune_all, tune_from
 
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # each trial is printed by fedskew
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
     tune = tune_from(read_file(source), source, base, methods, overrides)

@@ -159,7 +159,8 @@ def test_a_killed_tune_resumes_its_cut_off_trial(tmp_path):
     states = [t.state.name for t in trials]
     assert states == ["FAIL", "COMPLETE", "COMPLETE"]  # the cut-off trial, its retry, one more
     retry = trials[1]
-    assert retry.user_attrs == {"folder": "fedavg-t0", "retry_of": 0}
+    assert retry.user_attrs["folder"] == "fedavg-t0" and retry.user_attrs["retry_of"] == 0
+    assert retry.user_attrs["slot"] == 0  # its place in the study, as the uninterrupted one
     assert retry.params == trials[0].params
     resumed = out / "trials" / "fedavg-t0-s100"
     assert len(rows(resumed)) == 2 and not cut.exists()

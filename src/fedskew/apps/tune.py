@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 from fedskew.apps.options import add_experiment_options, add_run_options, cli_values
-from fedskew.core.errors import UsageError
+from fedskew.core.errors import FedskewError, UsageError
 
 
 def add_tune_options(p: argparse.ArgumentParser) -> None:
@@ -36,8 +36,13 @@ def add_tune_options(p: argparse.ArgumentParser) -> None:
     x = p.add_argument_group("executor (where the trials run; docs/tuning.md)")
     x.add_argument(
         "--executor", choices=("local", "ray"),
-        help="local (default): trials one after another in this process; ray: --tasks Ray "
-        "tasks work on the study together",
+        help="local (default): trials in this process (or --jobs processes); ray: --tasks "
+        "Ray tasks work on the study together",
+    )  # fmt: skip
+    x.add_argument(
+        "--jobs", type=int, metavar="N",
+        help="local: N processes share the study, each running one trial at a time with 1 "
+        "torch thread ([compare] threads if set); the trials are those of one process",
     )  # fmt: skip
     x.add_argument(
         "--tasks", type=int, metavar="N",
@@ -73,13 +78,23 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise UsageError("tune names and resumes its trials' runs itself; drop --resume and --name")
     if not args.config:
         raise UsageError("fedskew tune needs its file: -c FILE (a compare file with [tune])")
+    if args.seed is not None:
+        raise UsageError("tune runs its trials on [tune] seeds and tuned.json on [compare] seeds; "
+                         "drop --seed (the sampler's seed is [tune] sampler_seed)")  # fmt: skip
     require_optuna()
     import optuna
     import torch
 
+    from fedskew.core.progress import LiveLine
     from fedskew.grid.plan import read_file
-    from fedskew.grid.tune import studies_of, tune_all, tune_from
-    from fedskew.grid.tune_results import best_trial, budget_lines, write_results
+    from fedskew.grid.tune import slot_of, studies_of, tune_all, tune_from
+    from fedskew.grid.tune_results import (
+        TUNED_FILE,
+        best_trial,
+        budget_lines,
+        why_none,
+        write_results,
+    )
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # fedskew prints each trial itself
     raw = read_file(args.config)
@@ -92,6 +107,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
                  "out_dir": args.out_dir}  # fmt: skip
     tune = tune_from(raw, args.config, base, args.methods, overrides)
     executor = args.executor or "local"
+    jobs = 1 if args.jobs is None else args.jobs
+    if isinstance(jobs, bool) or jobs < 1:
+        raise UsageError(f"--jobs must be an integer >= 1, got {jobs!r}")
+    if executor != "local" and args.jobs is not None:
+        raise UsageError("--jobs is for local trials; with --executor ray give --tasks")
+    if args.results_only and args.jobs is not None:
+        raise UsageError("--results-only runs no trial; drop --jobs")
     if executor == "local" and any(
         getattr(args, k) is not None
         for k in ("tasks", "cpus_per_run", "gpus_per_run", "ray_address", "retries")
@@ -121,7 +143,21 @@ def cmd_tune(args: argparse.Namespace) -> int:
             studies = studies_of(tune)
         else:
             try:
-                studies = tune_all(tune)
+                if jobs > 1:
+                    from fedskew.grid.tune_jobs import tune_in_processes
+
+                    if jobs > tune.batch:
+                        print(f"note: [tune] batch is {tune.batch}: at most {tune.batch} of the "
+                              f"{jobs} jobs run a trial at once (set batch = {jobs} for all)")
+
+                    absolute = {**overrides, "out_dir": str(tune.out_dir.resolve())}
+                    tune_in_processes(args.config, base, args.methods, absolute, jobs,
+                                      tune.grid.threads or 1)  # fmt: skip
+                    studies = studies_of(tune)
+                else:
+                    line = LiveLine()
+                    studies = tune_all(tune, line.print, line)
+                    line.clear()
             except KeyboardInterrupt:
                 raise KeyboardInterrupt(
                     f"interrupted; the study and the trials' run folders are in {tune.out_dir}: "
@@ -129,15 +165,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
                 ) from None
     finally:
         torch.set_num_threads(threads)
-    paths = write_results(tune, studies)
-    record, tuned = paths[0], paths[1]
+    empty = [m for m, study in studies.items() if best_trial(study) is None]
+    paths = write_results(tune, studies, tuned=not empty)
     for method, study in studies.items():
         best = best_trial(study)
         if best is None:
-            print(f"{method}: no trial completed")
+            print(f"{method}: no trial completed ({why_none(study)})")
             continue
         shown = ", ".join(f"{k}={v}" for k, v in best.params.items())
-        print(f"{method}: best {best.value:.2f} % (trial {best.number}): {shown}")
-    print(f"budget and search space: {record}; report: {paths[2]}")
-    print(f"evaluate the tuned methods: fedskew compare -c {Path(tuned)}")
+        print(f"{method}: best {best.value:.2f} % (trial {slot_of(best)}): {shown}")
+    print(f"budget and search space: {paths[0]}; report: {paths[-2]}")
+    if empty:
+        raise FedskewError(
+            f"no trial of {', '.join(empty)} completed, so there is nothing tuned to evaluate: "
+            f"{TUNED_FILE} not written (see {paths[-2]})"
+        )
+    print(f"evaluate the tuned methods: fedskew compare -c {Path(paths[1])}")
     return 0

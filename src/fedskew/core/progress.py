@@ -1,8 +1,10 @@
-"""The progress bar of a run: round, accuracy and ETA."""
+"""The progress bar of a run (round, accuracy and ETA) and a live progress line."""
 
 from __future__ import annotations
 
-from typing import Any
+import shutil
+import sys
+from typing import Any, TextIO
 
 from tqdm import tqdm
 
@@ -35,3 +37,35 @@ class RoundProgress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class LiveLine:
+    """One line of progress: on a terminal redrawn in place (``\\r``), in a log (not a
+    terminal) written as plain lines, so a long trial shows its round and accuracy either
+    way. ``print`` writes a lasting line, clearing the live one first."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stdout
+        self.live = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.shown = 0
+
+    def __call__(self, line: str) -> None:
+        if not self.live:
+            self.stream.write(line + "\n")
+        else:
+            width = shutil.get_terminal_size().columns - 1
+            text = line[:width]
+            self.stream.write("\r" + text + " " * max(0, self.shown - len(text)))
+            self.shown = len(text)
+        self.stream.flush()
+
+    def clear(self) -> None:
+        if self.live and self.shown:
+            self.stream.write("\r" + " " * self.shown + "\r")
+            self.stream.flush()
+            self.shown = 0
+
+    def print(self, line: str) -> None:
+        self.clear()
+        self.stream.write(line + "\n")
+        self.stream.flush()

@@ -101,7 +101,11 @@ def check_space(dims: list[Dimension], run: PlannedRun, where: str) -> None:
                 f"{at}: '{top}' decides the partition or the clients of each round (or is "
                 "set per run), so it cannot be tuned per method"
             )
-        ends = dim.values if dim.kind == "choice" else dim.values[:2]
+        # A float range draws floats: its ends are checked as floats, so an integer option
+        # given { float = [1, 3] } is refused here, not in every trial.
+        ends = dim.values if dim.kind == "choice" else [float(v) for v in dim.values[:2]]
+        if dim.kind == "int":
+            ends = dim.values[:2]
         for value in ends:
             try:
                 cfg = build_config(with_values(run.values, {dim.key: value}, at), {})

@@ -13,7 +13,11 @@ several ``tune`` processes can share a study:
   it FAIL and enqueues its parameters again, with its folder name, so the new trial resumes
   that trial's run folders from their last checkpoint instead of starting over;
 * asking for a trial, counting the budget and the stale check happen under one lock per
-  study, so two processes never exceed the budget and never both resume one folder.
+  study, so two processes never exceed the budget and never both resume one folder;
+* each trial holds a budget slot (a retry its stale trial's), and slot k is drawn and judged
+  against the finished trials of the slots before its batch only, so a study is the same
+  whether it was killed and continued or run by several processes;
+* a study stores what it was made from and refuses to continue under another tune file.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import optuna
 
 from fedskew.assembly.prepare import all_acted_round
 from fedskew.config import ExperimentConfig, build_config, config_differences, config_hash
-from fedskew.core.errors import FedskewError, UsageError
+from fedskew.core.errors import Diverged, FedskewError, UsageError
 from fedskew.core.locks import Busy, holder, lock, unlock
 from fedskew.grid.plan import Grid, PlannedRun, grid_from, plan
 from fedskew.grid.plan import _check_name as check_name
@@ -40,7 +44,7 @@ from fedskew.runs.folder import RunFolder, saved_config
 from fedskew.runs.loop import run
 
 TUNE_KEYS = ("trials", "seeds", "last", "validation", "pruner", "pruner_warmup",
-             "pruner_startup", "sampler", "sampler_seed", "storage", "study",
+             "pruner_startup", "sampler", "sampler_seed", "batch", "storage", "study",
              "out_dir")  # fmt: skip
 # The fraction of every client's training data a trial holds out to score on (the objective):
 # FedFM's authors hold out 20 % per client; see docs/tuning.md.
@@ -49,9 +53,19 @@ DEFAULT_VALIDATION = 0.2
 # benchmarks/results/tune_rank_correlation.md (Spearman of that round's accuracy against the
 # objective >= 0.8 for FedAvg and FedFM, and so is its mean over the later rounds).
 DEFAULT_WARMUP = 4
+# A completed trial scoring at most this multiple of chance (100 / classes %) is marked: the
+# model learned next to nothing (too small or too large a step), and its value is not a
+# measure of the method.
+CHANCE_FACTOR = 1.5
+# Options a trial's pruner steps are counted in: tuning them would number the same step
+# differently in two trials.
+STEP_KEYS = ("rounds",)
 PRUNERS = ("median", "successive-halving", "none")
 SAMPLERS = ("tpe", "random")
 LOCKS = ".tune-locks"
+# How long a process waits before it looks again at a study whose earlier batch still runs in
+# another process (seconds).
+POLL = 0.5
 TrialState = optuna.trial.TrialState
 
 
@@ -85,6 +99,10 @@ class Tune:
     # Fraction of every client's training data held out as the trials' validation split
     # (the objective scores it; the test set is never scored during tuning).
     validation: float = DEFAULT_VALIDATION
+    # Trials drawn from the same history: slot k draws (and is judged by the pruner) against
+    # the trials of the slots before ``k - k % batch`` only, so `batch` processes can run a
+    # batch at once and the study is the same whatever ran it when.
+    batch: int = 1
 
     @property
     def trials_dir(self) -> Path:
@@ -179,12 +197,21 @@ def tune_from(
     sampler_seed = conf.get("sampler_seed", 0)
     if not _is_int(sampler_seed) or sampler_seed < 0:
         raise UsageError(f"[tune] sampler_seed must be an integer >= 0, got {sampler_seed!r}")
+    batch = conf.get("batch", 1)
+    if not _is_int(batch) or batch < 1:
+        raise UsageError(f"[tune] batch (trials drawn from one history) must be an integer >= 1, "
+                         f"got {batch!r}")  # fmt: skip
     study = str(conf.get("study") or (Path(source).stem if source else "tune"))
     check_name(study, "study")
     out_dir = Path(conf.get("out_dir") or Path("runs") / f"tune-{study}")
     storage = conf.get("storage") or f"sqlite:///{(out_dir / 'study.db').resolve()}"
     if not isinstance(storage, str) or "://" not in storage:
         raise UsageError(f"[tune] storage must be an SQLAlchemy URL, got {storage!r}")
+    if in_memory(storage):
+        raise UsageError(
+            f"[tune] storage {storage!r} is an in-memory database: the study would be lost when "
+            "tune ends; give a file (sqlite:///path/study.db) or a database server's URL"
+        )
 
     search = {name: (raw.get("methods", {}).get(name) or {}).get("search") for name in grid.methods}
     missing = [name for name, s in search.items() if s is None]
@@ -200,15 +227,30 @@ def tune_from(
     spaces = {}
     for name, table in search.items():
         spaces[name] = read_space(name, table, where)
+        if any(d.key in STEP_KEYS for d in spaces[name]):
+            raise UsageError(
+                f"{where} [methods.{name}.search]: 'rounds' cannot be tuned: the pruner "
+                "compares trials round by round (one step per round of one run length); set "
+                "rounds in [experiment]"
+            )
         check_space(spaces[name], runs[name][int(seeds[0])], where)
     return Tune(
         study=study, out_dir=out_dir, trials=int(trials), seeds=[int(s) for s in seeds],
         eval_seeds=grid.seeds, last=int(last), pruner=pruner, pruner_warmup=int(warmup),
         pruner_startup=int(startup), validation=float(validation), sampler=sampler,
-        sampler_seed=int(sampler_seed),
+        sampler_seed=int(sampler_seed), batch=int(batch),
         storage=storage, spaces=spaces, runs=runs, grid=grid,
         raw_compare=dict(raw.get("compare", {})), source=source,
     )  # fmt: skip
+
+
+def in_memory(url: str) -> bool:
+    """An SQLite URL without a file (``sqlite://``, ``sqlite:///:memory:``, ``mode=memory``)."""
+    if not url.startswith("sqlite"):
+        return False
+    rest = url.split("://", 1)[1]
+    path = rest[1:] if rest.startswith("/") else rest
+    return path in ("", ":memory:") or path.startswith(":memory:") or "mode=memory" in path
 
 
 def _is_int(value: Any) -> bool:
@@ -253,9 +295,9 @@ def make_pruner(name: str, warmup: int = 0, startup: int = 5) -> optuna.pruners.
 
 
 def sampler_for(name: str, seed: int, number: int) -> optuna.samplers.BaseSampler:
-    """The sampler seeded by (sampler seed, trial number): a trial's draw depends on the
-    study's history and its number, not on which process asked for it or what that process
-    drew before (randomness is addressed, not consumed, as in runs)."""
+    """The sampler seeded by (sampler seed, slot): a trial's draw depends on the history
+    :func:`draw` gives it and its slot, not on which process asked for it or what that
+    process drew before (randomness is addressed, not consumed, as in runs)."""
     state = int(np.random.SeedSequence([seed, number]).generate_state(1)[0])
     if name == "random":
         return optuna.samplers.RandomSampler(seed=state)
@@ -277,10 +319,27 @@ def retried(trials: list[optuna.trial.FrozenTrial]) -> set[int]:
     return {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
 
 
+def slot_of(trial: optuna.trial.FrozenTrial) -> int:
+    """The budget slot a trial holds: its place in the study as an uninterrupted run would
+    number it. A retry holds the slot of the trial it resumes, so a kill moves no later trial
+    to another slot (and so to another sampler seed). Studies from before slots were stored
+    name it in their folder (``<method>-t<slot>``)."""
+    if "slot" in trial.user_attrs:
+        return int(trial.user_attrs["slot"])
+    tail = str(trial.user_attrs.get("folder", "")).rpartition("-t")[2]
+    return int(tail) if tail.isdigit() else trial.number
+
+
+def held(trials: list[optuna.trial.FrozenTrial]) -> dict[int, optuna.trial.FrozenTrial]:
+    """slot -> the trial holding it: every trial but the stale ones a retry took over."""
+    again = retried(trials)
+    return {slot_of(t): t for t in sorted(trials, key=lambda t: t.number)
+            if t.number not in again}  # fmt: skip
+
+
 def counted(trials: list[optuna.trial.FrozenTrial]) -> int:
     """Trials that use the budget: all but the stale ones taken over by a retry."""
-    again = retried(trials)
-    return sum(t.number not in again for t in trials)
+    return len(held(trials))
 
 
 def trial_lock(tune: Tune, method: str, number: int) -> Path:
@@ -289,17 +348,73 @@ def trial_lock(tune: Tune, method: str, number: int) -> Path:
 
 def fail_stale(study: optuna.Study, tune: Tune, method: str) -> list[int]:
     """RUNNING trials that no live process runs (their process was killed): marked FAIL and
-    their parameters enqueued with their folder name, so that the retry resumes their run
-    folders. Called under the study's ask lock, where every running trial's lock exists."""
+    their parameters enqueued with their folder name and slot, so that the retry resumes
+    their run folders in their place of the study. Called under the study's ask lock, where
+    every running trial's lock exists."""
     stale = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if holder(trial_lock(tune, method, t.number)) is not None:
             continue
         study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
         folder = t.user_attrs.get("folder", f"{method}-t{t.number}")
-        study.enqueue_trial(t.params, user_attrs={"folder": folder, "retry_of": t.number})
-        stale.append(t.number)
+        study.enqueue_trial(t.params, user_attrs={"folder": folder, "retry_of": t.number,
+                                                  "slot": slot_of(t)})  # fmt: skip
+        stale.append(slot_of(t))
     return stale
+
+
+def history(tune: Tune, slot: int, trials: list[optuna.trial.FrozenTrial]) -> list[Any] | None:
+    """The trials slot ``slot`` is drawn and judged against: the holders of the slots before
+    its batch, in slot order; None while one of them has not finished (another process
+    runs it)."""
+    first = slot - slot % tune.batch
+    earlier = [t for s, t in sorted(held(trials).items()) if s < first]
+    if any(t.state not in _FINISHED for t in earlier):
+        return None
+    return earlier
+
+
+def next_slot(trials: list[optuna.trial.FrozenTrial]) -> int:
+    """The slot of a new trial: after the last one held. Contiguous in a study made with
+    slots; a study from before them numbered its folders by Optuna's trial number, which
+    counted cut-off trials too, so its slots may have gaps and a new one must not reuse one."""
+    slots = held(trials)
+    return max(slots) + 1 if slots else 0
+
+
+def draw(tune: Tune, method: str, slot: int, past: list[optuna.trial.FrozenTrial]) -> dict:
+    """The values of slot ``slot``: the sampler, seeded by (sampler seed, slot), on a copy of
+    the study that holds only ``past``. Neither a kill (its failed trial), nor another
+    process's running trial, nor which process asks changes what it sees."""
+    sampler = sampler_for(tune.sampler, tune.sampler_seed, slot)
+    copy = optuna.create_study(direction="maximize", sampler=sampler)
+    for t in past:
+        if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
+            copy.add_trial(t)
+    return suggest(copy.ask(), tune.spaces[method])
+
+
+class PrunerView:
+    """The study as the pruner sees it when it judges a trial: the trials of ``history`` only
+    (a trial running at the same time in another process is not there), with the real
+    storage, where the successive-halving pruner keeps each trial's rungs."""
+
+    def __init__(self, study: optuna.Study, past: list[optuna.trial.FrozenTrial]) -> None:
+        self._storage = study._storage  # noqa: SLF001 - the pruner writes rungs through it
+        self.direction = study.direction
+        self.directions = study.directions
+        self._past = past
+
+    def get_trials(
+        self, deepcopy: bool = True, states: tuple[TrialState, ...] | None = None
+    ) -> list[optuna.trial.FrozenTrial]:
+        return [t for t in self._past if states is None or t.state in states]
+
+
+def should_prune(study: optuna.Study, trial: optuna.Trial, view: PrunerView) -> bool:
+    """Optuna's ``trial.should_prune`` against the view instead of the whole study."""
+    frozen = study._storage.get_trial(trial._trial_id)  # noqa: SLF001 - as should_prune reads it
+    return bool(study.pruner.prune(view, frozen))  # type: ignore[arg-type]
 
 
 def wait_lock(path: Path) -> int | None:
@@ -364,6 +479,27 @@ def run_seed(
     return read_rows(path)
 
 
+def num_classes(folder: Path) -> int | None:
+    """The classes of a trial's dataset, from its run's config.json (None if unreadable)."""
+    try:
+        found = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        return int(found["resolved"]["num_classes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def trial_mark(trial: optuna.trial.FrozenTrial) -> str:
+    """Why a trial's value says little about the method: diverged, or no better than chance."""
+    if "diverged_round" in trial.user_attrs:
+        return f"diverged at round {trial.user_attrs['diverged_round']}"
+    classes = trial.user_attrs.get("num_classes")
+    if trial.state == TrialState.COMPLETE and classes and trial.value is not None:
+        chance = 100 / int(classes)
+        if trial.value <= CHANCE_FACTOR * chance:
+            return f"chance level ({chance:.3g} % with {classes} classes)"
+    return ""
+
+
 @dataclass
 class TrialOutcome:
     number: int
@@ -393,10 +529,20 @@ def step_round(tune: Tune, method: str, step: int) -> tuple[int, int]:
     return tune.seeds[min((step - 1) // rounds, len(tune.seeds) - 1)], (step - 1) % rounds + 1
 
 
-def run_trial(tune: Tune, method: str, study: optuna.Study, trial: optuna.Trial) -> TrialOutcome:
-    """Draw the trial's values, run its folders seed after seed (reporting each evaluated
-    round to the pruner), and tell the study the objective."""
+def run_trial(
+    tune: Tune,
+    method: str,
+    study: optuna.Study,
+    trial: optuna.Trial,
+    past: list[optuna.trial.FrozenTrial],
+    progress: Callable[[str], None] | None = None,
+) -> TrialOutcome:
+    """Take the trial's values (enqueued: drawn by :func:`draw`), run its folders seed after
+    seed (reporting each evaluated round to the pruner, which judges it against ``past``),
+    and tell the study the objective. ``progress`` gets a line per round."""
     params = suggest(trial, tune.spaces[method])
+    slot = slot_of(trial)
+    view = PrunerView(study, past)
     stem = trial.user_attrs["folder"]
     values: list[float] = []
     try:
@@ -407,14 +553,22 @@ def run_trial(tune: Tune, method: str, study: optuna.Study, trial: optuna.Trial)
                               validation_fraction=tune.validation)  # fmt: skip
             first = judged_from(build_config(cfg_values, {}), tune.pruner_warmup)
 
+            rounds = planned.cfg.rounds
+
             def report(
-                row: dict[str, Any], index: int = index, seed: int = seed, first: int = first
-            ) -> None:
+                row: dict[str, Any], index: int = index, seed: int = seed, first: int = first,
+                rounds: int = rounds,
+            ) -> None:  # fmt: skip
+                if progress is not None:
+                    acc = row.get("accuracy")
+                    shown = f", accuracy {100 * float(acc):.2f} %" if acc is not None else ""
+                    progress(f"{method} trial {slot} seed {seed}: round {row['round']}/{rounds}"
+                             f"{shown}")  # fmt: skip
                 if row.get("accuracy") is None or int(row["round"]) < first:
                     return
                 step = trial_step(tune, method, index, int(row["round"]))
                 trial.report(100 * float(row["accuracy"]), step)
-                if trial.should_prune():
+                if should_prune(study, trial, view):
                     raise Pruned(f"pruned at round {row['round']} of seed {seed}")
 
             rows = run_seed(cfg_values, tune.trials_dir / name, report)
@@ -424,14 +578,19 @@ def run_trial(tune: Tune, method: str, study: optuna.Study, trial: optuna.Trial)
             values.append(value)
     except Pruned as exc:
         study.tell(trial, state=TrialState.PRUNED)
-        return TrialOutcome(trial.number, "pruned", None, params, str(exc))
+        return TrialOutcome(slot, "pruned", None, params, str(exc))
     except FedskewError as exc:  # the run's own refusal (diverged, bad values): a used trial
         trial.set_user_attr("error", str(exc))
+        if isinstance(exc, Diverged):
+            trial.set_user_attr("diverged_round", int(exc.round))
         study.tell(trial, state=TrialState.FAIL)
-        return TrialOutcome(trial.number, "failed", None, params, str(exc))
+        return TrialOutcome(slot, "failed", None, params, str(exc))
     value = float(np.mean(values))
+    classes = num_classes(tune.trials_dir / name)
+    if classes:  # the report marks a trial no better than guessing
+        trial.set_user_attr("num_classes", classes)
     study.tell(trial, value)
-    return TrialOutcome(trial.number, "complete", value, params)
+    return TrialOutcome(slot, "complete", value, params)
 
 
 def tune_method(
@@ -439,35 +598,63 @@ def tune_method(
     method: str,
     storage: optuna.storages.RDBStorage,
     print_line: Callable[[str], None] = print,
+    progress: Callable[[str], None] | None = None,
+    wait: bool = True,
 ) -> optuna.Study:
-    """Trials of one method until its study holds the budget (with other processes' ones)."""
+    """Trials of one method until its study holds the budget (with other processes' ones).
+    Each new trial takes the next free slot and its values are drawn from the slots before
+    its batch, which it waits for when another process still runs one; a cut-off trial's
+    retry keeps its slot. With ``wait``, returns only once every slot's trial has finished
+    (taking over any that another process left cut off), so the results it writes are the
+    study's final ones."""
+    import time
+
     study = load_study(tune, method, storage)
     ask_lock = tune.out_dir / LOCKS / f"{method}.ask.lock"
     while True:
+        trial, past = None, None
         fd = wait_lock(ask_lock)
         try:
-            for number in fail_stale(study, tune, method):
-                print_line(f"{method}: trial {number} was cut off; a new trial resumes its runs")
+            for slot in fail_stale(study, tune, method):
+                print_line(f"{method}: trial {slot} was cut off; a new trial resumes its runs")
             trials = study.get_trials(deepcopy=False)
-            waiting = any(t.state == TrialState.WAITING for t in trials)
-            if not waiting and counted(trials) >= tune.trials:
-                return study
-            study.sampler = sampler_for(tune.sampler, tune.sampler_seed, len(trials))
-            trial = study.ask()
-            if "folder" not in trial.user_attrs:
-                trial.set_user_attr("folder", f"{method}-t{trial.number}")
-            own = wait_lock(trial_lock(tune, method, trial.number))
+            if any(t.state == TrialState.WAITING for t in trials):
+                trial = study.ask()  # a cut-off trial's retry, in its own slot
+                # Its history was finished when it was drawn; a study from before slots
+                # (trials run at once in several processes) may have one still running.
+                past = history(tune, slot_of(trial), trials) or [
+                    t for s, t in held(trials).items()
+                    if s < slot_of(trial) and t.state in _FINISHED
+                ]
+            else:
+                slot = next_slot(trials)
+                if counted(trials) >= tune.trials:
+                    if not wait or all(t.state in _FINISHED for t in trials):
+                        return study
+                else:
+                    past = history(tune, slot, trials)
+                    if past is not None:
+                        params = draw(tune, method, slot, past)
+                        study.enqueue_trial(params, user_attrs={"folder": f"{method}-t{slot}",
+                                                                "slot": slot})  # fmt: skip
+                        trial = study.ask()
+            own = wait_lock(trial_lock(tune, method, trial.number)) if trial else None
         finally:
             unlock(fd)
+        if trial is None or past is None:
+            time.sleep(POLL)  # another process runs an earlier batch's (or the last) trial
+            continue
         try:
-            outcome = run_trial(tune, method, study, trial)
+            outcome = run_trial(tune, method, study, trial, past, progress)
         finally:
             unlock(own)
-        trials = study.get_trials(deepcopy=False)
-        again = retried(trials)
-        done = sum(t.state in _FINISHED and t.number not in again for t in trials)
+        slots = held(study.get_trials(deepcopy=False))
+        done = sum(t.state in _FINISHED for t in slots.values())
         shown = ", ".join(f"{k}={_short(v)}" for k, v in outcome.params.items())
         result = f"{outcome.value:.2f}" if outcome.value is not None else outcome.state
+        mark = trial_mark(slots[outcome.number]) if outcome.number in slots else ""
+        if mark and outcome.value is not None:
+            result += f" [{mark}]"
         detail = f" ({outcome.detail})" if outcome.detail else ""
         print_line(f"[{method} {done}/{tune.trials}] trial {outcome.number}: {result}{detail}"
                    f"  {shown}")  # fmt: skip
@@ -488,16 +675,92 @@ def open_studies(tune: Tune) -> tuple[optuna.storages.RDBStorage, dict[str, optu
     fd = wait_lock(tune.out_dir / LOCKS / "storage.lock")
     try:
         storage = open_storage(tune.storage)
-        return storage, {m: load_study(tune, m, storage) for m in tune.spaces}
+        studies = {m: load_study(tune, m, storage) for m in tune.spaces}
+        for method, study in studies.items():
+            check_definition(study, tune, method)
+        return storage, studies
     finally:
         unlock(fd)
 
 
-def tune_all(tune: Tune, print_line: Callable[[str], None] = print) -> dict[str, optuna.Study]:
+# Run values that say where and how a trial runs, not what it computes: a study continued
+# from another folder or with other workers is the same study.
+PLACE_KEYS = ("out_dir", "name", "quiet", "track_dir", "workers", "threads")
+DEFINITION = "fedskew_definition"
+
+
+def definition(tune: Tune, method: str) -> dict[str, Any]:
+    """What a method's study is made from: its runs' configuration per tuning seed, its
+    search space, the objective, sampler, pruner and batch. Not the budget (raising it
+    continues the study) nor where the trials run."""
+    return {
+        "runs": {str(seed): {k: v for k, v in r.values.items() if k not in PLACE_KEYS}
+                 for seed, r in tune.runs[method].items()},  # fmt: skip
+        "search": [d.as_dict() for d in tune.spaces[method]],
+        "last": tune.last, "validation": tune.validation, "sampler": tune.sampler,
+        "sampler_seed": tune.sampler_seed, "batch": tune.batch, "pruner": tune.pruner,
+        "pruner_warmup": tune.pruner_warmup, "pruner_startup": tune.pruner_startup,
+    }  # fmt: skip
+
+
+def _leaves(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: json.dumps(value, sort_keys=True)}
+
+
+def check_definition(study: optuna.Study, tune: Tune, method: str) -> None:
+    """A study remembers what it was made from (in its user attributes) and is continued
+    only under the same; a study from before this record takes the current one."""
+    mine = json.loads(json.dumps(definition(tune, method)))  # as stored: JSON types
+    stored = study.user_attrs.get(DEFINITION)
+    if stored is None:
+        study.set_user_attr(DEFINITION, mine)
+        return
+    if stored == mine:
+        return
+    old, new = _leaves(stored), _leaves(mine)
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    shown = "; ".join(f"{k}: {old.get(k, 'absent')} -> {new.get(k, 'absent')}"
+                      for k in changed[:3])  # fmt: skip
+    more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+    raise UsageError(
+        f"study {study.study_name} was made from another tune file ({shown}{more}): its "
+        "trials would not be this file's; give another --study or -o, or restore the file"
+    )
+
+
+def tune_all(
+    tune: Tune,
+    print_line: Callable[[str], None] = print,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, optuna.Study]:
+    """Every method's trials; then, once no new trial is left to start, waiting for the
+    trials other processes still run (and resuming any of them cut off), so that every
+    process ends with the study's final results."""
     storage, _ = open_studies(tune)
-    return {m: tune_method(tune, m, storage, print_line) for m in tune.spaces}
+    for m in tune.spaces:
+        tune_method(tune, m, storage, print_line, progress, wait=False)
+    return {m: tune_method(tune, m, storage, print_line, progress) for m in tune.spaces}
 
 
 def studies_of(tune: Tune) -> dict[str, optuna.Study]:
-    """The method studies as they stand (for writing results without running)."""
-    return open_studies(tune)[1]
+    """The method studies as they stand (for writing results without running): only
+    studies that exist, so a mistyped folder or study name is an error, not an empty
+    study."""
+    default = tune.out_dir / "study.db"
+    if tune.storage == f"sqlite:///{default.resolve()}" and not default.is_file():
+        raise UsageError(f"no study in {tune.out_dir} (no study.db): check -o / [tune] out_dir")
+    storage = open_storage(tune.storage)
+    names = {s.study_name for s in optuna.get_all_study_summaries(storage)}
+    missing = [m for m in tune.spaces if tune.study_name(m) not in names]
+    if missing:
+        raise UsageError(f"{redacted(tune.storage)} has no study {tune.study_name(missing[0])} "
+                         "(check --study and -o)")  # fmt: skip
+    studies = {m: load_study(tune, m, storage) for m in tune.spaces}
+    for method, study in studies.items():
+        check_definition(study, tune, method)
+    return studies

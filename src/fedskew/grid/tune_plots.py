@@ -12,6 +12,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from fedskew.grid.search_space import Dimension
+from fedskew.grid.tune import slot_of
 from fedskew.report.figures import label, literal_text, log_scale
 
 TrialState = optuna.trial.TrialState
@@ -54,16 +55,16 @@ def history_png(trials: list[optuna.trial.FrozenTrial], method: str) -> bytes | 
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     if complete:
-        ax.scatter([t.number for t in complete], [t.value for t in complete], color="C0",
+        ax.scatter([slot_of(t) for t in complete], [t.value for t in complete], color="C0",
                    label="complete", zorder=3)  # fmt: skip
         best, steps = None, []
-        for t in sorted(complete, key=lambda t: t.number):
+        for t in sorted(complete, key=lambda t: slot_of(t)):
             best = t.value if best is None else max(best, t.value)
-            steps.append((t.number, best))
+            steps.append((slot_of(t), best))
         ax.step([n for n, _ in steps], [b for _, b in steps], where="post", color="C1",
                 label="best so far")  # fmt: skip
     if pruned:
-        ax.scatter([t.number for t, _ in pruned], [v for _, v in pruned], facecolors="none",
+        ax.scatter([slot_of(t) for t, _ in pruned], [v for _, v in pruned], facecolors="none",
                    edgecolors="C2", label="pruned (at its last round)", zorder=3)  # fmt: skip
     ax.set_xlabel("trial")
     ax.set_ylabel("objective: accuracy (%)")

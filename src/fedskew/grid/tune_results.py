@@ -12,7 +12,16 @@ import optuna
 
 from fedskew.core.durable import write_bytes_durably
 from fedskew.grid.plan import merge, typed_values
-from fedskew.grid.tune import TrialState, Tune, redacted, retried, step_round, trial_folders
+from fedskew.grid.tune import (
+    TrialState,
+    Tune,
+    held,
+    redacted,
+    slot_of,
+    step_round,
+    trial_folders,
+    trial_mark,
+)
 from fedskew.grid.tune_plots import history_png, slices_png
 from fedskew.report.document import (
     Block,
@@ -28,11 +37,16 @@ from fedskew.report.document import (
 
 TUNED_FILE = "tuned.json"
 RECORD_FILE = "tune.json"
+# Below this many completed trials fANOVA's importances are shown with a caution: its random
+# forest fits one tree point per completed trial, and with a handful of points the ranking
+# moves with each new trial (an importance is a share of variance over the points it has).
+IMPORTANCE_TRIALS = 10
 
 
 def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
-    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    return max(complete, key=lambda t: (t.value, -t.number)) if complete else None
+    complete = [t for t in held(study.get_trials(deepcopy=False)).values()
+                if t.state == TrialState.COMPLETE]  # fmt: skip
+    return max(complete, key=lambda t: (t.value, -slot_of(t))) if complete else None
 
 
 def tuned_compare(tune: Tune, studies: dict[str, optuna.Study]) -> dict[str, Any]:
@@ -54,23 +68,22 @@ def record(tune: Tune, studies: dict[str, optuna.Study]) -> dict[str, Any]:
     """Budget, search space, seeds, objective and results, as tune.json holds them."""
     results = {}
     for method, study in studies.items():
-        trials = study.get_trials(deepcopy=False)
-        again = retried(trials)
-        states = [t.state.name.lower() for t in trials if t.number not in again]
+        trials = list(held(study.get_trials(deepcopy=False)).values())
+        states = [t.state.name.lower() for t in trials]
         best = best_trial(study)
         results[method] = {
             "study": tune.study_name(method),
             "trials": {s: states.count(s) for s in sorted(set(states))},
-            # [tuning seed, round] where each pruned trial stopped, by trial number
+            # [tuning seed, round] where each pruned trial stopped, by trial (slot) number
             "pruned_at": {
-                str(t.number): list(found)
+                str(slot_of(t)): list(found)
                 for t in trials
-                if t.number not in again
-                and t.state == TrialState.PRUNED
+                if t.state == TrialState.PRUNED
                 and (found := last_round(tune, method, t)) is not None
             },
+            "marked": {str(slot_of(t)): mark for t in trials if (mark := trial_mark(t))},
             "best_value": None if best is None else best.value,
-            "best_trial": None if best is None else best.number,
+            "best_trial": None if best is None else slot_of(best),
             "best_params": None if best is None else best.params,
             "best_folders": None
             if best is None
@@ -98,6 +111,7 @@ def record(tune: Tune, studies: dict[str, optuna.Study]) -> dict[str, Any]:
         "last declared mechanism first acted",
         "sampler": tune.sampler,
         "sampler_seed": tune.sampler_seed,
+        "batch": tune.batch,
         "pruner": tune.pruner,
         "pruner_warmup": tune.pruner_warmup,
         "pruner_startup": tune.pruner_startup,
@@ -189,25 +203,36 @@ def importance(study: optuna.Study, params: int) -> dict[str, float] | None:
         return None
 
 
+def importance_caution(study: optuna.Study) -> str:
+    """A line under the importances when too few trials completed for them to be stable."""
+    n = len([t for t in held(study.get_trials(deepcopy=False)).values()
+             if t.state == TrialState.COMPLETE])  # fmt: skip
+    if n >= IMPORTANCE_TRIALS:
+        return ""
+    return (f"Caution: from {n} completed trials only (fewer than {IMPORTANCE_TRIALS}); "
+            "fANOVA fits its forest to one point per completed trial, so with this few the "
+            "ranking can change with the next trial.")  # fmt: skip
+
+
 def report_blocks(tune: Tune, studies: dict[str, optuna.Study]) -> list[Block]:
     blocks: list[Block] = [Heading(1, f"Tuning study {tune.study}")]
     blocks += [Para(line.strip()) for line in budget_lines(tune)]
     for method, study in studies.items():
         blocks.append(Heading(2, method))
         best = best_trial(study)
-        if best is None:
-            blocks.append(Para("No trial completed."))
-            continue
-        shown: list[Span] = ["Best: ", Bold(f"{best.value:.2f} %"), f" (trial {best.number}): "]
-        for i, (k, v) in enumerate(best.params.items()):
-            shown += [", " if i else "", Mono(k), f" = {_cell(v)}"]
-        blocks.append(Para([*shown, "."]))
-        again = retried(study.get_trials(deepcopy=False))
+        if best is None:  # the trials' table still says how each ended
+            blocks.append(Para(f"No trial completed ({why_none(study)}): nothing tuned."))
+        else:
+            shown: list[Span] = ["Best: ", Bold(f"{best.value:.2f} %"),
+                                 f" (trial {slot_of(best)}): "]  # fmt: skip
+            for i, (k, v) in enumerate(best.params.items()):
+                shown += [", " if i else "", Mono(k), f" = {_cell(v)}"]
+            blocks.append(Para([*shown, "."]))
         keys = [d.key for d in tune.spaces[method]]
+        trials = list(held(study.get_trials(deepcopy=False)).values())
         rows, so_far = [], None
-        for t in study.get_trials(deepcopy=False):
-            if t.number in again or t.state not in (TrialState.COMPLETE, TrialState.PRUNED,
-                                                    TrialState.FAIL):  # fmt: skip
+        for t in trials:
+            if t.state not in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
                 continue
             if t.state == TrialState.COMPLETE and (so_far is None or t.value > so_far):
                 so_far = t.value
@@ -217,9 +242,10 @@ def report_blocks(tune: Tune, studies: dict[str, optuna.Study]) -> list[Block]:
             state = t.state.name.lower()
             if t.state == TrialState.PRUNED:
                 state += stopped_at(tune, method, t)
-            rows.append([str(t.number), state, value, best_cell, *params])
+            if mark := trial_mark(t):
+                state += f", {mark}"
+            rows.append([str(slot_of(t)), state, value, best_cell, *params])
         blocks.append(Table(["trial", "state", "value (%)", "best so far (%)", *keys], rows))
-        trials = [t for t in study.get_trials(deepcopy=False) if t.number not in again]
         history = history_png(trials, method)
         if history is not None:
             blocks.append(Image(f"tune_{method}_history.png", history,
@@ -233,6 +259,8 @@ def report_blocks(tune: Tune, studies: dict[str, optuna.Study]) -> list[Block]:
             blocks.append(Para("Parameter importance (Optuna, fANOVA):"))
             blocks.append(Table(["parameter", "importance"],
                                 [[k, f"{v:.3f}"] for k, v in found.items()]))  # fmt: skip
+            if caution := importance_caution(study):
+                blocks.append(Para(caution))
     return blocks
 
 
@@ -242,13 +270,28 @@ def _cell(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def write_results(tune: Tune, studies: dict[str, optuna.Study]) -> list[Path]:
-    """tune.json, tuned.json and the report; returns their paths."""
+def why_none(study: optuna.Study) -> str:
+    """Why a study has no completed trial: its trials by state, and the first error."""
+    trials = list(held(study.get_trials(deepcopy=False)).values())
+    if not trials:
+        return "no trial ran"
+    states = [t.state.name.lower() for t in trials]
+    counts = ", ".join(f"{states.count(s)} {s}" for s in sorted(set(states)))
+    errors = [t.user_attrs["error"] for t in trials if "error" in t.user_attrs]
+    return counts + (f"; first error: {errors[0]}" if errors else "")
+
+
+def write_results(tune: Tune, studies: dict[str, optuna.Study], tuned: bool = True) -> list[Path]:
+    """tune.json, tuned.json (unless ``tuned`` is False: a method has no completed trial, and
+    a compare file without it, or with its untuned defaults, would look like a result) and
+    the report; returns their paths."""
     out = tune.out_dir
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, data in ((RECORD_FILE, record(tune, studies)),
-                       (TUNED_FILE, tuned_compare(tune, studies))):  # fmt: skip
+    files = [(RECORD_FILE, record(tune, studies))]
+    if tuned:
+        files.append((TUNED_FILE, tuned_compare(tune, studies)))
+    for name, data in files:
         path = out / name
         write_bytes_durably(path, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
         paths.append(path)

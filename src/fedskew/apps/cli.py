@@ -295,6 +295,11 @@ def add_compare_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run and write nothing: where each run stands, who trains it, CPU time left",
     )
+    g.add_argument(
+        "--progress-every", type=float, default=60.0, metavar="SECONDS",
+        help="where output is not a terminal: a progress line (runs done, running, left, time "
+        "left) every SECONDS (default 60; 0: none); a terminal gets one line kept current",
+    )  # fmt: skip
     add_latex_options(g, "comparison.tex")
     from fedskew.grid.executors.options import add_executor_options
 
@@ -357,6 +362,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         "out_dir": args.out_dir, **executor_overrides(args),
     }  # fmt: skip
     outcomes = None
+    if not args.progress_every >= 0:  # also NaN
+        raise UsageError(f"--progress-every must be >= 0 seconds, got {args.progress_every}")
     if args.status and args.report_only:
         raise UsageError("--status and --report-only: pick one")
     if args.status and not args.config and not args.methods:
@@ -401,7 +408,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 f"{len(grid.methods)} method(s) x {len(grid.seeds)} seed(s)), "
                 f"{dispatch.describe(grid, executor)}"
             )
-            outcomes = dispatch.execute(grid, planned, runs, executor, args.dry_run)
+            outcomes = dispatch.execute(
+                grid, planned, runs, executor, args.dry_run, progress_every=args.progress_every
+            )
             if outcomes is None:  # submitted to Slurm: its last job writes the tables
                 return 0
     from fedskew.report.latex_style import TableStyle, parse_display_names
@@ -414,9 +423,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     latex = args.latex or args.latex_paired or latex_style_chosen(args)
     try:
         records = compare.collect(root)
-        md = compare.write_tables(
-            root, records, options, command, latex, args.latex_paired, style
-        )
+        md = compare.write_tables(root, records, options, command, latex, args.latex_paired, style)
         print(f"tables: {md}, {root / 'comparison.csv'}, {root / 'runs.csv'}")
         if latex:
             print(f"LaTeX table (booktabs): {latex_path(root, 'comparison')}")

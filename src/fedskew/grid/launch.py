@@ -426,9 +426,13 @@ def run_grid(
     grid: Grid,
     runs: list[PlannedRun],
     print_line: Callable[[str], None] = print,
+    progress_every: float = 60.0,
 ) -> list[Outcome]:
     """Run (or skip, or resume) every planned run, ``grid.jobs`` at a time, each in its own
-    process; returns the outcomes in the order they completed."""
+    process; returns the outcomes in the order they completed. Meanwhile a progress line
+    (fedskew.grid.progress): live on a terminal, else every ``progress_every`` seconds."""
+    from fedskew.grid.progress import GridProgress
+
     cores = available_cores()
     threads = threads_per_run(grid.jobs, grid.threads, cores)
     root = grid.out_dir.resolve()
@@ -441,23 +445,35 @@ def run_grid(
     if gpus.groups:
         print_line(f"gpus: {gpus.describe()}")
     outcomes: list[Outcome] = []
+    live = print_line is print and sys.stdout.isatty()
+    progress = GridProgress(runs, root, grid.jobs, print_line, live, progress_every)
+
+    def one(r: PlannedRun) -> Outcome:
+        progress.begin(r)
+        o = run_one(r, root, threads, root / "logs", children, gpus)
+        progress.finish(r, o.seconds, o.status in ("finished", "resumed"))
+        return o
+
     pool = ThreadPoolExecutor(max_workers=grid.jobs)
     try:
-        futures = [
-            pool.submit(run_one, r, root, threads, root / "logs", children, gpus) for r in runs
-        ]
+        futures = [pool.submit(one, r) for r in runs]
+        if todo:  # a grid of finished runs only has no progress to show
+            progress.start()
         for n, fut in enumerate(as_completed(futures), start=1):
             o = fut.result()
             outcomes.append(o)
             took = f" in {o.seconds:.0f} s" if o.seconds else ""
             detail = f": {o.detail}" if o.detail else ""
-            print_line(f"[{n}/{len(runs)}] {o.run.label}: {o.status}{took}{detail}")
+            progress.say(f"[{n}/{len(runs)}] {o.run.label}: {o.status}{took}{detail}")
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (fedskew.apps.cli turns it into one)
+        progress.close()
         children.stop()
         pool.shutdown(wait=True, cancel_futures=True)
         raise KeyboardInterrupt(
             f"interrupted; unfinished runs keep their checkpoints in {root}: run the same "
             "command again to resume them"
         ) from None
+    finally:
+        progress.close()
     pool.shutdown(wait=True)
     return outcomes

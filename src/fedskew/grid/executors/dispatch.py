@@ -45,6 +45,7 @@ def execute(
     settings: ExecutorSettings,
     dry_run: bool = False,
     print_line: Callable[[str], None] = print,
+    progress_every: float = 60.0,
 ) -> list[Outcome] | None:
     """Outcomes of ``runs`` (of the grid's ``planned`` runs) in the order they completed;
     None when they went to Slurm and end later."""
@@ -63,4 +64,4 @@ def execute(
 
         submitted = submit_grid(grid, planned, runs, settings, dry_run, print_line)
         return None if submitted else []
-    return launch.run_grid(grid, runs, print_line)
+    return launch.run_grid(grid, runs, print_line, progress_every)

@@ -281,8 +281,8 @@ def add_compare_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", type=float, help="accuracy in percent: rounds to reach it")
     g.add_argument("--jobs", type=int, help="runs at once, each its own process (default 1)")
     g.add_argument(
-        "--threads", type=int, help="torch threads per run (default cores / jobs; jobs x threads "
-        "<= cores)"
+        "--threads", type=int, help="torch threads per run (default 1 on every executor, so "
+        "that a grid computes the same numbers wherever it runs; jobs x threads <= cores)"
     )  # fmt: skip
     g.add_argument("--only", nargs="+", metavar="RUN", help="run only these runs (e.g. fedprox-s1)")
     g.add_argument(

@@ -40,9 +40,16 @@ def available_cores() -> int:
     return usable_cores()
 
 
+# Torch threads of a run whose grid names none, on every executor (local, Ray, Slurm): the
+# thread count changes the low bits of a run's sums, so a default that followed the
+# machine's cores (as the local one did, cores / jobs, while Ray and Slurm took 1) made the
+# same grid compute other numbers on each. --threads (or --cpus-per-run) asks for more.
+DEFAULT_THREADS = 1
+
+
 def threads_per_run(jobs: int, threads: int | None, cores: int) -> int:
     if threads is None:
-        return max(1, cores // jobs)
+        return DEFAULT_THREADS
     if jobs * threads > cores:
         raise UsageError(
             f"{jobs} jobs x {threads} threads = {jobs * threads} threads on {cores} cores: "

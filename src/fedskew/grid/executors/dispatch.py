@@ -15,6 +15,18 @@ def executor_settings(grid: Grid, dry_run: bool) -> ExecutorSettings:
     """The checked settings, before compare writes anything: a missing Ray or sbatch is one
     line of error, not a half-started grid."""
     settings = settings_of(grid.executor, grid.threads)
+    given = grid.executor.get("cpus_per_run") is not None
+    if given and grid.threads is not None and settings.cpus_per_run != grid.threads:
+        # A run's CPUs are its torch threads on every executor: two counts would be one
+        # silently ignored.
+        raise UsageError(
+            f"cpus-per-run {settings.cpus_per_run} and threads {grid.threads} disagree: a "
+            "run's CPUs are its torch threads; give one of them"
+        )
+    if settings.executor == "local" and given:
+        grid.threads = settings.cpus_per_run
+    if settings.executor == "local":  # jobs x threads <= cores, before anything is written
+        launch.threads_per_run(grid.jobs, grid.threads, launch.available_cores())
     if dry_run and settings.executor != "slurm":
         raise UsageError("--dry-run writes Slurm job scripts: it goes with --executor slurm")
     if settings.executor == "ray":

@@ -321,6 +321,31 @@ def test_ray_without_ray_is_one_line(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()  # nothing written
 
 
+@pytest.mark.parametrize("command", ["compare", "tune"])
+def test_an_unreachable_ray_address_is_one_line_soon(tmp_path, command):
+    """ray.init waits for an address nothing listens on for ever (and ignores SIGTERM
+    meanwhile); compare and tune give up after a bounded wait, in one line."""
+    pytest.importorskip("ray")
+    if command == "tune":
+        pytest.importorskip("optuna")
+        file = tmp_path / "study.toml"
+        file.write_text(TUNE_STUDY)
+        args = ["tune", "-c", str(file), "-o", str(tmp_path / "tuned")]
+    else:
+        args = ["compare", "-c", str(grid_file(tmp_path))]
+    address = f"127.0.0.1:{free_port()}"  # free: nothing listens there
+    cmd = fedskew(*args, "--executor", "ray", "--ray-address", address)
+    started = time.monotonic()
+    done = subprocess.run(cmd, env=env_with_tree(), capture_output=True, text=True, timeout=90)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert f"cannot reach the Ray cluster at {address}" in done.stderr
+    assert time.monotonic() - started < 60
+    bad = fedskew(*args, "--executor", "ray", "--ray-address", "nohost")
+    malformed = subprocess.run(bad, env=env_with_tree(), capture_output=True, text=True, timeout=90)
+    assert malformed.returncode == 2 and "must be HOST:PORT or auto" in malformed.stderr
+
+
 # ------------------------------------------------------------------------------- Slurm
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import sys
 import threading
 import warnings
@@ -85,7 +86,43 @@ def runtime_env() -> dict[str, Any]:
     return {"env_vars": {"PYTHONPATH": path}} if path else {}
 
 
+# How long compare and tune wait for a Ray cluster's address to answer: ray.init waits for
+# an unreachable one for ever (retrying, and ignoring SIGTERM meanwhile).
+REACH_SECONDS = 10.0
+
+
+def check_reachable(address: str | None, seconds: float = REACH_SECONDS) -> None:
+    """One line of error unless something listens at the cluster's address (``auto``: the
+    address Ray found on this machine) within ``seconds``."""
+    if address is None:  # a cluster of this machine, started by ray.init
+        return
+    target: str | None = address.removeprefix("ray://")
+    if target == "auto":
+        try:
+            from ray._private.services import canonicalize_bootstrap_address
+
+            target = canonicalize_bootstrap_address("auto")
+        except ConnectionError as exc:
+            raise UsageError(f"cannot find a Ray cluster (--ray-address auto): {exc}") from None
+        except Exception:  # noqa: BLE001 - Ray's own internals moved: ray.init decides
+            return
+        if target is None:  # none recorded: ray.init says so at once
+            return
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--ray-address must be HOST:PORT or auto, got {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=seconds).close()
+    except (OSError, ValueError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        raise UsageError(
+            f"cannot reach the Ray cluster at {address}: {why} (nothing answered within "
+            f"{seconds:g} s; is `ray start --head` running there?)"
+        ) from None
+
+
 def connect(ray: Any, address: str | None) -> None:
+    check_reachable(address)
     options: dict[str, Any] = {"runtime_env": runtime_env(), "log_to_driver": False}
     if address is None:  # a cluster of this machine for this compare alone
         options["include_dashboard"] = False

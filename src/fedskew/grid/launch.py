@@ -207,7 +207,7 @@ class Children:
         with self._lock:
             self._running.discard(proc)
 
-    def stop(self, own_grace: float = 5.0, term_grace: float = 60.0) -> None:
+    def stop(self, own_grace: float | None = None, term_grace: float = 60.0) -> None:
         """Start nothing more, and end what runs: first give the runs ``own_grace`` seconds
         to stop on a Ctrl-C they got themselves, then SIGTERM (which a run takes as Ctrl-C:
         it keeps its finished rounds and frees its folder), then SIGKILL after
@@ -215,11 +215,23 @@ class Children:
         SIGKILL, so that an impatient user ends compare and its runs together rather than
         compare alone. A run's finished rounds are on disk before its next one starts, so
         even the kill loses none."""
+        if own_grace is None:
+            own_grace = stop_grace()
         with self._lock:
             self.stopping = True
             running = list(self._running)
         hurry = threading.Event()
         restore = _hurry_on_signals(hurry)
+        alive = sum(p.poll() is None for p in running)
+        if alive:
+            # Said once the second signal is ours to take (above): from here a further
+            # Ctrl-C or SIGTERM kills the runs, and a test may send it on this line.
+            print(
+                f"fedskew: stopping {plural(alive, 'run')}: {own_grace:g} s to stop on their "
+                "own, then SIGTERM (Ctrl-C again: kill them now)",
+                file=sys.stderr,
+                flush=True,
+            )
         try:
             steps = ((None, own_grace), (subprocess.Popen.terminate, term_grace),
                      (subprocess.Popen.kill, 0.0))  # fmt: skip
@@ -242,6 +254,17 @@ class Children:
                     time.sleep(0.1)
         finally:
             restore()
+
+
+def stop_grace() -> float:
+    """Seconds a run gets to stop on its own Ctrl-C before compare sends SIGTERM:
+    FEDSKEW_STOP_GRACE, default 5."""
+    text = os.environ.get("FEDSKEW_STOP_GRACE", "")
+    try:
+        value = float(text) if text else 5.0
+    except ValueError:
+        value = 5.0
+    return value if value >= 0 else 5.0
 
 
 def _hurry_on_signals(hurry: threading.Event) -> Callable[[], None]:

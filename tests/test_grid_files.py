@@ -230,3 +230,84 @@ def count_failures(examples: int, seed: int = 0) -> dict[str, int]:
 
     probe()
     return kinds
+
+
+# ------------------------------------------------------------------- executor options
+
+OPTION_VALUES = {
+    "executor": st.sampled_from(["local", "ray", "slurm", "kubernetes", "", None]),
+    "cpus_per_run": ATOMS | st.integers(0, 64),
+    "gpus_per_run": ATOMS | st.floats(-1, 4) | st.just(float("inf")),
+    "ray_address": st.sampled_from([None, "auto", "127.0.0.1:1", "nohost", ":", "a b", "\x00:1",
+                                    "127.0.0.1:99999", "ray://127.0.0.1:1", 7, ""]),
+    "retries": ATOMS,
+    "slurm_partition": ATOMS,
+    "slurm_time": ATOMS | st.just("4:00:00"),
+    "slurm_cpus": ATOMS,
+    "slurm_gpus": ATOMS,
+    "slurm_mem": ATOMS | st.just("8G"),
+    "slurm_extra": ATOMS | st.lists(ATOMS | st.just("--qos=low"), max_size=3),
+}  # fmt: skip
+
+
+def executor_problems(values: dict[str, Any], threads: Any, jobs: int, dry_run: bool) -> list[str]:
+    """What is wrong with the executor settings of ``values``: checking them must give
+    settings or one line of UsageError, never another exception."""
+    from fedskew.core.errors import UsageError
+    from fedskew.grid.executors import dispatch, ray_executor
+    from fedskew.grid.plan import Grid
+    from fedskew.report.tables import Options
+
+    grid = Grid(out_dir=Path("unused"), base={}, methods={}, settings={}, seeds=[],
+                options=Options(), jobs=jobs, threads=threads, executor=values)  # fmt: skip
+    try:
+        settings = dispatch.executor_settings(grid, dry_run)
+        # (getattr: count_executor_failures also runs on code from before check_reachable)
+        check_reachable = getattr(ray_executor, "check_reachable", None)
+        if settings.executor == "ray" and check_reachable is not None:
+            check_reachable(settings.ray_address, seconds=0.5)
+    except UsageError as exc:
+        return [] if "\n" not in str(exc) else [f"not one line: {exc!r:.200}"]
+    except Exception as exc:  # noqa: BLE001 - the property: never
+        return [f"traceback: {type(exc).__name__}: {exc}"[:200]]
+    if settings.executor == "local" and values.get("cpus_per_run") is not None:
+        if grid.threads != settings.cpus_per_run:
+            return ["cpus-per-run ignored by the local executor"]
+    return []
+
+
+def executor_case(draw: Any) -> tuple[dict[str, Any], Any, int, bool]:
+    keys = draw(st.lists(st.sampled_from(sorted(OPTION_VALUES)), max_size=5, unique=True))
+    values = {k: draw(OPTION_VALUES[k]) for k in keys}
+    threads = draw(st.sampled_from([None, 1, 2]))
+    return values, threads, draw(st.integers(1, 2)), draw(st.booleans())
+
+
+@settings(max_examples=200, **FUZZ)
+@given(data=st.data())
+def test_any_executor_options_work_or_are_one_line(data, monkeypatch):
+    monkeypatch.setattr(launch, "available_cores", lambda: 4)
+    monkeypatch.setenv("PATH", "/nonexistent")  # no sbatch: submitting is refused in one line
+    assert executor_problems(*executor_case(data.draw)) == []
+
+
+def count_executor_failures(examples: int, seed: int = 0) -> dict[str, int]:
+    """The executor-options fuzz without stopping at the first failure (as count_failures)."""
+    from hypothesis import Phase
+    from hypothesis import seed as hseed
+
+    kinds: dict[str, int] = {}
+
+    @hseed(seed)
+    @settings(max_examples=examples, phases=[Phase.generate], **FUZZ)
+    @given(data=st.data())
+    def probe(data):
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.setattr(launch, "available_cores", lambda: 4)
+            monkeypatch.setenv("PATH", "/nonexistent")
+            for problem in executor_problems(*executor_case(data.draw)):
+                kind = ":".join(problem.split(":")[:2])[:60]
+                kinds[kind] = kinds.get(kind, 0) + 1
+
+    probe()
+    return kinds

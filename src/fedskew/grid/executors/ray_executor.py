@@ -27,6 +27,7 @@ from fedskew.core.errors import UsageError
 from fedskew.grid import launch
 from fedskew.grid.executors.options import ExecutorSettings
 from fedskew.grid.executors.plain_runs import outcome_data, outcome_from, planned_from, run_data
+from fedskew.grid.executors.ray_reaper import Reaper
 from fedskew.grid.launch import Children, Outcome
 from fedskew.grid.plan import Grid, PlannedRun
 
@@ -121,8 +122,15 @@ def check_reachable(address: str | None, seconds: float = REACH_SECONDS) -> None
         ) from None
 
 
+# The watcher of the cluster this process started (ray_reaper), until disconnect.
+_reaper: Reaper | None = None
+
+
 def connect(ray: Any, address: str | None) -> None:
+    global _reaper
     check_reachable(address)
+    if address is None:
+        _reaper = Reaper()
     options: dict[str, Any] = {"runtime_env": runtime_env(), "log_to_driver": False}
     if address is None:  # a cluster of this machine for this compare alone
         options["include_dashboard"] = False
@@ -134,11 +142,30 @@ def connect(ray: Any, address: str | None) -> None:
     own = signal.getsignal(signal.SIGTERM)
     try:
         ray.init(address=address, logging_level="WARNING", **options)
+        if _reaper is not None:
+            _reaper.note()
     except ConnectionError as exc:
         raise UsageError(f"cannot reach the Ray cluster at {address}: {exc}") from None
     finally:
         if threading.current_thread() is threading.main_thread() and own is not None:
             signal.signal(signal.SIGTERM, own)
+
+
+def disconnect(ray: Any) -> None:
+    """ray.shutdown, then the end of a cluster this process started: what it left goes."""
+    global _reaper
+    try:
+        ray.shutdown()
+    finally:
+        if _reaper is not None:
+            _reaper.close()
+            _reaper = None
+
+
+def note_cluster() -> None:
+    """List the cluster's processes again (its agents and workers start after ray.init)."""
+    if _reaper is not None:
+        _reaper.note()
 
 
 def check_fits(ray: Any, cpus: int, gpus: float) -> None:
@@ -194,6 +221,7 @@ def run_grid_on_ray(
         )
         gpus = settings.gpus_per_run
         by_ref = {task.remote(run_data(r), str(root), threads, gpus): r for r in pending}
+        note_cluster()
         waiting = list(by_ref)
         terms = SigtermSeen()
         try:
@@ -211,7 +239,7 @@ def run_grid_on_ray(
         finally:
             terms.restore()
     finally:
-        ray.shutdown()
+        disconnect(ray)
     return outcomes
 
 

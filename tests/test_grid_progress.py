@@ -143,3 +143,23 @@ def test_in_a_log_compare_prints_plain_progress_lines(tmp_path, capsys):
     assert "grid: " not in capsys.readouterr().out
     assert main(["compare", "-c", str(file), "--progress-every", "-1"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_runs_whose_folder_is_held_count_as_running(tmp_path):
+    # The Ray executor starts no run itself: a run is running while a process holds it.
+    from fedskew.runs.folder import RunFolder
+
+    runs = [planned("m0-s0", 10), planned("m1-s0", 10)]
+    progress = GridProgress(runs, tmp_path, 2, watch_locks=True)
+    assert ", 0 running, 2 left" in progress.line()
+    folder = RunFolder.create(tmp_path, "m0-s0")
+    (folder.path / "config.json").write_text("{}")
+    held = RunFolder.reopen(folder.path)
+    held.claim()
+    try:
+        assert "grid: 0 of 2 done, 1 running (m0-s0 0/10 rounds), 1 left" in progress.line()
+    finally:
+        held.release()
+    assert ", 1 running" in progress.line()  # until it ends (a retry may hold it again)
+    progress.finish(runs[0], 10.0, trained=True)
+    assert "grid: 1 of 2 done, 0 running, 1 left" in progress.line()

@@ -21,6 +21,7 @@ from typing import TextIO
 
 from fedskew.grid.plan import PlannedRun
 from fedskew.report.runs import INCOMPLETE
+from fedskew.runs.folder import running_elsewhere
 
 # Shown by name on the line; more running runs are counted only.
 NAMED_RUNNING = 3
@@ -72,7 +73,10 @@ class GridProgress:
         every: float = 60.0,
         stream: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
+        watch_locks: bool = False,
     ) -> None:
+        """``watch_locks``: runs are not begun by this process (Ray tasks on a cluster) but
+        count as running while a live process holds their folder."""
         self.runs, self.root, self.jobs = runs, root, max(1, jobs)
         self.print_line, self.live, self.every, self.clock = print_line, live, every, clock
         self.stream = stream if stream is not None else sys.stdout
@@ -85,6 +89,7 @@ class GridProgress:
         self._last_plain = -float("inf")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.watch_locks = watch_locks
 
     # ------------------------------------------------------------------ told by the executor
 
@@ -107,7 +112,19 @@ class GridProgress:
 
     # ---------------------------------------------------------------------------- the line
 
+    def _watch(self) -> None:
+        """Runs whose folder a live process holds begin; those let go stay (a retried Ray
+        task holds it again) until finish."""
+        for run in self.runs:
+            if run.folder in self._running or run.folder in self._done:
+                continue
+            unfinished = self.root / (run.folder + INCOMPLETE)
+            if unfinished.is_dir() and running_elsewhere(unfinished) is not None:
+                self.begin(run)
+
     def line(self) -> str:
+        if self.watch_locks:
+            self._watch()
         now = self.clock()
         with self._lock:
             running = dict(self._running)

@@ -70,7 +70,7 @@ def execute(
     if settings.executor == "ray":
         from fedskew.grid.executors.ray_executor import run_grid_on_ray
 
-        return run_grid_on_ray(grid, runs, settings, print_line)
+        return run_grid_on_ray(grid, runs, settings, print_line, progress_every)
     if settings.executor == "slurm":
         from fedskew.grid.executors.slurm_array import submit_grid
 

@@ -30,6 +30,7 @@ from fedskew.grid.executors.plain_runs import outcome_data, outcome_from, planne
 from fedskew.grid.executors.ray_reaper import Reaper
 from fedskew.grid.launch import Children, Outcome
 from fedskew.grid.plan import Grid, PlannedRun
+from fedskew.grid.progress import GridProgress
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -185,20 +186,26 @@ def run_grid_on_ray(
     runs: list[PlannedRun],
     settings: ExecutorSettings,
     print_line: Callable[[str], None] = print,
+    progress_every: float = 60.0,
 ) -> list[Outcome]:
     """Run (or skip, or resume) every planned run as a Ray task; outcomes in the order they
-    completed."""
+    completed. The progress line counts a run as running while its folder is held."""
     ray = import_ray()
     root = grid.out_dir.resolve()
     root.mkdir(parents=True, exist_ok=True)
     threads = settings.cpus_per_run or 1
     outcomes: list[Outcome] = []
 
+    live = print_line is print and sys.stdout.isatty()
+    progress = GridProgress(runs, root, len(runs), print_line, live, progress_every,
+                            watch_locks=True)  # fmt: skip
+
     def report(o: Outcome) -> None:
         outcomes.append(o)
+        progress.finish(o.run, o.seconds, o.status in ("finished", "resumed"))
         took = f" in {o.seconds:.0f} s" if o.seconds else ""
         detail = f": {o.detail}" if o.detail else ""
-        print_line(f"[{len(outcomes)}/{len(runs)}] {o.run.label}: {o.status}{took}{detail}")
+        progress.say(f"[{len(outcomes)}/{len(runs)}] {o.run.label}: {o.status}{took}{detail}")
 
     # Finished runs are judged here (run_one starts nothing for them): no task, no worker.
     pending = []
@@ -213,6 +220,9 @@ def run_grid_on_ray(
     connect(ray, settings.ray_address)
     try:
         check_fits(ray, threads, settings.gpus_per_run)
+        # The runs at once, for the time left: the cluster's CPUs over a run's.
+        cpus = sum(n.get("Resources", {}).get("CPU", 0) for n in ray.nodes() if n.get("Alive"))
+        progress.jobs = max(1, int(cpus // threads))
         task = ray.remote(run_task).options(
             num_cpus=threads,
             num_gpus=settings.gpus_per_run,
@@ -224,11 +234,12 @@ def run_grid_on_ray(
         note_cluster()
         waiting = list(by_ref)
         terms = SigtermSeen()
+        progress.start()
         try:
             while waiting:
                 done, waiting = ray.wait(waiting, num_returns=1)
                 for ref in done:
-                    report(_outcome_of(ray, ref, by_ref[ref], print_line))
+                    report(_outcome_of(ray, ref, by_ref[ref], progress.say))
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (fedskew.apps.cli turns it into one)
             for ref in waiting:
                 ray.cancel(ref, force=True)
@@ -237,6 +248,7 @@ def run_grid_on_ray(
                 f"{root}: run the same command again to resume them"
             ) from None
         finally:
+            progress.close()
             terms.restore()
     finally:
         disconnect(ray)

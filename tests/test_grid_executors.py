@@ -321,6 +321,73 @@ def test_ray_without_ray_is_one_line(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()  # nothing written
 
 
+@pytest.mark.parametrize("command", ["compare", "tune"])
+def test_an_unreachable_ray_address_is_one_line_soon(tmp_path, command):
+    """ray.init waits for an address nothing listens on for ever (and ignores SIGTERM
+    meanwhile); compare and tune give up after a bounded wait, in one line."""
+    pytest.importorskip("ray")
+    if command == "tune":
+        pytest.importorskip("optuna")
+        file = tmp_path / "study.toml"
+        file.write_text(TUNE_STUDY)
+        args = ["tune", "-c", str(file), "-o", str(tmp_path / "tuned")]
+    else:
+        args = ["compare", "-c", str(grid_file(tmp_path))]
+    address = f"127.0.0.1:{free_port()}"  # free: nothing listens there
+    cmd = fedskew(*args, "--executor", "ray", "--ray-address", address)
+    started = time.monotonic()
+    done = subprocess.run(cmd, env=env_with_tree(), capture_output=True, text=True, timeout=90)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert f"cannot reach the Ray cluster at {address}" in done.stderr
+    assert time.monotonic() - started < 60
+    bad = fedskew(*args, "--executor", "ray", "--ray-address", "nohost")
+    malformed = subprocess.run(bad, env=env_with_tree(), capture_output=True, text=True, timeout=90)
+    assert malformed.returncode == 2 and "must be HOST:PORT or auto" in malformed.stderr
+
+
+def session_processes(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (a command started with start_new_session)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+# Its own Ray cluster's start: some 20 s here.
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_compare_leaves_no_ray_process_behind(tmp_path):
+    """compare with a Ray cluster of its own, killed with SIGKILL while its runs train: Ray's
+    dashboard and runtime-env agents used to live on (ignoring SIGTERM); now the cluster's
+    watcher kills what is left."""
+    pytest.importorskip("ray")
+    file = grid_file(tmp_path)
+    file.write_text(file.read_text().replace("rounds = 40", "rounds = 20000"))
+    cmd = fedskew("compare", "-c", str(file), "--executor", "ray", "--progress-every", "0")
+    proc = subprocess.Popen(cmd, env=env_with_tree(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        wait_for_rounds(tmp_path / "out" / "fedavg-s0.incomplete", 1, proc, timeout=240)
+        assert len(session_processes(proc.pid)) > 3  # the cluster is up
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while session_processes(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = session_processes(proc.pid)
+        names = [Path(f"/proc/{p}/cmdline").read_bytes()[:60] for p in left]
+        assert left == [], names
+    finally:
+        for pid in session_processes(proc.pid):  # what the old code left
+            os.kill(pid, signal.SIGKILL)
+
+
 # ------------------------------------------------------------------------------- Slurm
 
 

@@ -298,14 +298,21 @@ def test_sigterm_to_compare_ends_its_run_which_keeps_its_rounds(tmp_path):
 def test_a_second_sigterm_to_compare_ends_its_run_too(tmp_path):
     # An impatient second SIGTERM, within the grace compare gives its runs to stop on their
     # own, used to kill compare alone and leave its run training with nobody to stop it.
+    # No timing: the second SIGTERM goes once compare says it is stopping its runs (from
+    # then on a signal is its to take), and the runs' own grace is an hour, so that only
+    # the second signal can have ended the run. A sleep of 1 s here once raced both ways
+    # on a loaded machine: a signal before compare took signals over, or the grace over.
     out, file = _grid_file(tmp_path, rounds=LONG)
     cmd = [sys.executable, "-m", "fedskew", "compare", "-c", str(file), "--only", "fedavg-s0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "FEDSKEW_STOP_GRACE": "3600"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)  # fmt: skip
     folder = out / "fedavg-s0.incomplete"
     run_pid = int(_wait_for_round(folder, proc).split()[1])
     proc.send_signal(signal.SIGTERM)
-    time.sleep(1.0)  # inside the 5 s grace; the run (not signalled itself) trains on
-    assert _alive(run_pid)
+    said = proc.stderr.readline()
+    assert said.startswith("fedskew: stopping 1 run: 3600 s to stop on their own"), said
+    assert _alive(run_pid)  # within the grace; the run (not signalled itself) trains on
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err

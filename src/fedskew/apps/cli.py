@@ -300,8 +300,8 @@ def add_compare_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", type=float, help="accuracy in percent: rounds to reach it")
     g.add_argument("--jobs", type=int, help="runs at once, each its own process (default 1)")
     g.add_argument(
-        "--threads", type=int, help="torch threads per run (default cores / jobs; jobs x threads "
-        "<= cores)"
+        "--threads", type=int, help="torch threads per run (default 1 on every executor, so "
+        "that a grid computes the same numbers wherever it runs; jobs x threads <= cores)"
     )  # fmt: skip
     g.add_argument("--only", nargs="+", metavar="RUN", help="run only these runs (e.g. fedprox-s1)")
     g.add_argument(
@@ -314,6 +314,11 @@ def add_compare_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run and write nothing: where each run stands, who trains it, CPU time left",
     )
+    g.add_argument(
+        "--progress-every", type=float, default=60.0, metavar="SECONDS",
+        help="where output is not a terminal: a progress line (runs done, running, left, time "
+        "left) every SECONDS (default 60; 0: none); a terminal gets one line kept current",
+    )  # fmt: skip
     add_latex_options(g, "comparison.tex")
     from fedskew.grid.executors.options import add_executor_options
 
@@ -376,6 +381,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         "out_dir": args.out_dir, **executor_overrides(args),
     }  # fmt: skip
     outcomes = None
+    if not args.progress_every >= 0:  # also NaN
+        raise UsageError(f"--progress-every must be >= 0 seconds, got {args.progress_every}")
     if args.status and args.report_only:
         raise UsageError("--status and --report-only: pick one")
     if args.status and not args.config and not args.methods:
@@ -420,7 +427,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 f"{len(grid.methods)} method(s) x {len(grid.seeds)} seed(s)), "
                 f"{dispatch.describe(grid, executor)}"
             )
-            outcomes = dispatch.execute(grid, planned, runs, executor, args.dry_run)
+            outcomes = dispatch.execute(
+                grid, planned, runs, executor, args.dry_run, progress_every=args.progress_every
+            )
             if outcomes is None:  # submitted to Slurm: its last job writes the tables
                 return 0
     from fedskew.report.latex_style import TableStyle, parse_display_names

@@ -246,6 +246,16 @@ def _leave() -> None:
     os._exit(0)
 
 
+def _send_or_go(conn: Connection, frame: bytes) -> None:
+    """Send ``frame``, or end the worker quietly where the parent is gone: a run killed
+    while its workers start (Ctrl-C, a compare stopping its runs) left each of them printing
+    a BrokenPipeError traceback."""
+    try:
+        conn.send_bytes(frame)
+    except (EOFError, OSError):
+        _leave()
+
+
 def worker_main(conn: Connection, config_json: str, setup_json: str = "{}") -> None:
     """A worker process: build the runtime, then answer tasks until told to stop.
 
@@ -266,7 +276,7 @@ def worker_main(conn: Connection, config_json: str, setup_json: str = "{}") -> N
             dataset=None if attached is None else attached.dataset,
         )
     except BaseException as exc:
-        conn.send_bytes(encode_frame({"error": f"start-up failed: {one_line(exc)}"}))
+        _send_or_go(conn, encode_frame({"error": f"start-up failed: {one_line(exc)}"}))
         return
     # The process is the run's own: its denormal handling is set for its lifetime, so that
     # each handler finds it set (ClientRuntime.handle then only checks it).
@@ -278,7 +288,7 @@ def worker_main(conn: Connection, config_json: str, setup_json: str = "{}") -> N
         "denormals": denormals,
         "together": runtime.clients_together,
     }
-    conn.send_bytes(encode_frame(ready))
+    _send_or_go(conn, encode_frame(ready))
     while True:
         try:
             data = conn.recv_bytes()

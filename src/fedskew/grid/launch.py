@@ -40,9 +40,16 @@ def available_cores() -> int:
     return usable_cores()
 
 
+# Torch threads of a run whose grid names none, on every executor (local, Ray, Slurm): the
+# thread count changes the low bits of a run's sums, so a default that followed the
+# machine's cores (as the local one did, cores / jobs, while Ray and Slurm took 1) made the
+# same grid compute other numbers on each. --threads (or --cpus-per-run) asks for more.
+DEFAULT_THREADS = 1
+
+
 def threads_per_run(jobs: int, threads: int | None, cores: int) -> int:
     if threads is None:
-        return max(1, cores // jobs)
+        return DEFAULT_THREADS
     if jobs * threads > cores:
         raise UsageError(
             f"{jobs} jobs x {threads} threads = {jobs * threads} threads on {cores} cores: "
@@ -200,7 +207,7 @@ class Children:
         with self._lock:
             self._running.discard(proc)
 
-    def stop(self, own_grace: float = 5.0, term_grace: float = 60.0) -> None:
+    def stop(self, own_grace: float | None = None, term_grace: float = 60.0) -> None:
         """Start nothing more, and end what runs: first give the runs ``own_grace`` seconds
         to stop on a Ctrl-C they got themselves, then SIGTERM (which a run takes as Ctrl-C:
         it keeps its finished rounds and frees its folder), then SIGKILL after
@@ -208,11 +215,23 @@ class Children:
         SIGKILL, so that an impatient user ends compare and its runs together rather than
         compare alone. A run's finished rounds are on disk before its next one starts, so
         even the kill loses none."""
+        if own_grace is None:
+            own_grace = stop_grace()
         with self._lock:
             self.stopping = True
             running = list(self._running)
         hurry = threading.Event()
         restore = _hurry_on_signals(hurry)
+        alive = sum(p.poll() is None for p in running)
+        if alive:
+            # Said once the second signal is ours to take (above): from here a further
+            # Ctrl-C or SIGTERM kills the runs, and a test may send it on this line.
+            print(
+                f"fedskew: stopping {plural(alive, 'run')}: {own_grace:g} s to stop on their "
+                "own, then SIGTERM (Ctrl-C again: kill them now)",
+                file=sys.stderr,
+                flush=True,
+            )
         try:
             steps = ((None, own_grace), (subprocess.Popen.terminate, term_grace),
                      (subprocess.Popen.kill, 0.0))  # fmt: skip
@@ -235,6 +254,17 @@ class Children:
                     time.sleep(0.1)
         finally:
             restore()
+
+
+def stop_grace() -> float:
+    """Seconds a run gets to stop on its own Ctrl-C before compare sends SIGTERM:
+    FEDSKEW_STOP_GRACE, default 5."""
+    text = os.environ.get("FEDSKEW_STOP_GRACE", "")
+    try:
+        value = float(text) if text else 5.0
+    except ValueError:
+        value = 5.0
+    return value if value >= 0 else 5.0
 
 
 def _hurry_on_signals(hurry: threading.Event) -> Callable[[], None]:
@@ -426,9 +456,13 @@ def run_grid(
     grid: Grid,
     runs: list[PlannedRun],
     print_line: Callable[[str], None] = print,
+    progress_every: float = 60.0,
 ) -> list[Outcome]:
     """Run (or skip, or resume) every planned run, ``grid.jobs`` at a time, each in its own
-    process; returns the outcomes in the order they completed."""
+    process; returns the outcomes in the order they completed. Meanwhile a progress line
+    (fedskew.grid.progress): live on a terminal, else every ``progress_every`` seconds."""
+    from fedskew.grid.progress import GridProgress
+
     cores = available_cores()
     threads = threads_per_run(grid.jobs, grid.threads, cores)
     root = grid.out_dir.resolve()
@@ -441,23 +475,35 @@ def run_grid(
     if gpus.groups:
         print_line(f"gpus: {gpus.describe()}")
     outcomes: list[Outcome] = []
+    live = print_line is print and sys.stdout.isatty()
+    progress = GridProgress(runs, root, grid.jobs, print_line, live, progress_every)
+
+    def one(r: PlannedRun) -> Outcome:
+        progress.begin(r)
+        o = run_one(r, root, threads, root / "logs", children, gpus)
+        progress.finish(r, o.seconds, o.status in ("finished", "resumed"))
+        return o
+
     pool = ThreadPoolExecutor(max_workers=grid.jobs)
     try:
-        futures = [
-            pool.submit(run_one, r, root, threads, root / "logs", children, gpus) for r in runs
-        ]
+        futures = [pool.submit(one, r) for r in runs]
+        if todo:  # a grid of finished runs only has no progress to show
+            progress.start()
         for n, fut in enumerate(as_completed(futures), start=1):
             o = fut.result()
             outcomes.append(o)
             took = f" in {o.seconds:.0f} s" if o.seconds else ""
             detail = f": {o.detail}" if o.detail else ""
-            print_line(f"[{n}/{len(runs)}] {o.run.label}: {o.status}{took}{detail}")
+            progress.say(f"[{n}/{len(runs)}] {o.run.label}: {o.status}{took}{detail}")
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (fedskew.apps.cli turns it into one)
+        progress.close()
         children.stop()
         pool.shutdown(wait=True, cancel_futures=True)
         raise KeyboardInterrupt(
             f"interrupted; unfinished runs keep their checkpoints in {root}: run the same "
             "command again to resume them"
         ) from None
+    finally:
+        progress.close()
     pool.shutdown(wait=True)
     return outcomes

@@ -15,6 +15,18 @@ def executor_settings(grid: Grid, dry_run: bool) -> ExecutorSettings:
     """The checked settings, before compare writes anything: a missing Ray or sbatch is one
     line of error, not a half-started grid."""
     settings = settings_of(grid.executor, grid.threads)
+    given = grid.executor.get("cpus_per_run") is not None
+    if given and grid.threads is not None and settings.cpus_per_run != grid.threads:
+        # A run's CPUs are its torch threads on every executor: two counts would be one
+        # silently ignored.
+        raise UsageError(
+            f"cpus-per-run {settings.cpus_per_run} and threads {grid.threads} disagree: a "
+            "run's CPUs are its torch threads; give one of them"
+        )
+    if settings.executor == "local" and given:
+        grid.threads = settings.cpus_per_run
+    if settings.executor == "local":  # jobs x threads <= cores, before anything is written
+        launch.threads_per_run(grid.jobs, grid.threads, launch.available_cores())
     if dry_run and settings.executor != "slurm":
         raise UsageError("--dry-run writes Slurm job scripts: it goes with --executor slurm")
     if settings.executor == "ray":
@@ -45,6 +57,7 @@ def execute(
     settings: ExecutorSettings,
     dry_run: bool = False,
     print_line: Callable[[str], None] = print,
+    progress_every: float = 60.0,
 ) -> list[Outcome] | None:
     """Outcomes of ``runs`` (of the grid's ``planned`` runs) in the order they completed;
     None when they went to Slurm and end later."""
@@ -57,10 +70,10 @@ def execute(
     if settings.executor == "ray":
         from fedskew.grid.executors.ray_executor import run_grid_on_ray
 
-        return run_grid_on_ray(grid, runs, settings, print_line)
+        return run_grid_on_ray(grid, runs, settings, print_line, progress_every)
     if settings.executor == "slurm":
         from fedskew.grid.executors.slurm_array import submit_grid
 
         submitted = submit_grid(grid, planned, runs, settings, dry_run, print_line)
         return None if submitted else []
-    return launch.run_grid(grid, runs, print_line)
+    return launch.run_grid(grid, runs, print_line, progress_every)

@@ -37,7 +37,8 @@ def add_executor_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--cpus-per-run", type=int, metavar="N",
-        help="ray: CPUs a run takes, also its torch threads (default: --threads, else 1)",
+        help="CPUs a run takes, also its torch threads (default: --threads, else 1); "
+        "local: the same as --threads",
     )  # fmt: skip
     g.add_argument(
         "--gpus-per-run", type=float, metavar="F",

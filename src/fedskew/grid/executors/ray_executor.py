@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import sys
 import threading
 import warnings
@@ -26,8 +27,10 @@ from fedskew.core.errors import UsageError
 from fedskew.grid import launch
 from fedskew.grid.executors.options import ExecutorSettings
 from fedskew.grid.executors.plain_runs import outcome_data, outcome_from, planned_from, run_data
+from fedskew.grid.executors.ray_reaper import Reaper
 from fedskew.grid.launch import Children, Outcome
 from fedskew.grid.plan import Grid, PlannedRun
+from fedskew.grid.progress import GridProgress
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -85,7 +88,50 @@ def runtime_env() -> dict[str, Any]:
     return {"env_vars": {"PYTHONPATH": path}} if path else {}
 
 
+# How long compare and tune wait for a Ray cluster's address to answer: ray.init waits for
+# an unreachable one for ever (retrying, and ignoring SIGTERM meanwhile).
+REACH_SECONDS = 10.0
+
+
+def check_reachable(address: str | None, seconds: float = REACH_SECONDS) -> None:
+    """One line of error unless something listens at the cluster's address (``auto``: the
+    address Ray found on this machine) within ``seconds``."""
+    if address is None:  # a cluster of this machine, started by ray.init
+        return
+    target: str | None = address.removeprefix("ray://")
+    if target == "auto":
+        try:
+            from ray._private.services import canonicalize_bootstrap_address
+
+            target = canonicalize_bootstrap_address("auto")
+        except ConnectionError as exc:
+            raise UsageError(f"cannot find a Ray cluster (--ray-address auto): {exc}") from None
+        except Exception:  # noqa: BLE001 - Ray's own internals moved: ray.init decides
+            return
+        if target is None:  # none recorded: ray.init says so at once
+            return
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--ray-address must be HOST:PORT or auto, got {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=seconds).close()
+    except (OSError, ValueError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        raise UsageError(
+            f"cannot reach the Ray cluster at {address}: {why} (nothing answered within "
+            f"{seconds:g} s; is `ray start --head` running there?)"
+        ) from None
+
+
+# The watcher of the cluster this process started (ray_reaper), until disconnect.
+_reaper: Reaper | None = None
+
+
 def connect(ray: Any, address: str | None) -> None:
+    global _reaper
+    check_reachable(address)
+    if address is None:
+        _reaper = Reaper()
     options: dict[str, Any] = {"runtime_env": runtime_env(), "log_to_driver": False}
     if address is None:  # a cluster of this machine for this compare alone
         options["include_dashboard"] = False
@@ -97,11 +143,30 @@ def connect(ray: Any, address: str | None) -> None:
     own = signal.getsignal(signal.SIGTERM)
     try:
         ray.init(address=address, logging_level="WARNING", **options)
+        if _reaper is not None:
+            _reaper.note()
     except ConnectionError as exc:
         raise UsageError(f"cannot reach the Ray cluster at {address}: {exc}") from None
     finally:
         if threading.current_thread() is threading.main_thread() and own is not None:
             signal.signal(signal.SIGTERM, own)
+
+
+def disconnect(ray: Any) -> None:
+    """ray.shutdown, then the end of a cluster this process started: what it left goes."""
+    global _reaper
+    try:
+        ray.shutdown()
+    finally:
+        if _reaper is not None:
+            _reaper.close()
+            _reaper = None
+
+
+def note_cluster() -> None:
+    """List the cluster's processes again (its agents and workers start after ray.init)."""
+    if _reaper is not None:
+        _reaper.note()
 
 
 def check_fits(ray: Any, cpus: int, gpus: float) -> None:
@@ -121,20 +186,26 @@ def run_grid_on_ray(
     runs: list[PlannedRun],
     settings: ExecutorSettings,
     print_line: Callable[[str], None] = print,
+    progress_every: float = 60.0,
 ) -> list[Outcome]:
     """Run (or skip, or resume) every planned run as a Ray task; outcomes in the order they
-    completed."""
+    completed. The progress line counts a run as running while its folder is held."""
     ray = import_ray()
     root = grid.out_dir.resolve()
     root.mkdir(parents=True, exist_ok=True)
     threads = settings.cpus_per_run or 1
     outcomes: list[Outcome] = []
 
+    live = print_line is print and sys.stdout.isatty()
+    progress = GridProgress(runs, root, len(runs), print_line, live, progress_every,
+                            watch_locks=True)  # fmt: skip
+
     def report(o: Outcome) -> None:
         outcomes.append(o)
+        progress.finish(o.run, o.seconds, o.status in ("finished", "resumed"))
         took = f" in {o.seconds:.0f} s" if o.seconds else ""
         detail = f": {o.detail}" if o.detail else ""
-        print_line(f"[{len(outcomes)}/{len(runs)}] {o.run.label}: {o.status}{took}{detail}")
+        progress.say(f"[{len(outcomes)}/{len(runs)}] {o.run.label}: {o.status}{took}{detail}")
 
     # Finished runs are judged here (run_one starts nothing for them): no task, no worker.
     pending = []
@@ -149,6 +220,9 @@ def run_grid_on_ray(
     connect(ray, settings.ray_address)
     try:
         check_fits(ray, threads, settings.gpus_per_run)
+        # The runs at once, for the time left: the cluster's CPUs over a run's.
+        cpus = sum(n.get("Resources", {}).get("CPU", 0) for n in ray.nodes() if n.get("Alive"))
+        progress.jobs = max(1, int(cpus // threads))
         task = ray.remote(run_task).options(
             num_cpus=threads,
             num_gpus=settings.gpus_per_run,
@@ -157,13 +231,15 @@ def run_grid_on_ray(
         )
         gpus = settings.gpus_per_run
         by_ref = {task.remote(run_data(r), str(root), threads, gpus): r for r in pending}
+        note_cluster()
         waiting = list(by_ref)
         terms = SigtermSeen()
+        progress.start()
         try:
             while waiting:
                 done, waiting = ray.wait(waiting, num_returns=1)
                 for ref in done:
-                    report(_outcome_of(ray, ref, by_ref[ref], print_line))
+                    report(_outcome_of(ray, ref, by_ref[ref], progress.say))
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (fedskew.apps.cli turns it into one)
             for ref in waiting:
                 ray.cancel(ref, force=True)
@@ -172,9 +248,10 @@ def run_grid_on_ray(
                 f"{root}: run the same command again to resume them"
             ) from None
         finally:
+            progress.close()
             terms.restore()
     finally:
-        ray.shutdown()
+        disconnect(ray)
     return outcomes
 
 

@@ -22,7 +22,14 @@ from typing import Any
 
 import fedskew.version
 from fedskew.grid.executors.options import ExecutorSettings
-from fedskew.grid.executors.ray_executor import SigtermSeen, check_fits, connect, import_ray
+from fedskew.grid.executors.ray_executor import (
+    SigtermSeen,
+    check_fits,
+    connect,
+    disconnect,
+    import_ray,
+    note_cluster,
+)
 
 
 def tune_task(
@@ -70,6 +77,7 @@ def tune_on_ray(
             task.remote(source, base, methods, overrides, threads, settings.gpus_per_run)
             for _ in range(tasks)
         ]
+        note_cluster()
         print_line(f"{tasks} Ray task(s) tune the study, {threads} CPU each")
         waiting = list(refs)
         terms = SigtermSeen()
@@ -88,7 +96,7 @@ def tune_on_ray(
         finally:
             terms.restore()
     finally:
-        ray.shutdown()
+        disconnect(ray)
 
 
 def _report(ray: Any, ref: Any, print_line: Callable[[str], None]) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 from fedskew.core.errors import FedskewError, UsageError
 from fedskew.grid import launch
 from fedskew.grid.executors.options import ExecutorSettings
-from fedskew.grid.executors.plain_runs import one_run_grid, planned_from, run_data
+from fedskew.grid.executors.plain_runs import checked_run, one_run_grid, run_data
 from fedskew.grid.plan import Grid, PlannedRun
 
 FOLDER = "slurm"
@@ -229,10 +229,17 @@ def run_array_task(runs_file: Path, index: int | None) -> int:
         raise UsageError(f"cannot read the runs list {runs_file}: {exc}") from None
     if not isinstance(listing, dict) or listing.get("format") != RUNS_FORMAT:
         raise UsageError(f"{runs_file} is not a runs list of this fedskew (format {RUNS_FORMAT})")
-    entries = listing["runs"]
+    entries, root, threads = listing.get("runs"), listing.get("grid"), listing.get("threads")
+    if not isinstance(entries, list):
+        raise UsageError(f"{runs_file}: 'runs' must be a list, got {entries!r:.80}")
+    if not isinstance(root, str) or not Path(root).is_absolute() or "\x00" in root:
+        raise UsageError(f"{runs_file}: 'grid' must be an absolute path, got {root!r:.80}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or threads < 1):  # fmt: skip
+        raise UsageError(f"{runs_file}: 'threads' must be an integer >= 1, got {threads!r:.80}")
     if not 0 <= index < len(entries):
         raise UsageError(f"{runs_file} has runs 0 to {len(entries) - 1}, not {index}")
-    run = planned_from(entries[index])
-    grid = one_run_grid(Path(listing["grid"]), listing.get("threads"))
+    run = checked_run(entries[index], Path(root), f"{runs_file} run {index}")
+    grid = one_run_grid(Path(root), threads)
     [outcome] = launch.run_grid(grid, [run])
     return 1 if outcome.status == "failed" else 0

@@ -38,6 +38,7 @@ this module does not know; ``fused_obstacle`` says why, and the runtime logs it 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -106,6 +106,7 @@ from fedskew.training.local import (
 
 log = logging.getLogger("fedskew")
 MODES = ("auto", "off", "vmap", "fused")
+TOGETHER = ("vmap", "fused")  # the resolved modes that train an exchange's clients at once
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:

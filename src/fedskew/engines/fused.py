@@ -33,6 +33,10 @@ other plain split without a loss of its own). An algorithm's own loss is one cli
 function of the model, which can call the model on other inputs or with other weights
 (MOON's frozen models, FedACD's mixup): those train by vmap, as does any model with a layer
 this module does not know; ``fused_obstacle`` says why, and the runtime logs it once.
+
+A layer of another kind fuses itself by defining ``fused_forward(tensors, x, clients)``:
+``tensors`` its parameters and buffers by local name, stacked ``(K, ...)``; ``x`` and the
+result in the fused layout (FedNH's prototype head does).
 """
 
 from __future__ import annotations
@@ -72,6 +76,13 @@ class _Fused:
         return None if t is None else t.reshape(-1)
 
     def run(self, module: nn.Module, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        own = getattr(module, "fused_forward", None)
+        if own is not None:  # a layer that fuses itself (FedNH's prototype head)
+            names = [n for n, _ in module.named_parameters()] + [
+                n for n, _ in module.named_buffers()
+            ]
+            tensors = {n: {**self.params, **self.buffers}[prefix + n] for n in names}
+            return own(tensors, x, self.k)
         return _LAYERS[type(module)](self, module, prefix, x)
 
 
@@ -207,8 +218,13 @@ _LAYERS: dict[type, Layer] = {
 def fused_obstacle(model: nn.Module) -> str:
     """Why ``model`` cannot run fused ("" when it can): a layer this module does not fuse,
     or one whose settings it does not follow."""
+    fuses_itself = [
+        name for name, module in model.named_modules() if hasattr(module, "fused_forward")
+    ]
     for name, module in model.named_modules():
         where = name or "the model"
+        if any(name == own or name.startswith(own + ".") for own in fuses_itself):
+            continue
         if type(module) not in _LAYERS:
             return f"{where} is a {type(module).__name__}, a layer the fused model does not have"
         if isinstance(module, nn.Conv2d) and module.padding_mode != "zeros":

@@ -71,6 +71,11 @@ estimate (``together_memory``) counts the model's copies and activations before 
 an algorithm's per-client tensors (MOON's two frozen models, FedDyn's two tensors per
 parameter) once the chunk's plans exist, training the chunk in pieces where they would not
 fit; a chunk that runs out of GPU memory is halved.
+
+Fused (``--clients-together fused``, ``train_together(fused=True)``): the same stacks, loop,
+schedule and SGD step, but a cross-entropy step runs the stacked weights as one wide model
+with native BatchNorm (``engines/fused.py``) instead of vmap; ``fused_why_not`` says when
+it cannot (an algorithm's own loss, a layer it does not know), and vmap trains instead.
 """
 
 from __future__ import annotations

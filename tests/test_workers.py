@@ -520,9 +520,9 @@ def test_run_says_what_it_chose_and_caps_a_count_no_round_can_use(tmp_path, caps
     "algorithm, mode", [("fedavg", "vmap"), ("moon", "vmap"), ("fedavg", "fused")]
 )
 def test_workers_train_their_clients_together(tmp_path, algorithm, mode):
-    """With --clients-together vmap (or fused) each worker gets its share of an exchange's clients at
-    once and trains them together where the algorithm allows it (else one after another in
-    the worker): the same curve as the in-process run within fp32 rounding, and
+    """With --clients-together vmap (or fused) each worker gets its share of an exchange's
+    clients at once and trains them together where the algorithm allows it (else one after
+    another in the worker): the same curve as the in-process run within fp32 rounding, and
     processes.jsonl says how the clients trained."""
     common = ["run", "-a", algorithm, "-r", "2", *SMALL, "-o", str(tmp_path),
               "--clients-together", mode]  # fmt: skip

@@ -193,7 +193,7 @@ class ExperimentConfig:
         help="train a round's clients together with stacked parameters (vmap) where the "
         "algorithm allows it (FedAvg, FedProx, SCAFFOLD, MOON and others: docs/gpu.md); "
         "fused: as one wide model with native BatchNorm where the training is cross-entropy "
-        "(FedAvg, SCAFFOLD, FedNova, CReFF), vmap elsewhere; off: one after another",
+        "(FedAvg, SCAFFOLD, FedNova, CReFF, FedNH), vmap elsewhere; off: one after another",
     )
     # How many clients one stacked step trains at most: "auto" estimates what the GPU's free
     # memory holds before the first step (fedskew.engines.together_memory; all of them on

@@ -516,20 +516,22 @@ def test_run_says_what_it_chose_and_caps_a_count_no_round_can_use(tmp_path, caps
     assert live_workers() == []
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "moon"])
-def test_workers_train_their_clients_together(tmp_path, algorithm):
-    """With --clients-together vmap each worker gets its share of an exchange's clients at
-    once and trains them together where the algorithm allows it (else one after another in
-    the worker): the same curve as the in-process run within fp32 rounding, and
+@pytest.mark.parametrize(
+    "algorithm, mode", [("fedavg", "vmap"), ("moon", "vmap"), ("fedavg", "fused")]
+)
+def test_workers_train_their_clients_together(tmp_path, algorithm, mode):
+    """With --clients-together vmap (or fused) each worker gets its share of an exchange's
+    clients at once and trains them together where the algorithm allows it (else one after
+    another in the worker): the same curve as the in-process run within fp32 rounding, and
     processes.jsonl says how the clients trained."""
     common = ["run", "-a", algorithm, "-r", "2", *SMALL, "-o", str(tmp_path),
-              "--clients-together", "vmap"]  # fmt: skip
+              "--clients-together", mode]  # fmt: skip
     assert main([*common, "--name", "w0", "--workers", "0"]) == 0
     assert main([*common, "--name", "w2", "--workers", "2"]) == 0
     assert live_workers() == []
     in_process, workers = rows(tmp_path / "w0"), rows(tmp_path / "w2")
     ran = [json.loads(x) for x in (tmp_path / "w2" / "processes.jsonl").read_text().splitlines()]
-    assert [p["clients_together"] for p in ran] == ["vmap"]
+    assert [p["clients_together"] for p in ran] == [mode]
     for a, b in zip(in_process, workers, strict=True):
         assert a["clients"] == b["clients"] and a["bytes_up"] == b["bytes_up"]
         for key in ("train_loss", "loss", "accuracy"):

@@ -58,7 +58,7 @@ def option(default: Any = dataclasses.MISSING, *, factory: Any = None, **metadat
 
 
 MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
-CLIENTS_TOGETHER = ("auto", "off", "vmap")
+CLIENTS_TOGETHER = ("auto", "off", "vmap", "fused")
 CUDA_GRAPHS = ("auto", "on", "off")  # fedskew.training.graph_step.GRAPH_MODES
 DIVERGENCE_POLICIES = ("stop", "drop")
 TRACKERS = ("tensorboard", "mlflow", "wandb")
@@ -205,15 +205,19 @@ class ExperimentConfig:
     )
     # Train a round's clients together: "vmap" stacks their parameters (torch.func) where the
     # algorithm's handler splits around the shared loop (PlainTraining; engines/together.py
-    # lists which); "off": one after another; "auto": vmap on
-    # CUDA, one after another on the CPU (measured: benchmarks/clients_together.py).
+    # lists which); "fused" runs the same stacks as one wide model with native BatchNorm
+    # (engines/fused.py) where the training is cross-entropy, by vmap elsewhere; "off": one
+    # after another; "auto": vmap on CUDA, one after another on the CPU (measured:
+    # benchmarks/clients_together.py). fused is not the default: it does not cover the
+    # algorithms with a loss of their own.
     clients_together: str = option(
-        "auto", metavar="auto|off|vmap", execution=True, resumable=True, flower=False,
+        "auto", metavar="auto|off|vmap|fused", execution=True, resumable=True, flower=False,
         flower_reason="a SuperNode answers for one client at a time",
         default_text="auto: vmap on CUDA, off on the CPU",
         help="train a round's clients together with stacked parameters (vmap) where the "
         "algorithm allows it (FedAvg, FedProx, SCAFFOLD, MOON and others: docs/gpu.md); "
-        "off: one after another",
+        "fused: as one wide model with native BatchNorm where the training is cross-entropy "
+        "(FedAvg, SCAFFOLD, FedNova, CReFF, FedNH), vmap elsewhere; off: one after another",
     )
     # How many clients one stacked step trains at most: "auto" estimates what the GPU's free
     # memory holds before the first step (fedskew.engines.together_memory; all of them on

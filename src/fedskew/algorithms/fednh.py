@@ -97,6 +97,19 @@ class PrototypeHead(nn.Module):
         cos = F.normalize(features, dim=1) @ F.normalize(self.prototypes, dim=1).t()
         return self.scale * cos
 
+    @staticmethod
+    def fused_forward(
+        tensors: dict[str, torch.Tensor], features: torch.Tensor, clients: int
+    ) -> torch.Tensor:
+        """K clients' heads at once (``--clients-together fused``, engines/fused.py): client
+        k's features are ``features[:, k*d:(k+1)*d]``, its prototypes and scale row k of
+        the stacked ``tensors``; its logits go to columns ``[k*C, (k+1)*C)``."""
+        n = features.shape[0]
+        per_client = F.normalize(features.reshape(n, clients, -1).transpose(0, 1), dim=2)
+        prototypes = F.normalize(tensors["prototypes"], dim=2)
+        cos = torch.bmm(per_client, prototypes.transpose(1, 2))  # (K, N, C)
+        return (tensors["scale"].unsqueeze(1) * cos).transpose(0, 1).reshape(n, -1)
+
 
 def resolve_scale(params: FedNHParams, model: nn.Module) -> float:
     if params.scale_init != "auto":

@@ -30,7 +30,13 @@ from fedskew.core.denormals import denormals_applied
 from fedskew.core.device import apply_settings, to_cpu, to_device
 from fedskew.data.datasets import Dataset
 from fedskew.data.federated import FederatedData
-from fedskew.engines.together import model_obstacle, plain_handler, resolve_mode, train_together
+from fedskew.engines.together import (
+    fused_why_not,
+    model_obstacle,
+    plain_handler,
+    resolve_mode,
+    train_together,
+)
 from fedskew.engines.together_memory import (
     client_bytes,
     clients_that_fit,
@@ -89,7 +95,8 @@ class ClientRuntime:
         self.seed = seed
         self.test = test
         self.device = data.x.device
-        # "vmap": handle_together trains an exchange's clients at once where it can.
+        # "vmap" or "fused": handle_together trains an exchange's clients at once where it can
+        # (fused where engines/fused.py can, by vmap elsewhere, the reason logged once).
         self.clients_together = resolve_mode(clients_together, self.device)
         self._said: set[str] = set()  # reasons for training one after another, logged once
         # Clients trained at once: a count, or "auto" (what the GPU's free memory holds).
@@ -319,6 +326,12 @@ class ClientRuntime:
         trained: dict[int, tuple[TrainResult, dict[str, torch.Tensor]]] = {}
         extra = max(plan_stack_bytes(plans[c][0]) for c in chunk)
         pieces = [piece for members in stacks.values() for piece in self._pieces(members, extra)]
+        fused = self.clients_together == "fused"
+        if fused:
+            reason = fused_why_not(self.model, loss)
+            if reason:
+                self._say(f"clients trained together by vmap, not fused: {reason}")
+                fused = False
         for members in pieces:
             results, finals = train_together(
                 self.model,
@@ -338,6 +351,7 @@ class ClientRuntime:
                 carried=[plans[c][0].carried for c in members],
                 after_step=after_step,
                 after_epoch=after_epoch,
+                fused=fused,
             )
             trained.update(zip(members, zip(results, finals, strict=True), strict=True))
         return plans, [trained[c] for c in chunk]

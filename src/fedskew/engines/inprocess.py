@@ -13,6 +13,7 @@ import torch
 from fedskew.data.federated import FederatedData
 from fedskew.engines.base import ServerSideClientStates, refuse_unmet
 from fedskew.engines.client_runtime import ClientRuntime
+from fedskew.engines.together import TOGETHER
 from fedskew.training.interface import ClientLogic, LocalTrainConfig
 from fedskew.training.protocol import Expected, Message
 
@@ -51,7 +52,7 @@ class InProcessEngine(ClientRuntime, ServerSideClientStates):
 
     def _exchange(self, messages: Mapping[int, Message]) -> dict[int, Message]:
         self.traffic.exchanges += 1
-        if self.clients_together == "vmap" and len(messages) > 1:
+        if self.clients_together in TOGETHER and len(messages) > 1:
             states = {cid: self.state_of(cid) for cid in messages}
             together = self.handle_together(self.round, messages, states)
             if together is not None:

@@ -71,6 +71,11 @@ estimate (``together_memory``) counts the model's copies and activations before 
 an algorithm's per-client tensors (MOON's two frozen models, FedDyn's two tensors per
 parameter) once the chunk's plans exist, training the chunk in pieces where they would not
 fit; a chunk that runs out of GPU memory is halved.
+
+Fused (``--clients-together fused``, ``train_together(fused=True)``): the same stacks, loop,
+schedule and SGD step, but a cross-entropy step runs the stacked weights as one wide model
+with native BatchNorm (``engines/fused.py``) instead of vmap; ``fused_why_not`` says when
+it cannot (an algorithm's own loss, a layer it does not know), and vmap trains instead.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ from torch.overrides import TorchFunctionMode
 
 from fedskew.core.precision import autocast
 from fedskew.data.federated import ClientData
+from fedskew.engines.fused import fused_cross_entropy, fused_logits, fused_obstacle
 from fedskew.training.interface import ClientLogic, LocalTrainConfig
 from fedskew.training.local import (
     AUGMENT_PAD,
@@ -104,7 +110,8 @@ from fedskew.training.local import (
 )
 
 log = logging.getLogger("fedskew")
-MODES = ("auto", "off", "vmap")
+MODES = ("auto", "off", "vmap", "fused")
+TOGETHER = ("vmap", "fused")  # the resolved modes that train an exchange's clients at once
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
@@ -457,14 +464,16 @@ def train_together(
     carried: Sequence[Mapping[str, torch.Tensor]] = (),
     after_step: StepUpdate | None = None,
     after_epoch: EpochUpdate | None = None,
+    fused: bool = False,
 ) -> tuple[list[TrainResult], list[dict[str, torch.Tensor]]]:
     """Train client k from ``starts[k]`` (a state dict) on ``datas[k]`` for ``epochs[k]``
     epochs with generator ``gens[k]``, all clients at once; ``model`` gives the architecture
     (its own weights are not used). ``loss``, ``tensors[k]`` and ``grad_shifts[k]`` are
     ``PlainTraining``'s (None: cross-entropy; empty: none), and so are ``trained[k]`` and
     ``carried[k]``, whose tensors hold client k's trained and final values afterwards, and
-    ``step_tensors[k]``, ``after_step`` and ``after_epoch``. Returns each client's
-    TrainResult and trained state."""
+    ``step_tensors[k]``, ``after_step`` and ``after_epoch``. ``fused``: the steps run as one
+    fused model with native BatchNorm (``engines/fused.py``) where ``fused_why_not`` says
+    nothing against it, else by vmap. Returns each client's TrainResult and trained state."""
     augment = cfg.augment and bool(datas) and datas[0].x.dim() == 4
     clients = [
         _Client(d, g, e, cfg.batch_size, augment)
@@ -501,6 +510,7 @@ def train_together(
     device = first.data.device if first is not None else torch.device("cpu")
     loss_sums = torch.zeros(len(clients), device=device)
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    fuse = fused and not fused_why_not(model, loss)
     model.train()
     x_all, y_all = (first.data.x, first.data.y) if first is not None else (None, None)
     max_steps = clients[order[0]].steps if clients else 0
@@ -516,9 +526,13 @@ def train_together(
         with (
             autocast(cfg.precision, x_all.device.type),
             _autocast_in_vmap(cfg.precision),
-            _norms_by_formula(has_bn),
+            _norms_by_formula(has_bn and not fuse),
         ):
-            if bound is None:
+            if fuse:
+                losses, positions = _fused_step(
+                    model, params, buffers, schedule, active, step, x_all, y_all
+                )
+            elif bound is None:
                 losses = _cross_entropy_step(
                     model, params, buffers, schedule, active, step, x_all, y_all
                 )
@@ -753,6 +767,51 @@ def _cross_entropy_step(
         return (ce * m).sum() / m.sum()
 
     return vmap(one, in_dims=(0, 0, 0, 0, 0 if padded else None))(p_now, b_now, xb, yb, mask)
+
+
+def fused_why_not(model: nn.Module, loss: ClientLoss | None) -> str:
+    """Why clients of ``model`` trained with ``loss`` cannot run fused ("" when they can)."""
+    if loss is not None:
+        return (
+            "the algorithm's own loss is one client's function of the model, which the fused "
+            "model does not run per client"
+        )
+    return fused_obstacle(model)
+
+
+def _fused_step(
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    schedule: _Schedule,
+    active: int,
+    step: int,
+    x_all: torch.Tensor,
+    y_all: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The cross-entropy of each of the first ``active`` clients' batch ``step`` through
+    the fused model, and where batches differ in size the clients' positions in the stack.
+
+    Ragged batches are not padded (padding would enter BatchNorm's statistics): each batch
+    size runs its own fused forward on its clients' rows, BatchNorm's buffers (copies)
+    written back to the stack after it."""
+    groups = schedule.groups[step]
+    if len(groups) == 1:
+        xb, yb = schedule.batches(step, x_all, y_all, active, schedule.width[step])
+        p_now = {name: _prefix(p, active) for name, p in params.items() if name[0] != "\0"}
+        b_now = {name: _prefix(b, active) for name, b in buffers.items()}
+        return fused_cross_entropy(fused_logits(model, p_now, b_now, xb), yb), None
+    parts, where = [], []
+    for size, index in groups:
+        xb, yb = schedule.batches(step, x_all, y_all, index, size)
+        p_now = {name: p.index_select(0, index) for name, p in params.items() if name[0] != "\0"}
+        b_now = {name: b.index_select(0, index) for name, b in buffers.items()}
+        parts.append(fused_cross_entropy(fused_logits(model, p_now, b_now, xb), yb))
+        with torch.no_grad():
+            for name, b in buffers.items():
+                b.index_copy_(0, index, b_now[name])
+        where.append(index)
+    return torch.cat(parts), torch.cat(where)
 
 
 def _loss_step(

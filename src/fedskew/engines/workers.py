@@ -64,6 +64,7 @@ from fedskew.engines.shared_data import (
     dataset_nbytes,
     shared_memory_available,
 )
+from fedskew.engines.together import TOGETHER
 from fedskew.training.protocol import ClientState, Expected, Message
 
 log = logging.getLogger("fedskew")
@@ -530,8 +531,9 @@ class WorkerPoolEngine(ServerSideClientStates):
                 waiting.discard(index)
         self.worker_threads = [threads[i] for i in range(len(self.processes))]
         self.worker_data = [data[i] for i in range(len(self.processes))]
-        if all(together[i] == "vmap" for i in range(len(self.processes))):
-            self.clients_together = "vmap"
+        modes = {together[i] for i in range(len(self.processes))}
+        if len(modes) == 1 and modes <= set(TOGETHER):
+            self.clients_together = modes.pop()
 
     def _wait_any(self, indices: set[int] | list[int]) -> list[int]:
         """Workers among ``indices`` with a frame to read (or that died); never blocks
@@ -580,7 +582,7 @@ class WorkerPoolEngine(ServerSideClientStates):
 
     def _exchange(self, messages: Mapping[int, Message]) -> dict[int, Message]:
         self.traffic.exchanges += 1
-        if self.clients_together == "vmap" and len(messages) > 1:
+        if self.clients_together in TOGETHER and len(messages) > 1:
             return self._exchange_batches(messages)
         order = list(messages)
         if self.client_sizes is not None:

@@ -307,7 +307,8 @@ def _option_values() -> dict[str, st.SearchStrategy]:
         "--device": choice_values(["auto", "cpu", "cuda", "cuda:0", "cuda:9"], strict=False),
         "--tf32": choice_values(["on", "off", "true", "false"], strict=False),
         "--deterministic": st.just(None),
-        "--clients-together": choice_values(["auto", "off", "vmap"]),
+        "--clients-together": choice_values(["auto", "off", "vmap", "fused"]),
+        "--cuda-graphs": choice_values(["auto", "on", "off"]),
         "--clients-together-max": st.one_of(
             st.just(("auto", False)),
             int_values(pos).filter(lambda v: v[0].strip().lower() != "auto"),

@@ -87,15 +87,30 @@ def reference(tmp_path: Path, batch: int) -> dict[str, Any]:
     return found
 
 
-def killed_run(file: Path, out: Path, extra: list[str], delays: list[float]) -> int:
-    """Run tune, SIGKILL it (and any --jobs children) after each delay, then finish it; the
-    number of kills that landed."""
+def rounds_written(out: Path) -> int:
+    """Metrics lines written by every trial so far: the study's progress, whatever the
+    machine's speed."""
+    total = 0
+    for path in (out / "trials").glob("*/metrics.jsonl"):
+        try:
+            total += path.read_bytes().count(b"\n")
+        except OSError:  # renamed from .incomplete as it was read
+            pass
+    return total
+
+
+def killed_run(file: Path, out: Path, extra: list[str], marks: list[int]) -> int:
+    """Run tune, SIGKILL it (and any --jobs children) once the trials have written each
+    mark's number of rounds (counted over all the trials' folders), then finish it; the
+    number of kills that landed. Kills follow the study's progress, not the clock, so a slow
+    or a fast machine kills at the same points."""
     cmd = [sys.executable, "-m", "fedskew", "tune", "-c", str(file), "-o", str(out), *extra]
     landed = 0
-    for delay in delays:
+    for mark in marks:
         proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-        time.sleep(delay)
+        while proc.poll() is None and rounds_written(out) < mark:
+            time.sleep(0.01)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the whole group: kill -9 of every job
             landed += 1
@@ -108,9 +123,11 @@ def killed_run(file: Path, out: Path, extra: list[str], delays: list[float]) -> 
 def test_a_study_killed_at_random_moments_gives_the_uninterrupted_trials(tmp_path):
     expected = reference(tmp_path, batch=1)
     rng = random.Random(0)  # seeded: the moments vary over the run but the test is repeatable
-    delays = [rng.uniform(4.0, 9.0) for _ in range(3)]
+    # 5 trials of 1 to 3 rounds (at least 7 in all): kills after 1 to 5 rounds, ascending so each
+    # lands in the part of the study its restart has still to do.
+    marks = sorted(rng.sample(range(1, 6), 3))
     out = tmp_path / "killed"
-    landed = killed_run(tune_file(tmp_path), out, [], delays)
+    landed = killed_run(tune_file(tmp_path), out, [], marks)
     assert landed >= 2
     assert outcome(out) == expected
     trials = optuna.load_study(study_name="study.fedavg",
@@ -133,7 +150,7 @@ def test_jobs_give_the_trials_of_one_process_even_when_killed(tmp_path):
     assert "A new study created" not in proc.stdout + proc.stderr  # Optuna's INFO lines
     assert outcome(out) == expected
     out = tmp_path / "jobs-killed"
-    killed_run(file, out, ["--jobs", "2"], [random.Random(1).uniform(5.0, 9.0)])
+    killed_run(file, out, ["--jobs", "2"], [random.Random(1).randint(2, 6)])
     assert outcome(out) == expected
 
 
@@ -158,9 +175,15 @@ def test_a_study_from_before_slots_continues_without_reusing_a_folder():
     made = [("fedavg-t0", state.FAIL, None, {}), ("fedavg-t0", state.COMPLETE, 30.0,
             {"retry_of": 0}), ("fedavg-t2", state.COMPLETE, 40.0, {})]  # fmt: skip
     for folder, st, value, attrs in made:
-        study.add_trial(optuna.trial.create_trial(state=st, value=value, params={"lr": 0.05},
-                                                  distributions=dist,
-                                                  user_attrs={"folder": folder, **attrs}))
+        study.add_trial(
+            optuna.trial.create_trial(
+                state=st,
+                value=value,
+                params={"lr": 0.05},
+                distributions=dist,
+                user_attrs={"folder": folder, **attrs},
+            )
+        )
     trials = study.get_trials()
     assert counted(trials) == 2 and next_slot(trials) == 3
     past = history(SimpleNamespace(batch=1), 3, trials)

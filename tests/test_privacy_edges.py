@@ -19,6 +19,8 @@ from fedskew.core.errors import Diverged, FedskewError, UsageError
 
 dpa = pytest.importorskip("dp_accounting")
 
+from test_privacy import cfg_of  # noqa: E402
+
 from fedskew.metrics.privacy_accounting import (  # noqa: E402
     POISSON,
     central_epsilon,
@@ -27,16 +29,6 @@ from fedskew.metrics.privacy_accounting import (  # noqa: E402
     reported_epsilon,
 )
 from fedskew.runs.loop import check_some_round_played, run  # noqa: E402
-
-
-def cfg_of(tmp_path: Path, **extra):
-    values = dict(
-        algorithm="fedavg", num_clients=4, clients_per_round=3, rounds=2, local_epochs=1,
-        out_dir=str(tmp_path), quiet=True, workers=0,
-    )  # fmt: skip
-    values.update(extra)
-    return build_config({}, values)
-
 
 # ------------------------------------------------------------------ the accountant's edges
 

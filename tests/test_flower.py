@@ -882,7 +882,7 @@ def test_a_refused_run_config_is_one_line_in_the_streamed_log(tmp_path, monkeypa
     user reads only fedskew's one line (issue 50: 20 lines of traceback above it)."""
     text, raised = _server_main_in(tmp_path, monkeypatch, **bad)
     assert isinstance(raised, UsageError) and said in str(raised)
-    assert "Traceback" not in text and "File \"" not in text, text
+    assert "Traceback" not in text and 'File "' not in text, text
     lines = [line for line in text.splitlines() if line.strip()]
     assert len(lines) == 1 and f"fedskew: {raised}" in lines[0], text
 

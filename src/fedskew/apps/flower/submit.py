@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from fedskew.apps.flower.app_config import write_app
+from fedskew.apps.flower.app_config import torch_build, write_app
 from fedskew.apps.flower.run_config import NOT_IN_RUN_CONFIG
 from fedskew.core.errors import FedskewError, UsageError
 
@@ -222,12 +222,17 @@ def deploy(
     app: Path | None = None,
     federation: str | None = None,
     out: IO[str] | int | None = None,
+    torch: str | None = None,
 ) -> RunStatus:
-    """``fedskew deploy``: submit the fedskew app (``app``, or the one this fedskew writes)
-    to the SuperLink of ``connection``, stream its log to ``out`` (default: standard output)
-    and wait for its end; raise a one-line FedskewError when it did not complete."""
+    """``fedskew deploy``: submit the fedskew app (``app``, or the one this fedskew writes,
+    its torch pinned to ``torch_build(torch)``: by default the build installed here) to the
+    SuperLink of ``connection``, stream its log to ``out`` (default: standard output) and
+    wait for its end; raise a one-line FedskewError when it did not complete."""
+    if app is not None and torch is not None:
+        raise UsageError("--torch chooses the torch of the app fedskew writes: not with --app")
+    build = torch_build(torch)
     with tempfile.TemporaryDirectory(prefix="fedskew-app-") as scratch:
-        folder = app if app is not None else write_app(Path(scratch) / "fedskew-flower")
+        folder = app if app is not None else write_app(Path(scratch) / "fedskew-flower", build)
         check_run_config_keys(folder, run_config)
         run_id = start_run(folder, connection, run_config, federation=federation)
     print(f"fedskew: Flower run {run_id} started on {connection}", file=sys.stderr, flush=True)

@@ -167,6 +167,11 @@ def uv_index_env() -> dict[str, str]:
         env["UV_INDEX_STRATEGY"] = "unsafe-best-match"  # pip takes the best of all indexes
     if pip.get("find-links"):
         env["UV_FIND_LINKS"] = ",".join(pip["find-links"].split())
+    if env:
+        # The app pins torch's build and takes it from PyTorch's index: where pip has
+        # indexes of its own (a mirror, offline), the same pinned build comes from them
+        # (docs/flower.md).
+        env["UV_NO_SOURCES_PACKAGE"] = "torch"
     return {k: v for k, v in env.items() if k not in os.environ}
 
 

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import threading
 import time
@@ -854,3 +855,70 @@ def test_the_flower_app_config_declares_fedskew_keys_with_fedskew_defaults(tmp_p
         for f in dataclasses.fields(ExperimentConfig)
         if f.metadata.get("flower") is False
     }
+
+
+# --------------------------------------------------------------------------- the streamed log
+
+
+def _server_main_in(root: Path, monkeypatch, grid_nodes: int = 2, **run_config):
+    from flower_log import flower_log
+
+    monkeypatch.setenv(OUTPUT_ROOT_VARIABLE, str(root))
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                      run_config=run_config)  # fmt: skip
+    return flower_log(lambda: _server_main(LocalGrid(grid_nodes), context))
+
+
+@pytest.mark.parametrize(
+    "bad,said",
+    [
+        ({"rounds": -1}, "rounds must be a positive integer"),
+        ({"out-dir": "/srv/elsewhere"}, "run config 'out-dir' must be a path relative"),
+        ({"node-wait": -3}, "node-wait' must be a number of seconds >= 0"),
+    ],
+)
+def test_a_refused_run_config_is_one_line_in_the_streamed_log(tmp_path, monkeypatch, bad, said):
+    """Flower logs a ServerApp's exception with its traceback: for a fedskew error the
+    user reads only fedskew's one line (issue 50: 20 lines of traceback above it)."""
+    text, raised = _server_main_in(tmp_path, monkeypatch, **bad)
+    assert isinstance(raised, UsageError) and said in str(raised)
+    assert "Traceback" not in text and 'File "' not in text, text
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"fedskew: {raised}" in lines[0], text
+
+
+def test_a_fault_that_is_not_a_fedskew_error_keeps_its_traceback(tmp_path, monkeypatch):
+    """Only fedskew's own errors lose the traceback: a bug must still show where it is."""
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(flower_server, "serve", broken)
+    text, raised = _server_main_in(tmp_path, monkeypatch, rounds=1)
+    assert isinstance(raised, ZeroDivisionError)
+    assert "Traceback" in text and "Exit Code" in text
+
+
+def test_the_streamed_log_has_a_line_per_round_and_a_readable_last_line(tmp_path, monkeypatch):
+    """One line per round with the accuracy in % (and epsilon under DP), and a last line
+    that says the final accuracy in % and where the run folder is (issue 48: no round
+    lines, and 'final accuracy 0.9388888888888889')."""
+    small = {"num-clients": 2, "clients-per-round": 2, "local-epochs": 1, "quiet": True}
+    text, raised = _server_main_in(tmp_path, monkeypatch, rounds=2, name="r", **small)
+    assert raised is None, text
+    rounds = [line for line in text.splitlines() if "round " in line and "/2" in line]
+    assert len(rounds) == 2, text
+    for n, line in enumerate(rounds, start=1):
+        assert re.search(rf"round {n}/2, accuracy \d{{1,3}}\.\d\d %$", line), line
+    last = text.strip().splitlines()[-1]
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    final = f"{100 * summary['final_accuracy']:.2f} %"
+    assert re.search(r"finished after 2 rounds: final accuracy \d+\.\d\d %", last), last
+    assert final in last and str((tmp_path / "r").resolve()) in last, last
+    assert "0." + str(summary["final_accuracy"])[2:8] not in last  # no raw fraction
+
+    dp = {"dp": "central", "dp-clip": 1.0, "dp-noise": 1.0}
+    text, raised = _server_main_in(tmp_path, monkeypatch, rounds=1, name="dp", **small, **dp)
+    assert raised is None, text
+    assert re.search(r"round 1/1, accuracy \d+\.\d\d %, epsilon \d", text), text
+    assert re.search(r"central DP epsilon \d[^ ]* at delta", text.strip().splitlines()[-1])

@@ -47,6 +47,7 @@ import fedskew.apps.flower.submit as submit  # noqa: E402
 from fedskew.apps.cli import main as fedskew_main  # noqa: E402
 from fedskew.apps.flower.server import machine_load  # noqa: E402
 from fedskew.core.durable import read_jsonl  # noqa: E402
+from fedskew.core.errors import UsageError  # noqa: E402
 from fedskew.runs.checkpoint import load_checkpoint  # noqa: E402
 
 DOC = REPO / "docs" / "flower.md"
@@ -381,6 +382,9 @@ FAKE_FLWR = textwrap.dedent(
         if fate == "unreachable":
             print(json.dumps({{"success": False, "error-message": "Using SuperLink: x\\n"
                   "Connection to the SuperLink is unavailable."}}, indent=2))
+        elif fate == "undeclared":  # what the SuperLink answers a key the app lacks
+            print(json.dumps({{"success": False,
+                  "error-message": "[code: 15] Invalid run configuration."}}, indent=2))
         else:
             print(json.dumps({{"success": True, "run-id": "42"}}, indent=2))
     elif args[0] == "log":
@@ -434,6 +438,40 @@ def test_deploy_exits_non_zero_with_one_line_when_the_run_fails(
     if fate != "unreachable":
         assert [c[0] for c in calls] == ["run", "log", "ls"]
         assert calls[1] == ["log", "42", "loopback", "--stream"]
+
+
+@pytest.mark.parametrize(
+    "run_config,said",
+    [
+        ("num_clients=2 rounds=3", "run config key 'num_clients' is not one the Flower app "
+         "declares; did you mean 'num-clients'?"),
+        ('rounds=3 algoritm="fedcme"', "run config key 'algoritm' is not one the Flower app "
+         "declares; did you mean 'algorithm'?"),
+        ('data-dir="/data"', "run config key 'data-dir': a Flower deployment does not take it: "
+         "the server reads datasets"),
+    ],
+)  # fmt: skip
+def test_deploy_names_a_run_config_key_the_app_does_not_declare(
+    tmp_path, monkeypatch, capsys, run_config, said
+):
+    """flwr's SuperLink refuses an undeclared key with "Invalid run configuration." and no
+    name (issue 48): fedskew deploy names it, before anything is submitted."""
+    fake = tmp_path / "flwr"
+    fake.write_text(FAKE_FLWR.format(python=sys.executable))
+    fake.chmod(0o755)
+    monkeypatch.setattr(submit, "flower_command", lambda name: str(fake))
+    monkeypatch.setenv("FAKE_RUN", "undeclared")
+    monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls"))
+    code = fedskew_main(["deploy", "loopback", "--run-config", run_config])
+    err = capsys.readouterr().err
+    assert code != 0
+    assert said in err.splitlines()[-1], err
+    assert not (tmp_path / "calls").exists()  # nothing submitted
+    # A TOML file as flwr run takes it is read alike; declared keys pass.
+    (tmp_path / "rc.toml").write_text("num_clients = 2\n")
+    with pytest.raises(UsageError, match="'num_clients'"):
+        submit.check_run_config_keys(REPO / "flower", [str(tmp_path / "rc.toml")])
+    submit.check_run_config_keys(REPO / "flower", ['algorithm="fedcme" num-clients=2 name="a b"'])
 
 
 def test_walkthrough_parses_into_the_documented_commands():

@@ -75,7 +75,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     app = Path(args.app) if args.app else None
     if app is not None and not (app / "pyproject.toml").is_file():
         raise UsageError(f"--app {args.app}: no Flower app there (no pyproject.toml)")
-    status = deploy(args.connection, args.run_config or (), app, args.federation)
+    status = deploy(args.connection, args.run_config or (), app, args.federation, torch=args.torch)
     print(f"fedskew: Flower run {status.run_id} completed", file=sys.stderr)
     return 0
 
@@ -550,6 +550,12 @@ def make_parser() -> argparse.ArgumentParser:
         "as the repository's flower/)",
     )  # fmt: skip
     p_dep.add_argument("--federation", help="flwr run --federation (@account/name)")
+    p_dep.add_argument(
+        "--torch", metavar="BUILD",
+        help="the torch the SuperLink installs for the run, at the version installed here: "
+        "cpu, cu128 (any variant of PyTorch's index), or index (the build uv's default index "
+        "serves); default: the build installed here",
+    )  # fmt: skip
     p_dep.set_defaults(func=cmd_deploy)
 
     p_task = sub.add_parser(

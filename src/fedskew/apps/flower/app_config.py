@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
+import re
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedskew.apps.flower.run_config import SERVER_KEY_NOTES
 from fedskew.config import ExperimentConfig
+from fedskew.core.errors import UsageError
 from fedskew.version import __version__
 
 TABLE = "[tool.flwr.app.config]"
@@ -73,9 +77,89 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
-# Everything above the run config table. The dependency pins this fedskew: the table below
-# declares its options, and a node with another version may not understand them.
-HEADER = f"""\
+PYTORCH_INDEX = "https://download.pytorch.org/whl"
+
+
+@dataclass(frozen=True)
+class TorchBuild:
+    """The torch the app's environment gets: a version, and a variant of PyTorch's own
+    indexes ("cpu", "cu128", ...) or "" for whatever build uv's default index serves (on
+    Linux, PyPI's is a CUDA build of several GB)."""
+
+    version: str
+    variant: str
+
+    @property
+    def requirement(self) -> str:
+        return f"torch=={self.version}+{self.variant}" if self.variant else f"torch=={self.version}"
+
+    @property
+    def index_name(self) -> str:
+        return f"pytorch-{self.variant}"
+
+    def __str__(self) -> str:
+        return f"{self.version}+{self.variant}" if self.variant else self.version
+
+
+# The torch of the repository's flower/pyproject.toml: CI's (.ci/run), the CPU build.
+# `fedskew deploy` writes the torch of the machine it runs on instead (local_torch).
+DEFAULT_TORCH = TorchBuild("2.13.0", "cpu")
+_VARIANT = re.compile(r"cpu|cu\d{2,4}|rocm\d+(\.\d+)*|xpu")
+
+
+def local_torch() -> TorchBuild | None:
+    """The torch installed here, as its package metadata says (no import: seconds)."""
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    base, _, variant = version.partition("+")
+    return TorchBuild(base, variant if _VARIANT.fullmatch(variant) else "")
+
+
+def torch_build(choice: str | None = None) -> TorchBuild:
+    """The torch for the app: ``choice`` is a variant of PyTorch's indexes ("cpu",
+    "cu128", ...) or "index" (uv's default index decides the build); None: the build
+    installed here. The version is always the one installed here (DEFAULT_TORCH's where
+    there is none), so that the server computes with the torch its user runs."""
+    here = local_torch() or DEFAULT_TORCH
+    if choice is None:
+        return here
+    if choice == "index":
+        return TorchBuild(here.version, "")
+    if not _VARIANT.fullmatch(choice):
+        raise UsageError(
+            f"--torch {choice!r}: give cpu, a CUDA variant of PyTorch's index (cu126, cu128, "
+            "...), rocm<version>, xpu, or index (the build uv's default index serves)"
+        )
+    return TorchBuild(here.version, choice)
+
+
+def header(torch: TorchBuild) -> str:
+    """Everything above the run config table. The dependency pins this fedskew (the table
+    below declares its options, and a node with another version may not understand them)
+    and the torch build (fedskew itself accepts a range, which uv resolves to the newest
+    torch of its default index: a CUDA build on a CPU server)."""
+    if torch.variant:
+        uv = f"""
+# torch: {torch} from PyTorch's {torch.variant} index (only torch comes from it). Without
+# access to it (a mirror, a wheel folder), UV_NO_SOURCES_PACKAGE=torch in the SuperLink's
+# environment takes the same pinned build from uv's other indexes. `fedskew deploy --torch`
+# chooses another build (docs/flower.md).
+[tool.uv.sources]
+torch = {{ index = "{torch.index_name}" }}
+
+[[tool.uv.index]]
+name = "{torch.index_name}"
+url = "{PYTORCH_INDEX}/{torch.variant}"
+explicit = true
+"""
+    else:
+        uv = f"""
+# torch: {torch}, the build uv's default index serves (`fedskew deploy --torch` chooses
+# one of PyTorch's indexes instead, docs/flower.md).
+"""
+    return f"""\
 # The fedskew Flower app. `flwr run flower <connection> --stream` (or `fedskew deploy
 # <connection>`, which also exits non-zero when the run fails) bundles this folder into a
 # Flower App Bundle (`flwr build --app flower` writes it) and runs it on the SuperLink and its
@@ -95,11 +179,11 @@ version = "{__version__}"
 description = "fedskew's federated algorithms on a Flower federation"
 license = "Apache-2.0"
 requires-python = ">=3.11"
-dependencies = ["fedskew[flower,privacy]=={__version__}"]
+dependencies = ["fedskew[flower,privacy]=={__version__}", "{torch.requirement}"]
 
 [tool.hatch.build.targets.wheel]
 bypass-selection = true  # the app's code is its dependency: the bundle holds no module
-
+{uv}
 [tool.flwr.app]
 publisher = "fedskew"
 
@@ -117,16 +201,16 @@ clientapp = "fedskew.apps.flower:client_app"
 """
 
 
-def app_text() -> str:
-    """The whole pyproject.toml of the Flower app."""
-    return HEADER + render()
+def app_text(torch: TorchBuild = DEFAULT_TORCH) -> str:
+    """The whole pyproject.toml of the Flower app, its environment getting ``torch``."""
+    return header(torch) + render()
 
 
-def write_app(folder: Path) -> Path:
+def write_app(folder: Path, torch: TorchBuild = DEFAULT_TORCH) -> Path:
     """The Flower app in ``folder`` (made if missing): its pyproject.toml, all a bundle
     holds. Returns the folder, for ``flwr run``."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "pyproject.toml").write_text(app_text(), encoding="utf-8")
+    (folder / "pyproject.toml").write_text(app_text(torch), encoding="utf-8")
     return folder
 
 
@@ -134,9 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="write the Flower app's pyproject.toml")
     parser.add_argument("pyproject", type=Path, help="flower/pyproject.toml")
     parser.add_argument("--check", action="store_true", help="exit 1 when the file differs")
+    parser.add_argument(
+        "--torch", help="the torch build: cpu, cu128, ..., or index (default: the "
+        f"repository's, {DEFAULT_TORCH}); the version is the one installed here",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     text = args.pyproject.read_text(encoding="utf-8") if args.pyproject.exists() else ""
-    new = app_text()
+    new = app_text(DEFAULT_TORCH if args.torch is None else torch_build(args.torch))
     if args.check:
         if new != text:
             print(

@@ -17,6 +17,7 @@ import torch
 from flwr.app import Context
 from flwr.app import Message as FlowerMessage
 from flwr.serverapp import Grid, ServerApp
+from flwr.supercore.exit import ExitCode
 
 from fedskew.apps.flower.run_config import (
     NODE_WAIT_SECONDS,
@@ -280,6 +281,74 @@ def serve(
 server_app = ServerApp()
 
 
+def _percent(value: Any) -> str:
+    return "n/a" if value is None else f"{100 * value:.2f} %"
+
+
+def round_line(record: dict[str, Any], rounds: int) -> str:
+    """What the streamed log says of a round: its accuracy where it was evaluated, the
+    privacy spent where DP is on, and the clients that did not count."""
+    parts = [f"round {record['round']}/{rounds}"]
+    if record.get("skipped"):
+        parts.append("skipped (no reply arrived)")
+    if "accuracy" in record:
+        parts.append(f"accuracy {_percent(record['accuracy'])}")
+    if "dp_epsilon" in record:
+        eps = record["dp_epsilon"]
+        parts.append("no finite epsilon (no noise)" if eps is None else f"epsilon {eps:.3g}")
+    missing = record.get("missing_replies") or []
+    if missing:
+        parts.append(f"{len(missing)} replies missing")
+    return ", ".join(parts)
+
+
+def final_line(folder: Path, summary: dict[str, Any]) -> str:
+    """The streamed log's last fedskew line: where the run folder is and what it reached."""
+    line = (
+        f"fedskew run finished after {summary.get('rounds')} rounds: final accuracy "
+        f"{_percent(summary.get('final_accuracy'))}, best {_percent(summary.get('best_accuracy'))}"
+    )
+    if summary.get("dp", "off") != "off":
+        eps = summary.get("dp_epsilon")
+        spent = "no finite epsilon" if eps is None else f"epsilon {eps:.3g}"
+        line += f", {summary['dp']} DP {spent} at delta {summary.get('dp_delta', 0):g}"
+    return f"{line}; run folder {folder}"
+
+
+class OneLineRefusal(logging.Filter):
+    """Keeps a fedskew error to the one line the ServerApp logs itself.
+
+    Flower logs an exception that leaves a ServerApp with its traceback, then its exit
+    code's help ("An unhandled exception occurred in the ServerApp"), into the log that
+    ``flwr log`` streams to the user: for a refused run config that is twenty lines of
+    fedskew's internals around a line that already says what is wrong. Only records that
+    carry a FedskewError, and the exit message that follows one, are dropped; any other
+    exception keeps its traceback (a fault in fedskew, to be reported)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, FedskewError):
+            self.refused = True
+            return False
+        exit_line = f"Exit Code: {int(ExitCode.SERVERAPP_EXCEPTION)}"
+        if self.refused and str(record.msg).startswith(exit_line):
+            self.refused = False  # the one exit message of that error
+            return False
+        return True
+
+
+def _one_line_refusals() -> None:
+    """Put the filter on Flower's logger once per process, with nothing refused yet."""
+    flwr_log = logging.getLogger("flwr")
+    for old in [f for f in flwr_log.filters if isinstance(f, OneLineRefusal)]:
+        flwr_log.removeFilter(old)
+    flwr_log.addFilter(OneLineRefusal())
+
+
 @server_app.main()
 def _server_main(grid: Grid, context: Context) -> None:
     # fedskew's warnings (lost or rejected replies) go where Flower's own log goes.
@@ -288,6 +357,7 @@ def _server_main(grid: Grid, context: Context) -> None:
         for handler in logging.getLogger("flwr").handlers:
             fedskew_log.addHandler(handler)
         fedskew_log.setLevel(logging.INFO)
+    _one_line_refusals()
     try:
         root = output_root()
         run_config = dict(context.run_config)
@@ -300,13 +370,18 @@ def _server_main(grid: Grid, context: Context) -> None:
             cfg, resume = config_from_run_config(experiment, root), None
         if os.environ.get(SIMULATION_VARIABLE) == "1":
             cfg.engine = "flower-sim"  # `fedskew run --engine flower-sim`'s own SuperLink
-        folder, summary = serve(grid, cfg, resume=resume, **options)
+        rounds = cfg.rounds
+
+        def say_round(record: dict[str, Any]) -> None:
+            log.info("%s", round_line(record, rounds))
+
+        folder, summary = serve(grid, cfg, on_round=say_round, resume=resume, **options)
     except FedskewError as exc:
-        log.error("fedskew: %s", exc)  # one line, above Flower's traceback
+        log.error("fedskew: %s", exc)  # the one line; OneLineRefusal keeps it the only one
         raise
     finally:
         remove_runtime_environment(context.run_id)
-    log.info("fedskew run finished: %s, final accuracy %s", folder, summary.get("final_accuracy"))
+    log.info("%s", final_line(folder, summary))
 
 
 def remove_runtime_environment(run_id: int) -> None:

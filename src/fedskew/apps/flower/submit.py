@@ -11,21 +11,26 @@ line is Flower's stable interface to a SuperLink.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from fedskew.apps.flower.app_config import write_app
+from fedskew.apps.flower.app_config import torch_build, write_app
+from fedskew.apps.flower.run_config import NOT_IN_RUN_CONFIG
 from fedskew.core.errors import FedskewError, UsageError
 
 COMPLETED = "finished:completed"
+TABLE_NAME = "[tool.flwr.app.config]"
 
 
 @dataclass(frozen=True)
@@ -153,18 +158,82 @@ def check_finished(status: RunStatus) -> None:
     raise FedskewError(f"Flower run {status.run_id} {how}: {details}")
 
 
+# How flwr 1.42 cuts a --run-config argument into key=value pairs (flwr.common.config.
+# parse_config_args), each then read as a line of TOML.
+_PAIR = re.compile(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)")
+
+
+def _flat_keys(table: Mapping[str, Any], prefix: str = "") -> list[str]:
+    keys: list[str] = []
+    for key, value in table.items():
+        if isinstance(value, dict):
+            keys += _flat_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def run_config_keys(run_config: Iterable[str]) -> list[str]:
+    """The keys of ``--run-config`` arguments as flwr reads them: ``k=v`` pairs, or one
+    TOML file (nested tables as dotted keys). A file or text flwr cannot read either gives
+    no keys here: flwr says what is wrong with it."""
+    items = [item for item in run_config if item]
+    if len(items) == 1 and items[0].endswith(".toml"):
+        try:
+            return _flat_keys(tomllib.loads(Path(items[0]).expanduser().read_text("utf-8")))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+            return []
+    keys: list[str] = []
+    for item in items:
+        lines = "\n".join(f"{k} = {v}" for k, v in _PAIR.findall(item))
+        try:
+            keys += _flat_keys(tomllib.loads(lines))
+        except tomllib.TOMLDecodeError:
+            keys += [k for k, _ in _PAIR.findall(item)]
+    return list(dict.fromkeys(keys))
+
+
+def check_run_config_keys(app: Path, run_config: Iterable[str]) -> None:
+    """A one-line UsageError naming the first run config key the app does not declare
+    (flwr's SuperLink refuses it with "Invalid run configuration." and no name), with the
+    declared key it most resembles, or why a deployment does not take it."""
+    try:
+        table = tomllib.loads((app / "pyproject.toml").read_text("utf-8"))
+        declared = set(_flat_keys(table["tool"]["flwr"]["app"].get("config", {})))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, KeyError, TypeError):
+        return  # not an app fedskew can read: flwr run says what is wrong with it
+    for key in run_config_keys(run_config):
+        if key in declared:
+            continue
+        why = NOT_IN_RUN_CONFIG.get(key.replace("-", "_"))
+        if why:
+            raise UsageError(f"run config key '{key}': a Flower deployment does not take it: {why}")
+        close = difflib.get_close_matches(key.replace("_", "-"), sorted(declared), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise UsageError(
+            f"run config key '{key}' is not one the Flower app declares{hint} (the keys of "
+            f"fedskew run, with dashes: see the app's pyproject.toml, {TABLE_NAME})"
+        )
+
+
 def deploy(
     connection: str,
     run_config: Iterable[str] = (),
     app: Path | None = None,
     federation: str | None = None,
     out: IO[str] | int | None = None,
+    torch: str | None = None,
 ) -> RunStatus:
-    """``fedskew deploy``: submit the fedskew app (``app``, or the one this fedskew writes)
-    to the SuperLink of ``connection``, stream its log to ``out`` (default: standard output)
-    and wait for its end; raise a one-line FedskewError when it did not complete."""
+    """``fedskew deploy``: submit the fedskew app (``app``, or the one this fedskew writes,
+    its torch pinned to ``torch_build(torch)``: by default the build installed here) to the
+    SuperLink of ``connection``, stream its log to ``out`` (default: standard output) and
+    wait for its end; raise a one-line FedskewError when it did not complete."""
+    if app is not None and torch is not None:
+        raise UsageError("--torch chooses the torch of the app fedskew writes: not with --app")
+    build = torch_build(torch)
     with tempfile.TemporaryDirectory(prefix="fedskew-app-") as scratch:
-        folder = app if app is not None else write_app(Path(scratch) / "fedskew-flower")
+        folder = app if app is not None else write_app(Path(scratch) / "fedskew-flower", build)
+        check_run_config_keys(folder, run_config)
         run_id = start_run(folder, connection, run_config, federation=federation)
     print(f"fedskew: Flower run {run_id} started on {connection}", file=sys.stderr, flush=True)
     try:

@@ -159,12 +159,21 @@ def test_documented_deployment_runs_from_a_fresh_clone(tmp_path: Path) -> None:
         [sys.executable, "-m", "uv", "cache", "dir"], capture_output=True, text=True
     ).stdout.strip()
     env.setdefault("UV_CACHE_DIR", uv_cache)
-    env.update(uv_index_env())
+    indexes = uv_index_env()
+    env.update(indexes)
+    # The doc's UV_FIND_LINKS (the fedskew wheel) replaces the machine's: where pip finds
+    # wheels in a folder of its own (this CI's CPU torch), uv is given both.
+    machine_links = indexes.get("UV_FIND_LINKS")
     try:
         steps = walkthrough(DOC.read_text())
         for n, (command, long_running) in enumerate(steps):
             for doc_port, port in ports.items():
                 command = re.sub(rf"\b{doc_port}\b", port, command)
+            if machine_links:
+                command = command.replace(
+                    "UV_FIND_LINKS=$HOME/fedskew-wheels",
+                    f"UV_FIND_LINKS=$HOME/fedskew-wheels,{machine_links}",
+                )
             name = f"step{n}"
             if long_running:
                 fed.procs[name] = proc = subprocess.Popen(

@@ -74,6 +74,45 @@ def require_optuna() -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    try:
+        return _cmd_tune(args)
+    except Exception as exc:
+        fault = storage_fault(exc)
+        if fault is None:
+            raise
+        raise FedskewError(
+            f"the study's storage failed: {fault}; a damaged study.db can be moved away to "
+            "start the study again (its trials' run folders stay)"
+        ) from None
+
+
+def storage_fault(exc: BaseException) -> str | None:
+    """The first line of a database fault (a damaged or foreign study.db surfaces as
+    sqlite3's, SQLAlchemy's or Optuna's storage error wherever the study is read), else
+    None."""
+    import sqlite3
+
+    kinds: tuple[type[BaseException], ...] = (sqlite3.DatabaseError,)
+    try:
+        import optuna
+        import sqlalchemy.exc
+
+        kinds += (optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError)
+    except ImportError:
+        pass
+    seen: BaseException | None = exc
+    while seen is not None:  # Optuna wraps SQLAlchemy's error, which wraps sqlite3's
+        if isinstance(seen, kinds):
+            inner = seen.__cause__ or seen.__context__
+            shown = inner if isinstance(inner, sqlite3.DatabaseError) else seen
+            return (
+                str(shown).strip().splitlines()[0] if str(shown).strip() else type(shown).__name__
+            )
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
     if args.resume or args.name:
         raise UsageError("tune names and resumes its trials' runs itself; drop --resume and --name")
     if not args.config:
@@ -147,8 +186,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
                     from fedskew.grid.tune_jobs import tune_in_processes
 
                     if jobs > tune.batch:
-                        print(f"note: [tune] batch is {tune.batch}: at most {tune.batch} of the "
-                              f"{jobs} jobs run a trial at once (set batch = {jobs} for all)")
+                        print(
+                            f"note: [tune] batch is {tune.batch}: at most {tune.batch} of the "
+                            f"{jobs} jobs run a trial at once (set batch = {jobs} for all)"
+                        )
 
                     absolute = {**overrides, "out_dir": str(tune.out_dir.resolve())}
                     tune_in_processes(args.config, base, args.methods, absolute, jobs,

@@ -922,3 +922,41 @@ def test_the_streamed_log_has_a_line_per_round_and_a_readable_last_line(tmp_path
     assert raised is None, text
     assert re.search(r"round 1/1, accuracy \d+\.\d\d %, epsilon \d", text), text
     assert re.search(r"central DP epsilon \d[^ ]* at delta", text.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------- nodes' provenance
+
+
+def test_each_nodes_torch_fedskew_and_device_are_recorded_and_differences_warned(tmp_path, caplog):
+    """processes.jsonl holds what every node computes with, and the server warns when a
+    node's torch, fedskew or device differs from its own (issue 48: only the server's
+    torch was recorded, while the nodes ran another)."""
+    from fedskew.engines.flower_codec import STRINGS
+    from fedskew.version import __version__
+
+    def other_torch(content) -> None:
+        content.config_records[STRINGS]["torch"] = "2.14.1+cu130"
+
+    def older_fedskew(content) -> None:  # says nothing of itself
+        for key in ("torch", "fedskew", "device", "device_name", "python"):
+            del content.config_records[STRINGS][key]
+
+    cfg = digits_cfg(tmp_path, "fedavg", num_clients=3, clients_per_round=3, rounds=1,
+                     local_epochs=1, name="prov")  # fmt: skip
+    cfg.engine = "flower"
+    grid = LocalGrid(3, corrupt={(-1, 1): other_torch, (-1, 2): older_fedskew})
+    with caplog.at_level(logging.WARNING, logger="fedskew"):
+        folder, _ = serve(grid, cfg)
+    lines = [json.loads(line) for line in (folder / "processes.jsonl").read_text().splitlines()]
+    nodes = {n["partition"]: n for n in lines[0]["nodes"]}
+    assert sorted(nodes) == [0, 1, 2]
+    assert nodes[0]["torch"] == torch.__version__ and nodes[0]["fedskew"] == __version__
+    assert nodes[0]["device"] == "cpu" and nodes[0]["python"] and nodes[0]["node"] == 1000
+    assert nodes[1]["torch"] == "2.14.1+cu130" and nodes[2]["torch"] is None
+    warned = [
+        r.getMessage() for r in caplog.records if "SuperNodes of partitions" in r.getMessage()
+    ]
+    assert any("partitions 1 run torch 2.14.1+cu130, the server " + torch.__version__ in w
+               for w in warned), warned  # fmt: skip
+    assert any("partitions 2 run fedskew unknown" in w for w in warned), warned
+    assert not any("partitions 0" in w for w in warned), warned

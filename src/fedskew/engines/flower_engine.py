@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from flwr.app import Message as FlowerMessage
@@ -78,6 +79,9 @@ class FlowerEngine:
         self.missing: set[int] = set()
         self.rejected: set[int] = set()
         self.client_denormals: dict[str, int] = {}
+        # What each node said it computes with (the ServerApp's handshake), for
+        # processes.jsonl.
+        self.client_nodes: list[dict[str, Any]] = []
 
     @property
     def client_states(self) -> dict[int, ClientState]:

@@ -434,6 +434,11 @@ def execution_facts(state: RunState) -> dict[str, Any]:
     client_denormals = getattr(engine, "client_denormals", None)
     if client_denormals:
         facts["client_denormals"] = dict(client_denormals)
+    # What each Flower node said it computes with (torch, fedskew, device): a deployed
+    # run's clients are computed on other machines than this line's.
+    client_nodes = getattr(engine, "client_nodes", None)
+    if client_nodes:
+        facts["nodes"] = [dict(n) for n in client_nodes]
     return facts
 
 

@@ -3,11 +3,15 @@ client runtime, with the client's state kept in the node's ``context.state``."""
 
 from __future__ import annotations
 
+import platform
+
+import torch
 from flwr.app import ConfigRecord, Context
 from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 
 from fedskew.core.denormals import denormals_state
+from fedskew.core.device import device_name
 from fedskew.core.errors import FedskewError, UsageError
 from fedskew.engines.client_runtime import ClientRuntime, runtime_from_config_json
 from fedskew.engines.flower_codec import (
@@ -21,6 +25,7 @@ from fedskew.engines.flower_codec import (
 )
 from fedskew.engines.flower_secagg import is_secure_stage, secure_aggregation_mod, secure_reply
 from fedskew.training.protocol import Message
+from fedskew.version import __version__
 
 _RUNTIMES: dict[str, ClientRuntime] = {}  # config JSON -> runtime; one process, many nodes
 
@@ -62,9 +67,17 @@ def _client_main(message: FlowerMessage, context: Context) -> FlowerMessage:
         runtime = _runtime(msg.strings["config"], data_dir)  # load data now, not in round 1
         with runtime.denormals_held():  # what the node's handlers will compute under
             denormals = denormals_state()
-        reply = Message(
-            "ready", scalars={"partition_id": float(pid)}, strings={"denormals": denormals}
-        )
+        # What the node computes with, for the run folder's provenance (processes.jsonl)
+        # and the server's warning when it is not what the server runs.
+        facts = {
+            "denormals": denormals,
+            "torch": torch.__version__,
+            "fedskew": __version__,
+            "device": str(runtime.device),
+            "device_name": device_name(runtime.device),
+            "python": platform.python_version(),
+        }
+        reply = Message("ready", scalars={"partition_id": float(pid)}, strings=facts)
         return FlowerMessage(encode(reply, {}), reply_to=message)
     if CONFIG_RECORD not in context.state:
         raise FedskewError("message before the setup message")

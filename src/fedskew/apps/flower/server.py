@@ -38,6 +38,7 @@ from fedskew.runs.loop import run
 from fedskew.training.interface import ClientLogic
 from fedskew.training.privacy import reply_arrays as privacy_reply_arrays
 from fedskew.training.protocol import Message
+from fedskew.version import __version__
 
 log = logging.getLogger("fedskew")
 PROGRESS_SECONDS = 30.0  # a slow setup or node wait says where it stands this often
@@ -108,9 +109,11 @@ def handshake(
     cfg: ExperimentConfig,
     timeout: float | None = None,
     denormals: dict[str, int] | None = None,
+    facts: dict[int, dict[str, Any]] | None = None,
 ) -> dict[int, int]:
     """Send the configuration to every node; return {client id: node id}. ``denormals``
-    counts what the ready nodes measured of their denormal handling ({state: nodes}).
+    counts what the ready nodes measured of their denormal handling ({state: nodes});
+    ``facts`` gets what each ready node computes with ({client id: NODE_FACTS}).
 
     Waits as long as the nodes keep answering: it gives up only after ``setup_limit(timeout)``
     seconds without any answer, so the wait grows with the number of nodes and the machine's
@@ -150,6 +153,8 @@ def handshake(
                 if denormals is not None:
                     state = _node_denormals(reply, node, cfg)
                     denormals[state] = denormals.get(state, 0) + 1
+                if facts is not None:
+                    facts[cid] = _node_facts(reply, node, cid)
         now = time.monotonic()
         limit = setup_limit(timeout)
         if not pending or now - last_answer > limit:
@@ -242,6 +247,53 @@ def _node_denormals(reply: FlowerMessage, node: int, cfg: ExperimentConfig) -> s
     return state
 
 
+# What a node's setup answer says it computes with (client.py), recorded per node in
+# processes.jsonl; the first three are compared with the server's.
+NODE_FACTS = ("torch", "fedskew", "device", "device_name", "python", "denormals")
+COMPARED_FACTS = ("torch", "fedskew", "device")
+_FACT_LENGTH = 80  # a node's answer is not trusted to be short
+
+
+def _node_facts(reply: FlowerMessage, node: int, cid: int) -> dict[str, Any]:
+    """What a ready node said it computes with (None for what an older fedskew does not
+    say)."""
+    msg, _ = decode(reply.content)
+    said = {k: msg.strings.get(k) for k in NODE_FACTS}
+    return {
+        "partition": cid,
+        "node": node,
+        **{k: None if v is None else str(v)[:_FACT_LENGTH] for k, v in said.items()},
+    }
+
+
+def server_facts(device: torch.device) -> dict[str, str]:
+    """What the server computes with, as a node says it of itself."""
+    return {"torch": torch.__version__, "fedskew": __version__, "device": str(device)}
+
+
+def compare_nodes(nodes: dict[int, dict[str, Any]], server: dict[str, str]) -> list[str]:
+    """One warning per fact in which nodes differ from the server (torch, fedskew, the kind
+    of device): their clients' updates may then differ from the in-process run's, in the
+    low bits or more, and the run folder holds the server's versions only in its own line."""
+    lines: list[str] = []
+    for key in COMPARED_FACTS:
+        ours = server[key] if key != "device" else torch.device(server[key]).type
+        differ: dict[str, list[int]] = {}
+        for cid, facts in nodes.items():
+            value = facts.get(key)
+            if key == "device" and value is not None:
+                value = value.split(":", 1)[0]
+            if value != ours:
+                differ.setdefault("unknown" if value is None else value, []).append(cid)
+        for value, cids in sorted(differ.items()):
+            lines.append(
+                f"the SuperNodes of partitions {ranges(cids)} run {key} {value}, the server "
+                f"{ours}: their clients may compute other results than the server's {key} "
+                "would (processes.jsonl records each node's)"
+            )
+    return lines
+
+
 def serve(
     grid: Grid,
     cfg: ExperimentConfig,
@@ -257,7 +309,8 @@ def serve(
     cfg.validate()
     nodes = wait_for_nodes(grid, cfg.num_clients, node_wait)
     node_denormals: dict[str, int] = {}
-    node_of = handshake(grid, nodes, cfg, setup_timeout, node_denormals)
+    node_facts: dict[int, dict[str, Any]] = {}
+    node_of = handshake(grid, nodes, cfg, setup_timeout, node_denormals, node_facts)
     timeout = cfg.reply_timeout or None
 
     def engine_factory(
@@ -272,6 +325,9 @@ def serve(
             scalars=prep.algorithm.reply_scalars(prep.params),
         )  # fmt: skip
         engine.client_denormals = dict(node_denormals)
+        engine.client_nodes = [node_facts[cid] for cid in sorted(node_facts)]
+        for line in compare_nodes(node_facts, server_facts(prep.device)):
+            log.warning("%s", line)
         return engine
 
     return run(cfg, on_round=on_round, resume=resume, on_start=on_start,

@@ -10,15 +10,20 @@ images of those shapes: the timings hold, nothing is learnt) and precision (fp32
 2. **paths**, samples/s of the training steps and peak allocated memory, each from the same
    initial weights on the same batches: fedskew's step eager, fedskew's step replayed as a
    graph, a bare CUDA-graph loop of the same model, precision and batches (plain PyTorch:
-   forward, cross-entropy, backward, ``torch.optim.SGD(foreach=True)`` captured whole), and
-   a fedskew FedAvg round (4 clients x 20 steps, one after another, ``--cuda-graphs on`` and
-   ``off``: capture per client included). The ratios (fedskew / bare loop) are computed
-   from these numbers when the report is written.
+   forward, cross-entropy, backward, ``torch.optim.SGD(foreach=True)`` captured whole),
+   fedskew FedAvg rounds (4 clients x 20 steps: one after another with ``--cuda-graphs on``
+   and ``off``, capture per client included; clients together by ``vmap`` and ``fused``,
+   each row saying what the run recorded it did), and the paths of concurrent_paths.py:
+   4 replicas on 4 CUDA streams in one process (graphed steps), and N processes at once
+   (2 and 4, and 4 under a private MPS daemon where one starts), each its own graphed step,
+   as aggregate samples/s with each process's peak memory. The ratios (a path / bare loop)
+   are computed from these numbers when the report is written. The N-process rows run at
+   fp32 only by default (``--processes-precisions``): each starts N Python processes.
 
-Hook for other paths (the fused-clients model, issue 47's second point): ``PATHS`` maps a
-path's name to a function ``(Setting) -> dict`` returning at least ``samples_per_second``
-(and ``peak_mib`` where measured); ``--paths`` picks which run. A path not registered in
-this build is reported as such, not skipped silently.
+``PATHS`` maps a path's name to a function ``(Setting) -> dict`` returning at least
+``samples_per_second`` (and ``peak_mib`` where measured); ``--paths`` picks which run,
+``register_path`` adds one. ``FUTURE_PATHS`` are rows not built in this build, reported as
+such, not skipped silently: the fused chunk's step as a CUDA graph (engine work).
 
     python benchmarks/graph_step_check.py --device cuda --out OUT/graph_step.md
     python benchmarks/graph_step_check.py --dry-run    # the same code, tiny, on the CPU
@@ -39,7 +44,6 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +51,19 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from concurrent_paths import processes_under_mps, run_processes, streams_path  # noqa: E402
 from machine import machine_facts  # noqa: E402
+from step_setting import (  # noqa: E402
+    LR,
+    MOMENTUM,
+    WEIGHT_DECAY,
+    Setting,
+    client_data,
+    fresh_model,
+    peak_memory,
+    sync,
+    train_config,
+)
 
 from fedskew.config import ExperimentConfig  # noqa: E402
 from fedskew.core.device import device_facts, resolve_device  # noqa: E402
@@ -55,32 +71,11 @@ from fedskew.core.gpu_memory import PEAK_KEYS  # noqa: E402
 from fedskew.core.machine import git_commit  # noqa: E402
 from fedskew.core.precision import autocast  # noqa: E402
 from fedskew.data.datasets import Dataset  # noqa: E402
-from fedskew.data.federated import ClientData  # noqa: E402
 from fedskew.data.sources import register_dataset  # noqa: E402
-from fedskew.models import build_model  # noqa: E402
 from fedskew.runs.loop import run  # noqa: E402
 from fedskew.training.graph_step import LocalStep, resolve_graphs  # noqa: E402
-from fedskew.training.interface import LocalTrainConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-LR, MOMENTUM, WEIGHT_DECAY = 0.01, 0.9, 1e-4
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One model at one precision, and the sizes of this invocation."""
-
-    model: str
-    shape: tuple[int, ...]
-    options: dict[str, Any]
-    precision: str
-    device: torch.device
-    batch: int
-    steps: int  # of the bit-for-bit check (the last one short)
-    timed_steps: int  # per path, after a warm-up call
-    clients: int  # of the fedskew round
-    client_steps: int  # full batches per client per round
-    rounds: int  # measured fedskew rounds, after a warm-up round
 
 
 FULL = {
@@ -95,53 +90,6 @@ DRY = {
 
 
 # ---------------------------------------------------------------------------- building blocks
-
-
-def conv_layout(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Images channels_last on CUDA, as fedskew lays out a convolutional model's data."""
-    if device.type == "cuda" and t.dim() == 4:
-        return t.contiguous(memory_format=torch.channels_last)
-    return t
-
-
-def fresh_model(s: Setting) -> torch.nn.Module:
-    """The model of the setting, the same initial weights every call."""
-    torch.manual_seed(0)
-    model = build_model(s.model, s.shape, 10, **s.options).to(s.device)
-    if s.device.type == "cuda":
-        model = model.to(memory_format=torch.channels_last)
-    return model
-
-
-def client_data(s: Setting, n: int) -> ClientData:
-    gen = torch.Generator().manual_seed(1)
-    x = conv_layout(torch.randn(n, *s.shape, generator=gen).to(s.device), s.device)
-    y = torch.randint(0, 10, (n,), generator=gen).to(s.device)
-    return ClientData(x, y, torch.arange(n, device=s.device), 10)
-
-
-def train_config(s: Setting) -> LocalTrainConfig:
-    return LocalTrainConfig(
-        epochs=1, batch_size=s.batch, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY,
-        precision=s.precision,
-    )  # fmt: skip
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@contextmanager
-def peak_memory(device: torch.device, into: dict[str, Any]) -> Iterator[None]:
-    """The block's peak allocated GPU memory (MiB) into ``into["peak_mib"]`` (None on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    yield
-    into["peak_mib"] = (
-        round(torch.cuda.max_memory_allocated(device) / 2**20, 1) if device.type == "cuda" else None
-    )
 
 
 @contextmanager
@@ -342,15 +290,22 @@ def fedskew_round(s: Setting, graphs: str, together: str = "off") -> dict[str, A
         "round_seconds": [round(r["seconds"], 4) for r in measured],
         "peak_mib": peaks.get("gpu_peak_mib"),
         "cuda_graphs": process.get("cuda_graphs"),
-        "note": process.get("cuda_graphs_reason", ""),
+        "clients_together": process.get("clients_together"),
+        # What the run says it did: a fused request that trained by vmap (or one after
+        # another) would otherwise pass for the fused path.
+        "note": "; ".join(
+            x for x in (f"clients_together {process.get('clients_together')}",
+                        process.get("cuda_graphs_reason", "")) if x
+        ),  # fmt: skip
     }
 
 
 PathFn = Callable[[Setting], dict[str, Any]]
-# The paths measured side by side, in report order. HOOK (issue 47, fused clients): the
-# fused model's path registers here under "fused" and "fused + graph" (same signature: a
-# Setting in, samples_per_second / peak_mib / note out; or pass --paths with the module that
-# registers them imported); until then those names are in FUTURE_PATHS, reported as not built.
+FUSED = "fedskew round, clients together (fused)"
+STREAMS = "CUDA streams, one replica per client"
+# The paths measured side by side, in report order (a Setting in, samples_per_second /
+# peak_mib / note out). The N-process rows are added per run (process_paths: how many
+# processes is an option).
 PATHS: dict[str, PathFn] = {
     "fedskew step, eager": fedskew_eager,
     "fedskew step, CUDA graph": fedskew_graph,
@@ -358,10 +313,28 @@ PATHS: dict[str, PathFn] = {
     "fedskew round, --cuda-graphs off": lambda s: fedskew_round(s, "off"),
     "fedskew round, --cuda-graphs on": lambda s: fedskew_round(s, "on"),
     "fedskew round, clients together (vmap)": lambda s: fedskew_round(s, "off", "vmap"),
+    FUSED: lambda s: fedskew_round(s, "off", "fused"),
+    STREAMS: streams_path,
 }
-# Issue 47's other paths, not in this branch: reported as "not built" rows until registered.
-FUTURE_PATHS = ("fused", "fused + graph", "streams", "N processes")
+# Issue 47's paths not in this build, reported as rows that say so (register_path adds one).
+# The fused chunk's step captured as a CUDA graph needs the fused engine to keep static
+# buffers and one body per batch size (engines/fused.py): engine work, not a benchmark's.
+FUTURE_PATHS: dict[str, str] = {
+    "fedskew round, fused + CUDA graph": "not built: capturing the fused chunk's step as a "
+    "CUDA graph is engine work (engines/fused.py) not done in this build",
+}
 BARE = "bare CUDA-graph loop"
+
+
+def process_paths(counts: list[int], mps: bool = True) -> dict[str, PathFn]:
+    """The rows of N processes at once, one per count, and with MPS for the largest."""
+    paths: dict[str, PathFn] = {
+        f"N processes ({n})": (lambda s, n=n: run_processes(s, n)) for n in counts
+    }
+    if mps and counts:
+        n = max(counts)
+        paths[f"N processes ({n}, MPS)"] = lambda s, n=n: processes_under_mps(s, n)
+    return paths
 
 
 def register_path(name: str, fn: PathFn) -> None:
@@ -506,14 +479,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=240.0, help="seconds; later cells skipped")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "graph_step.md"))
     p.add_argument("--note", action="append", default=[])
+    p.add_argument("--processes", nargs="*", type=int, default=[2, 4],
+                   help="the N of the N-process rows (none: no such rows)")
+    p.add_argument("--processes-precisions", nargs="+", default=["fp32"],
+                   help="precisions the N-process rows run at (each starts N processes)")
+    p.add_argument("--no-mps", action="store_true", help="no N-process row under MPS")
     args = p.parse_args(argv)
+    if any(n < 1 for n in args.processes):
+        p.error("--processes: each count must be 1 or more")
     if args.dry_run:
         args.device = "cpu"
     device = resolve_device(args.device)
     started = time.monotonic()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    wanted = list(PATHS) + list(FUTURE_PATHS) if args.paths is None else args.paths
+    by_process = process_paths(args.processes, not args.no_mps)
+    paths = {**PATHS, **by_process}
+    wanted = list(paths) + list(FUTURE_PATHS) if args.paths is None else args.paths
     data: dict[str, Any] = {
         "command": "python benchmarks/graph_step_check.py " + " ".join(argv or sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
@@ -538,12 +520,17 @@ def main(argv: list[str] | None = None) -> int:
             ({"kind": "bits"}, lambda s=s: bit_for_bit(s))
         ]
         for path in wanted:
-            fn = PATHS.get(path)
+            fn = paths.get(path)
+            label = ""
             if fn is None:
-                label = "not built in this branch (hook: register_path)"
-                if path not in FUTURE_PATHS:
+                label = FUTURE_PATHS.get(path, "")
+                if not label:
                     label = "unknown path"
                     failed = True
+            elif path in by_process and s.precision not in args.processes_precisions:
+                at = " ".join(args.processes_precisions)
+                label = f"not measured at {s.precision}: --processes-precisions {at}"
+            if label:
                 data["cells"].append({"kind": "path", "path": path, "model": s.model,
                                       "precision": s.precision, "note": label})  # fmt: skip
                 continue

@@ -33,26 +33,47 @@ def check():  # type: ignore[no-untyped-def]
 
 def test_the_dry_run_is_green_and_its_ratios_are_computed(check, tmp_path) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "graph_step.md"
-    argv = ["--dry-run", "--models", "fedavg-cnn", "--precisions", "fp32", "--out", str(out)]
+    argv = ["--dry-run", "--models", "fedavg-cnn", "--precisions", "fp32", "--out", str(out),
+            "--processes", "2"]  # fmt: skip
     assert check.main(argv) == 0
     data = json.loads(out.with_suffix(".json").read_text())
     bits = [c for c in data["cells"] if c["kind"] == "bits"]
     assert len(bits) == 1 and bits[0]["graph_equals_eager"] and bits[0]["eager_equals_eager"]
     assert not bits[0]["graph_captured"]  # the CPU runs the step eagerly, and says so
     paths = {c["path"]: c for c in data["cells"] if c["kind"] == "path"}
-    assert set(paths) == set(check.PATHS) | set(check.FUTURE_PATHS)
+    measured = {**check.PATHS, **check.process_paths([2], mps=False)}
+    mps = "N processes (2, MPS)"
+    assert set(paths) == set(measured) | {mps} | set(check.FUTURE_PATHS)
     bare = paths[check.BARE]["samples_per_second"]
-    for name in check.PATHS:
+    for name in measured:
         cell = paths[name]
         assert not cell.get("error"), cell
         assert cell["samples_per_second"] > 0
         assert cell["over_bare_loop"] == round(cell["samples_per_second"] / bare, 3)
+    # Each new path says what it ran: fused for real, the streams' CPU stand-in, N processes.
+    assert paths[check.FUSED]["clients_together"] == "fused"
+    assert "2 replicas one after another (no streams on cpu)" in paths[check.STREAMS]["note"]
+    two = paths["N processes (2)"]
+    assert two["processes"] == 2 and two["note"].startswith("2 processes at once")
+    assert paths[mps]["samples_per_second"] is None and "MPS is CUDA's" in paths[mps]["note"]
     for name in check.FUTURE_PATHS:  # the hook, reported, not dropped
         assert "not built" in paths[name]["note"]
     text = out.read_text()
     assert (
         "Dry run on the CPU" in text and "| fedavg-cnn | fp32 | 3 | False | True | True |" in text
     )
+
+
+def test_n_process_rows_run_at_the_precisions_asked(check, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Each N-process row starts N processes: at a precision not asked for, a row says so."""
+    out = tmp_path / "g.md"
+    argv = ["--dry-run", "--models", "fedavg-cnn", "--precisions", "bf16", "--out", str(out),
+            "--paths", "N processes (3)", "--processes", "3", "--no-mps"]  # fmt: skip
+    assert check.main(argv) == 0
+    (cell,) = [c for c in json.loads(out.with_suffix(".json").read_text())["cells"]
+               if c["kind"] == "path"]  # fmt: skip
+    assert cell["note"] == "not measured at bf16: --processes-precisions fp32"
+    assert "samples_per_second" not in cell
 
 
 def test_a_registered_path_joins_the_table(check, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -80,3 +101,13 @@ def test_gpu_session_dry_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
     data = json.loads((tmp_path / "s" / "graph_step.json").read_text())
     assert all(c["graph_equals_eager"] for c in data["cells"] if c["kind"] == "bits")
     assert not [c for c in data["cells"] if c.get("error")]
+    # Issue 47's rows, with numbers for both models at fp32: fused, streams, N processes.
+    for model in ("resnet18", "fedavg-cnn"):
+        rows = {c["path"]: c for c in data["cells"]
+                if c["kind"] == "path" and c["model"] == model and c["precision"] == "fp32"}
+        for name in ("fedskew round, clients together (fused)",
+                     "CUDA streams, one replica per client", "N processes (2)",
+                     "N processes (4)"):  # fmt: skip
+            assert rows[name]["samples_per_second"] > 0, (model, name)
+    text = (tmp_path / "s" / "graph_step.md").read_text()
+    assert "| N processes (4, MPS) | - | - | - | - | not measured: MPS is CUDA's" in text

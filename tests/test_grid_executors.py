@@ -704,3 +704,76 @@ def test_compare_jobs_give_each_run_its_gpu(monkeypatch, tmp_path):
     outcomes = launch.run_grid(grid, runs, lines.append)
     assert len(outcomes) == 4 and "gpus: 2 GPU(s), 1 per run (CUDA_VISIBLE_DEVICES)" in lines
     assert sorted(envs) == ["0", "0", "1", "1"] and not any(overlap)
+
+
+def test_compare_packs_more_jobs_than_gpus_onto_them_and_each_run_says_so(monkeypatch, tmp_path):
+    """`compare --jobs 4` on a (pretended) one-GPU machine: the four runs share the GPU at
+    once, deliberately; each run's process is told how many at most (4) and how many were
+    on it when it started (1 to 4), which its processes.jsonl records."""
+    import threading
+
+    from fedskew.core.gpu_sharing import RUNS_ON_GPU_VARIABLE, RUNS_PER_GPU_VARIABLE
+    from fedskew.grid import launch
+    from fedskew.grid.plan import grid_from, plan, read_file
+
+    file = grid_file(tmp_path)
+    text = file.read_text().replace("jobs = 2", "jobs = 4").replace(
+        "[methods.fedavg]", '[methods.fedavg]\n[methods.avg2]\nalgorithm = "fedavg"\nlr = 0.02\n'
+        '[methods.avg3]\nalgorithm = "fedavg"\nlr = 0.03'
+    )  # fmt: skip
+    file.write_text(text)
+    grid = grid_from(read_file(file), str(file), {"device": "auto"}, None, {})
+    runs = plan(grid)
+    assert len(runs) == 4 and grid.jobs == 4
+    monkeypatch.setattr(launch, "cuda_count", lambda: 1)
+    monkeypatch.setattr(launch, "available_cores", lambda: 8)  # 4 jobs x 1 thread fit
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv(RUNS_PER_GPU_VARIABLE, "9")  # a stale value of the caller's: replaced
+    envs: list[dict[str, str]] = []
+    lock = threading.Lock()
+    all_started = threading.Barrier(4, timeout=10)
+
+    def started(self, cmd, env):  # the run's process, not started: its environment kept
+        with lock:
+            envs.append(env)
+        all_started.wait()  # the four are on the GPU at once
+        return None
+
+    monkeypatch.setattr(launch.Children, "start", started)
+    lines: list[str] = []
+    launch.run_grid(grid, runs, lines.append)
+    assert "gpus: 1 GPU(s), 1 per run (CUDA_VISIBLE_DEVICES); up to 4 runs at once on each, " \
+        "round-robin" in lines  # fmt: skip
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0"] * 4
+    assert [e[RUNS_PER_GPU_VARIABLE] for e in envs] == ["4"] * 4
+    assert sorted(e[RUNS_ON_GPU_VARIABLE] for e in envs) == ["1", "2", "3", "4"]
+    # Three GPUs, four jobs: ceil(4 / 3) = 2 at most on one, round-robin.
+    monkeypatch.setattr(launch, "cuda_count", lambda: 3)
+    slots = launch.GpuSlots.visible(jobs=4)
+    taken = [slots.take("auto") for _ in range(4)]
+    assert taken == ["0", "1", "2", "0"] and slots.runs_per_gpu == 2
+    assert slots.sharing("0") == {RUNS_PER_GPU_VARIABLE: "2", RUNS_ON_GPU_VARIABLE: "2"}
+    assert slots.sharing("1")[RUNS_ON_GPU_VARIABLE] == "1"
+    assert launch.GpuSlots.visible(jobs=2).runs_per_gpu == 1  # fewer jobs: one each
+
+
+def test_a_run_records_how_many_compare_runs_shared_its_gpu(monkeypatch, tmp_path):
+    """processes.jsonl has compare's count of runs on the GPU (set by compare only; a value
+    that is not a positive whole number is not recorded)."""
+    from fedskew.config import ExperimentConfig
+    from fedskew.core.gpu_sharing import (
+        RUNS_ON_GPU_VARIABLE,
+        RUNS_PER_GPU_VARIABLE,
+        gpu_sharing_facts,
+    )
+    from fedskew.runs.loop import run
+
+    monkeypatch.setenv(RUNS_PER_GPU_VARIABLE, "4")
+    monkeypatch.setenv(RUNS_ON_GPU_VARIABLE, "3")
+    cfg = ExperimentConfig(rounds=1, num_clients=4, clients_per_round=2, out_dir=str(tmp_path),
+                           name="shared", quiet=True, workers=0, device="cpu")  # fmt: skip
+    folder, _ = run(cfg)
+    line = json.loads((folder / "processes.jsonl").read_text().splitlines()[0])
+    assert line["compare_runs_per_gpu"] == 4 and line["compare_runs_on_gpu"] == 3
+    assert gpu_sharing_facts({RUNS_PER_GPU_VARIABLE: "x", RUNS_ON_GPU_VARIABLE: "0"}) == {}
+    assert gpu_sharing_facts({}) == {}

@@ -22,6 +22,7 @@ from typing import Any
 from fedskew.config import config_differences, config_hash, plural
 from fedskew.core.device import cuda_count
 from fedskew.core.errors import FedskewError, UsageError
+from fedskew.core.gpu_sharing import gpu_sharing_env
 from fedskew.core.locks import Busy, lock, unlock
 from fedskew.core.machine import usable_cores
 from fedskew.data.sources import load_dataset
@@ -64,15 +65,23 @@ class GpuSlots:
     cuda:0 (and with several GPUs each started a worker on every one of them).
 
     The GPUs are split into groups, one per job where there are enough (8 GPUs and 2 jobs:
-    4 each; 2 GPUs and 4 jobs: 1 each, two runs per GPU), and a run that trains on CUDA
-    (device ``cuda`` or ``auto``) gets the least busy group, in turn when equal, as the
-    CUDA_VISIBLE_DEVICES of its process. A run on ``cpu`` or on a GPU it names
-    (``cuda:N``, of the GPUs compare sees) keeps the environment as it is."""
+    4 each), and a run that trains on CUDA (device ``cuda`` or ``auto``) gets the least busy
+    group, in turn when equal, as the CUDA_VISIBLE_DEVICES of its process. A run on ``cpu``
+    or on a GPU it names (``cuda:N``, of the GPUs compare sees) keeps the environment as it
+    is.
+
+    More jobs than GPUs pack runs onto the GPUs on purpose: round-robin, least busy first,
+    at most ``runs_per_gpu`` = ceil(jobs / GPUs) at once on one GPU (2 GPUs and 4 jobs: two
+    runs per GPU; 1 GPU and 3 jobs: all three on it). Small models leave most of a GPU idle,
+    so several runs at once give more samples per second in all; a run's own speed drops.
+    Each run's process is told how many share (fedskew.core.gpu_sharing), and its
+    processes.jsonl records it. ``--jobs`` equal to the GPU count gives each run its own."""
 
     def __init__(self, ids: list[str], jobs: int) -> None:
         size = max(1, len(ids) // max(1, jobs))
         self.groups = [ids[i : i + size] for i in range(0, len(ids) - size + 1, size)]
         self.busy = [0] * len(self.groups)
+        self.runs_per_gpu = -(-max(1, jobs) // len(self.groups)) if self.groups else 0
         self._next = 0
         self._lock = threading.Lock()
 
@@ -96,6 +105,13 @@ class GpuSlots:
             self._next = chosen + 1
         return ",".join(self.groups[chosen])
 
+    def sharing(self, visible: str) -> dict[str, str]:
+        """The variables that tell the run on ``visible`` how many of compare's runs share
+        its GPUs: at most, and now (this run included)."""
+        with self._lock:
+            now = self.busy[self.groups.index(visible.split(","))]
+        return gpu_sharing_env(self.runs_per_gpu, now)
+
     def give(self, visible: str) -> None:
         """The run on ``visible`` (what :meth:`take` gave) has ended."""
         with self._lock:
@@ -103,7 +119,10 @@ class GpuSlots:
 
     def describe(self) -> str:
         per_run = len(self.groups[0]) if self.groups else 0
-        return f"{len(self.groups) * per_run} GPU(s), {per_run} per run (CUDA_VISIBLE_DEVICES)"
+        text = f"{len(self.groups) * per_run} GPU(s), {per_run} per run (CUDA_VISIBLE_DEVICES)"
+        if self.runs_per_gpu > 1:
+            text += f"; up to {self.runs_per_gpu} runs at once on each, round-robin"
+        return text
 
 
 def saved_hash(folder: Path) -> str:
@@ -365,7 +384,11 @@ def launch(
     """Run (or resume) one planned run in its own process (on its GPUs, see GpuSlots)."""
     visible = gpus.take(run.cfg.device) if gpus is not None else None
     try:
-        return _launch(run, threads, logs, finished, unfinished, children, visible)
+        gpu_env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+        if visible is not None:
+            assert gpus is not None
+            gpu_env.update(gpus.sharing(visible))
+        return _launch(run, threads, logs, finished, unfinished, children, gpu_env)
     finally:
         if visible is not None:
             assert gpus is not None
@@ -379,11 +402,12 @@ def _launch(
     finished: Path,
     unfinished: Path,
     children: Children,
-    visible: str | None,
+    gpu_env: dict[str, str],
 ) -> Outcome:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    if visible is not None:
-        env["CUDA_VISIBLE_DEVICES"] = visible
+    for variable in gpu_sharing_env(0, 0):  # not this compare's: not the run's to record
+        env.pop(variable, None)
+    env.update(gpu_env)  # its GPUs, and how many of compare's runs share them
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fedskew-compare-") as tmp:
         if unfinished.is_dir():

@@ -38,6 +38,7 @@ from fedskew.core.denormals import denormals_state
 from fedskew.core.device import device_facts, settings_applied
 from fedskew.core.errors import Diverged, FedskewError, UsageError
 from fedskew.core.gpu_memory import memory_peaks, reset_peaks, run_peaks
+from fedskew.core.gpu_sharing import gpu_sharing_facts
 from fedskew.core.machine import cpu_features, machine_facts, software_facts
 from fedskew.data.federated import sample_clients
 from fedskew.engines.base import Engine, ServerSideClientStates
@@ -414,6 +415,8 @@ def execution_facts(state: RunState) -> dict[str, Any]:
         "deterministic": cfg.deterministic,
         "clients_together": engine.clients_together,
         **graph_facts(state),
+        # How many of a compare's runs shared this process's GPU (set by compare only).
+        **gpu_sharing_facts(),
     }
     if engine.worker_devices:
         facts["worker_devices"] = list(engine.worker_devices)

@@ -3,9 +3,10 @@
 # lent machine's session has 15 minutes of device time, start and copies included):
 #   1. benchmarks/graph_step_check.py (issue 47: the local step as a CUDA graph against eager,
 #      bit for bit over 20 steps; samples/s and peak memory of fedskew's step eager and as a
-#      graph, a bare CUDA-graph loop of the same model, precision and batches, and fedskew
-#      rounds with --cuda-graphs off/on; ResNet-18 and fedavg-cnn, fp32 and bf16), at most
-#      half the budget;
+#      graph, a bare CUDA-graph loop of the same model, precision and batches, fedskew rounds
+#      one after another (--cuda-graphs off/on) and together (vmap, fused), 4 replicas on 4
+#      CUDA streams, and 2 and 4 processes at once on the GPU, 4 also under a private MPS
+#      daemon (fp32 only); ResNet-18 and fedavg-cnn, fp32 and bf16), at most half the budget;
 #   2. benchmarks/gpu_check.sh (CUDA tests, CPU/CUDA curves per algorithm, throughput table);
 #   3. benchmarks/gpu_table.py (one after another against together, fp32/TF32/bf16,
 #      fedavg-cnn and ResNet-18, samples/s and peak memory);
@@ -63,7 +64,27 @@ if [ "$dry_run" = 1 ]; then
     exit "$status"
 fi
 
-# Step 1 first (issue 47: its report is what a lent GPU is wanted for now), half the budget.
+# Step 1 first (issue 47: its report is what a lent GPU is wanted for now), half the budget:
+# cut hard at budget/2 (180 s of the default 360) by `timeout`; inside, no cell starts after
+# budget/2 - 20 s, and each finished cell is in graph_step.md at once.
+# Worst case on one H100/H200, from the step counts of graph_step_check.settings() (batch 64)
+# and the host cost per operator (30-90 us; docs/gpu.md): a ResNet-18 step eager <= 18 ms
+# (about 200 operators; bf16 250: <= 22 ms), replayed as a graph <= 5 ms (fp32 GPU work);
+# fedavg-cnn eager <= 3 ms. Per setting:
+#   bit check 60 eager steps + 1 capture; eager 80; graph 80; bare loop 83    ResNet <= 5 s
+#   4 fedskew runs x 3 rounds x 4 clients x 20 steps = 960 steps, 1-2 s setup
+#     each, a capture per client and round with graphs on                     ResNet <= 30 s
+#   streams: 4 replicas x 80 steps (GPU work serialised at worst) + 4 captures  <= 4 s
+#   N processes (fp32 only): each process 240 steps, started at once (Python, torch and
+#     fedskew imports and CUDA start: <= 8 s); N=2 <= 10 s, N=4 <= 12 s, N=4 MPS <= 13 s
+# ResNet-18: fp32 <= 39 s + 35 s of processes, bf16 <= 45 s; fedavg-cnn (3 ms eager):
+# fp32 <= 15 s + 30 s of processes, bf16 <= 15 s. In all <= 115 s in process + 65 s of
+# processes = 180 s: at worst at the hard cut. So graph_step_check runs every setting's
+# in-process cells first (<= 115 s, well inside) and the N-process cells last: in the worst
+# case the last of those (fedavg-cnn's) do not start after 160 s and their rows say
+# "skipped: the budget was spent"; no model or precision loses its other rows.
+# A hung measuring process is killed after 90 s (concurrent_paths.PROCESS_DEADLINE_S); an
+# MPS daemon is quit on the way out, also on timeout's SIGTERM.
 timeout $(( budget / 2 )) "$PY" benchmarks/graph_step_check.py --device cuda \
     --budget $(( budget / 2 - 20 )) --out "$out/graph_step.md" >"$out/graph_step.log" 2>&1
 echo "gpu_session: graph_step_check exit $?, $(left) s left"

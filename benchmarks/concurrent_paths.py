@@ -57,8 +57,9 @@ from fedskew.training.graph_step import LocalStep, resolve_graphs  # noqa: E402
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
 # A process that has not said "ready" (or its result) by then is stopped and the row fails:
-# on a GPU a process starts, builds and captures in seconds, so this only bounds a hang.
-PROCESS_DEADLINE_S = 90.0
+# on a GPU a process starts, builds and captures in seconds (the dry run's 4 on 2 busy
+# cores: about 5 s), so this only bounds a hang, such as an MPS server that never answers.
+PROCESS_DEADLINE_S = 60.0
 
 
 # ---------------------------------------------------------------------------- streams
@@ -163,12 +164,30 @@ def repeats_for(s: Setting) -> int:
     return 5 if s.device.type == "cuda" else 1
 
 
-def _line(proc: subprocess.Popen[str], errors: Path, what: str) -> dict[str, Any]:
-    text = proc.stdout.readline() if proc.stdout is not None else ""
-    if not text:
-        tail = errors.read_text(errors="replace").strip().splitlines()[-1:] or ["no message"]
-        raise RuntimeError(f"a process ended before {what} (exit {proc.poll()}): {tail[0]}")
-    return json.loads(text)
+def _line(
+    proc: subprocess.Popen[str], errors: Path, what: str, expired: threading.Event
+) -> dict[str, Any]:
+    """The process's next JSON object on stdout (other lines, a library's print, skipped);
+    a process that ended or was stopped at the deadline is a failure that says why."""
+    assert proc.stdout is not None
+    for text in proc.stdout:
+        try:
+            said = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(said, dict):
+            return said
+    if expired.is_set():
+        raise RuntimeError(f"a process had not said {what} after {PROCESS_DEADLINE_S:.0f} s "
+                           "and was stopped")  # fmt: skip
+    tail = errors.read_text(errors="replace").strip().splitlines()[-1:] or ["no message"]
+    raise RuntimeError(f"a process ended before {what} (exit {proc.wait()}): {tail[0]}")
+
+
+def child_command(s: Setting, repeats: int) -> list[str]:
+    """The command of one measuring process (this file, ``child``)."""
+    return [sys.executable, str(Path(__file__).resolve()), "child", json.dumps(s.to_json()),
+            str(repeats)]  # fmt: skip
 
 
 def run_processes(s: Setting, count: int, env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -176,15 +195,20 @@ def run_processes(s: Setting, count: int, env: dict[str, str] | None = None) -> 
     env = {**(env or os.environ), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     src = str(Path(__file__).resolve().parents[1] / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    repeats = repeats_for(s)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "child",
-           json.dumps(s.to_json()), str(repeats)]  # fmt: skip
+    cmd = child_command(s, repeats_for(s))
     procs: list[subprocess.Popen[str]] = []
     with tempfile.TemporaryDirectory(prefix="fedskew-processes-") as tmp:
         logs = [Path(tmp) / f"{i}.err" for i in range(count)]
         # A hung process would hold the check: past the deadline every one is killed,
         # which ends the reads below with a clear failure.
-        timer = threading.Timer(PROCESS_DEADLINE_S, lambda: [p.kill() for p in procs])
+        expired = threading.Event()
+
+        def stop_all() -> None:
+            expired.set()
+            for p in procs:
+                p.kill()
+
+        timer = threading.Timer(PROCESS_DEADLINE_S, stop_all)
         timer.start()
         try:
             for log in logs:
@@ -193,12 +217,14 @@ def run_processes(s: Setting, count: int, env: dict[str, str] | None = None) -> 
                                                   stdout=subprocess.PIPE, stderr=err,
                                                   text=True, env=env))  # fmt: skip
             for p, log in zip(procs, logs, strict=True):
-                _line(p, log, "it was ready")
+                _line(p, log, "it was ready", expired)
             for p in procs:  # all are ready: go, as close together as the host can
                 assert p.stdin is not None
                 p.stdin.write("go\n")
                 p.stdin.flush()
-            results = [_line(p, log, "its result") for p, log in zip(procs, logs, strict=True)]
+            results = [
+                _line(p, log, "its result", expired) for p, log in zip(procs, logs, strict=True)
+            ]
         finally:
             timer.cancel()
             for p in procs:

@@ -324,6 +324,7 @@ FUTURE_PATHS: dict[str, str] = {
     "CUDA graph is engine work (engines/fused.py) not done in this build",
 }
 BARE = "bare CUDA-graph loop"
+MPS_ROW = ", MPS)"  # how an N-process row under MPS ends
 
 
 def process_paths(counts: list[int], mps: bool = True) -> dict[str, PathFn]:
@@ -333,7 +334,7 @@ def process_paths(counts: list[int], mps: bool = True) -> dict[str, PathFn]:
     }
     if mps and counts:
         n = max(counts)
-        paths[f"N processes ({n}, MPS)"] = lambda s, n=n: processes_under_mps(s, n)
+        paths[f"N processes ({n}{MPS_ROW}"] = lambda s, n=n: processes_under_mps(s, n)
     return paths
 
 
@@ -539,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
                 data["cells"].append({"kind": "path", "path": path, "model": s.model,
                                       "precision": s.precision, "note": label})  # fmt: skip
                 continue
-            later = int(path in by_process)
+            # MPS rows last of all: a server that does not answer costs its deadline.
+            later = 2 if path.endswith(MPS_ROW) else int(path in by_process)
             planned.append((later, s, {"kind": "path", "path": path}, lambda fn=fn, s=s: fn(s)))
     planned.sort(key=lambda p: p[0])  # stable: in each pass, settings and paths in order
     for _, s, head, job in planned:

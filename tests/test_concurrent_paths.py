@@ -71,6 +71,21 @@ def test_n_processes_measure_together_and_a_failed_one_says_why() -> None:
         cp.run_processes(setting(model="no-such-model"), 2)
 
 
+def test_a_hung_or_chatty_process_is_a_failure_that_says_why(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A process that never says ready is stopped at the deadline; one that prints other
+    lines and ends gives its last error line, not a JSON error."""
+    monkeypatch.setattr(cp, "PROCESS_DEADLINE_S", 1.0)
+    hang = [sys.executable, "-c", "import time; time.sleep(60)"]
+    monkeypatch.setattr(cp, "child_command", lambda s, r: hang)
+    with pytest.raises(RuntimeError, match="had not said it was ready after 1 s and was stopped"):
+        cp.run_processes(setting(), 2)
+    chatty = [sys.executable, "-c",
+              "import sys; print('hello'); print('[1]'); sys.exit('no GPU here')"]  # fmt: skip
+    monkeypatch.setattr(cp, "child_command", lambda s, r: chatty)
+    with pytest.raises(RuntimeError, match=r"ended before it was ready \(exit 1\): no GPU here"):
+        cp.run_processes(setting(), 2)
+
+
 def fake_mps(folder: Path, start_exit: int = 0) -> Path:
     """A stand-in nvidia-cuda-mps-control: logs its arguments, pipe directory and stdin."""
     folder.mkdir()

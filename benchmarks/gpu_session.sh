@@ -81,10 +81,12 @@ fi
 # fp32 <= 15 s + 30 s of processes, bf16 <= 15 s. In all <= 115 s in process + 65 s of
 # processes = 180 s: at worst at the hard cut. So graph_step_check runs every setting's
 # in-process cells first (<= 115 s, well inside) and the N-process cells last: in the worst
-# case the last of those (fedavg-cnn's) do not start after 160 s and their rows say
+# case the last of those (the MPS rows) do not start after 160 s and their rows say
 # "skipped: the budget was spent"; no model or precision loses its other rows.
-# A hung measuring process is killed after 90 s (concurrent_paths.PROCESS_DEADLINE_S); an
-# MPS daemon is quit on the way out, also on timeout's SIGTERM.
+# The MPS rows run last of all (after every setting's plain N-process rows): a measuring
+# process that has not answered in 60 s (concurrent_paths.PROCESS_DEADLINE_S: an MPS server
+# that never starts) is stopped and its row says so; the MPS daemon is quit on the way out,
+# also on timeout's SIGTERM.
 timeout $(( budget / 2 )) "$PY" benchmarks/graph_step_check.py --device cuda \
     --budget $(( budget / 2 - 20 )) --out "$out/graph_step.md" >"$out/graph_step.log" 2>&1
 echo "gpu_session: graph_step_check exit $?, $(left) s left"

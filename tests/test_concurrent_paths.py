@@ -43,6 +43,41 @@ def test_interleaved_clients_train_as_each_would_alone() -> None:
         assert torch.equal(step.loss_sum, alone[k].loss_sum)
 
 
+def test_each_clients_loads_and_replays_are_issued_on_its_own_stream(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """What the CPU cannot run, checked by its calls: with streams, every load and step of
+    client k is issued while stream k is the current one (torch.cuda.stream stood in for)."""
+    from contextlib import contextmanager
+
+    current: list[str] = ["default"]
+    issued: list[tuple[str, int, str, int]] = []
+
+    @contextmanager
+    def stream(s):  # type: ignore[no-untyped-def]
+        current.append(s)
+        yield
+        current.pop()
+
+    class Step:
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+        def load(self, rows, draws, i):  # type: ignore[no-untyped-def]
+            issued.append((current[-1], self.k, "load", i))
+            return int(rows.shape[0])
+
+        def run(self, size, full):  # type: ignore[no-untyped-def]
+            assert size == full == 2
+            issued.append((current[-1], self.k, "run", -1))
+
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    perms = [torch.arange(6), torch.arange(6)]
+    assert cp.interleaved([Step(0), Step(1)], perms, 2, ["s0", "s1"]) == 12  # type: ignore[list-item]
+    assert issued == [
+        (f"s{k}", k, what, i if what == "load" else -1)
+        for i in range(3) for k in range(2) for what in ("load", "run")
+    ]  # fmt: skip
+
+
 def test_streams_row_on_the_cpu_says_it_ran_one_after_another() -> None:
     row = cp.streams_path(setting(clients=2))
     assert row["samples_per_second"] > 0 and row["peak_mib"] is None and not row["graph"]

@@ -840,14 +840,18 @@ def _fused_bodies(bodies: Sequence[nn.Module]) -> Iterator[None]:
 
 
 def _bodies(model: nn.Module, loss: ClientLoss | None) -> list[nn.Module]:
-    """The bodies a loss calls: the model's, and those of models the loss keeps (FedNTD's
-    frozen global copy) that the fused model can run."""
-    found = [model.body] if isinstance(model, BodyHeadModel) else []
+    """The bodies a loss calls, and their layers (a loss may run them one by one: FedFM's
+    pre-ReLU features): the model's, and those of models the loss keeps (MOON's and FedNTD's
+    frozen copies) that the fused model can run."""
+    models = [model] if isinstance(model, BodyHeadModel) else []
     owner = getattr(loss, "__self__", loss)
     for value in vars(owner).values() if hasattr(owner, "__dict__") else ():
         for m in value.modules() if isinstance(value, nn.Module) else ():
-            if isinstance(m, BodyHeadModel) and m.body not in found and not fused_obstacle(m):
-                found.append(m.body)
+            if isinstance(m, BodyHeadModel) and m not in models and not fused_obstacle(m):
+                models.append(m)
+    found: list[nn.Module] = []
+    for m in models:
+        found += [m.body, *m.body.children()]
     return found
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from functools import partial
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedskew.algorithms.fednh import PrototypeHead
+from fedskew.algorithms.fedprox import proximal_loss
 from fedskew.config import ExperimentConfig
 from fedskew.core.errors import UsageError
 from fedskew.data.federated import ClientData
@@ -172,6 +174,7 @@ LOSSES = {
     **{case: _fm_options(case) for case in ("fedprox+fm-l2", "moon+fm-warmup", "fedacd+fm")},
     "fedprox-resnet18-gn": {"algorithm": "fedprox", "params": {"mu": 0.1},
                             "model": "resnet18", "model_options": {"width": 8, "norm": "gn"}},
+    "fedntd-mlp": {"algorithm": "fedntd", "params": {"tau": 2.0}, "model": "mlp"},
 }  # fmt: skip
 FAST_LOSSES = {"fedprox", "moon", "fedacd-mixup-margins"}
 
@@ -286,7 +289,11 @@ CFG = LocalTrainConfig(
 )
 
 
-def _one_client_steps() -> list[Counter[str]]:
+def _anchor(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def _one_client_steps(prox: bool = False) -> list[Counter[str]]:
     """One client's steps of ResNet-18 (local_train, with the multi-tensor SGD torch uses
     on CUDA), each from the end of one optimiser step to the end of the next."""
     torch.manual_seed(0)
@@ -300,12 +307,31 @@ def _one_client_steps() -> list[Counter[str]]:
             return out
 
     opt = Counted(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-5, foreach=True)
+    anchor = list(_anchor(model).values())
+    loss = partial(_prox, anchor) if prox else cross_entropy_loss
     with mode:
-        local_train(model, _data(1)[0], CFG, torch.Generator().manual_seed(0), optimizer=opt)
+        local_train(
+            model, _data(1)[0], CFG, torch.Generator().manual_seed(0), optimizer=opt,
+            loss_fn=loss,
+        )  # fmt: skip
     return mode.steps[1:]  # the first holds the epoch's drawing
 
 
-def _fused_steps(clients: int, monkeypatch: pytest.MonkeyPatch) -> list[Counter[str]]:
+def _prox(anchor: list[torch.Tensor], model: nn.Module, x: torch.Tensor, y: torch.Tensor):  # type: ignore[no-untyped-def]
+    return proximal_loss(model, x, y, anchor, 0.1)
+
+
+def _prox_of_tensors(model, x, y, tensors):  # type: ignore[no-untyped-def]
+    return proximal_loss(model, x, y, list(tensors.values()), 0.1)
+
+
+def _ce_of_tensors(model, x, y, tensors):  # type: ignore[no-untyped-def]
+    return cross_entropy_loss(model, x, y)
+
+
+def _fused_steps(
+    clients: int, monkeypatch: pytest.MonkeyPatch, prox: bool = False, loss: bool = False
+) -> list[Counter[str]]:
     torch.manual_seed(0)
     model = build_model("resnet18", SHAPE, 10, width=8)
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -320,8 +346,10 @@ def _fused_steps(clients: int, monkeypatch: pytest.MonkeyPatch) -> list[Counter[
     gens = [torch.Generator().manual_seed(k) for k in range(clients)]
     with mode:
         train_together(
-            model, _data(clients), CFG, gens, [start] * clients, [1] * clients, fused=True
-        )
+            model, _data(clients), CFG, gens, [start] * clients, [1] * clients, fused=True,
+            loss=_prox_of_tensors if prox else _ce_of_tensors if loss else None,
+            tensors=[_anchor(model)] * clients if prox or loss else (),
+        )  # fmt: skip
     return mode.steps[1:]  # the first holds the stacking and the drawing of batches
 
 
@@ -366,3 +394,27 @@ def test_fused_bf16_is_bf16_autocast_one_after_another() -> None:
             worst = max(worst, float((finals[k][key].double() - value.double()).abs().max()))
     print(f"bf16: fused against one after another, largest weight difference {worst:.2e}")
     assert worst < 1e-3  # by vmap: 0.15 here (its explicit casts round elsewhere)
+
+
+def test_a_fused_loss_steps_resnet18_costs_what_one_clients_step_costs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 47 for an algorithm's own loss (run under vmap, the body fused): the same
+    operators for 2 clients as for 5; a loss of cross-entropy alone costs at most 1.1x one
+    client's step (vmap with BatchNorm from its formula: several times). FedProx's step adds
+    what vmap makes of its proximal term: one more reduction per parameter tensor (mse_loss
+    with reduction="sum" is batched as an unreduced mse_loss and a sum), also independent of K."""
+    one, prox_one = _one_client_steps(), _one_client_steps(prox=True)
+    two, five = _fused_steps(2, monkeypatch, loss=True), _fused_steps(5, monkeypatch, loss=True)
+    prox_two = _fused_steps(2, monkeypatch, prox=True)
+    prox_five = _fused_steps(5, monkeypatch, prox=True)
+    assert len(one) == len(five) == len(prox_one) == len(prox_five) == STEPS - 1
+    assert two[-1] == five[-1] and prox_two[-1] == prox_five[-1]
+    alone, fused = _kernels(one[-1]), _kernels(five[-1])
+    prox_alone, prox_fused = _kernels(prox_one[-1]), _kernels(prox_five[-1])
+    print(f"loss path, non-view operators per step: one client {alone}, fused {fused}")
+    print(f"FedProx: one client {prox_alone}, fused {prox_fused}")
+    assert fused <= 1.1 * alone
+    assert five[-1]["native_batch_norm"] == 20 and five[-1]["convolution"] == 20
+    tensors = len(list(build_model("resnet18", SHAPE, 10, width=8).parameters()))
+    assert prox_fused <= 1.1 * prox_alone + tensors

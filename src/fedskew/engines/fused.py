@@ -28,11 +28,14 @@ written back), never padded, since padding would enter BatchNorm's statistics.
 
 What is fused: the models built from the layers above (every model of fedskew's zoo:
 mlp, simple-cnn with any norm, fedavg-cnn, cnn-cifar, resnet18 with BatchNorm or GroupNorm)
-trained with cross-entropy (FedAvg, CReFF, FedNova, SCAFFOLD's gradient shift and every
-other plain split without a loss of its own). An algorithm's own loss is one client's
-function of the model, which can call the model on other inputs or with other weights
-(MOON's frozen models, FedACD's mixup): those train by vmap, as does any model with a layer
-this module does not know; ``fused_obstacle`` says why, and the runtime logs it once.
+with every algorithm that trains together. Cross-entropy (FedAvg, CReFF, FedNova,
+SCAFFOLD's gradient shift) runs the whole model through ``fused_logits``. An algorithm's
+own loss is one client's function of the model, which can call the model on other inputs or
+with other weights (MOON's frozen models, FedACD's mixup): it runs under vmap, and each call
+of a body (or of a body's layer) runs ``fused_body`` outside vmap (``together.py``'s
+``_fused_bodies``). A model with a layer this module does not know trains by vmap;
+``fused_obstacle`` says why, and the runtime logs it once. A BatchNorm in eval mode (a
+frozen model's) normalises by its running statistics.
 
 A layer of another kind fuses itself by defining ``fused_forward(tensors, x, clients)``:
 ``tensors`` its parameters and buffers by local name, stacked ``(K, ...)``; ``x`` and the

@@ -74,8 +74,10 @@ fit; a chunk that runs out of GPU memory is halved.
 
 Fused (``--clients-together fused``, ``train_together(fused=True)``): the same stacks, loop,
 schedule and SGD step, but a cross-entropy step runs the stacked weights as one wide model
-with native BatchNorm (``engines/fused.py``) instead of vmap; ``fused_why_not`` says when
-it cannot (an algorithm's own loss, a layer it does not know), and vmap trains instead.
+with native BatchNorm (``engines/fused.py``) instead of vmap. An algorithm's own loss runs
+under vmap as above, but each call of a model's body (or of one of its layers) escapes vmap
+into one fused forward of every client (``_fused_bodies``). ``fused_why_not`` says when it
+cannot (a layer the fused model does not know), and vmap trains instead.
 """
 
 from __future__ import annotations

@@ -207,6 +207,7 @@ def model_obstacle(model: nn.Module) -> str:
 # ---------------------------------------------------------------------------- BatchNorm
 
 _MASK: list[torch.Tensor] = []  # the current per-sample mask while a padded step runs
+_ESCAPED: list[bool] = []  # non-empty while a fused body runs outside vmap (_fused_bodies)
 
 
 class _BatchNormFormula(TorchFunctionMode):
@@ -223,7 +224,7 @@ class _BatchNormFormula(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if (func is F.batch_norm or func is torch.batch_norm) and not is_batchedtensor(args[0]):
+        if _ESCAPED and (func is F.batch_norm or func is torch.batch_norm):
             return func(*args, **kwargs)  # a fused body's, outside vmap: torch's own
         if func is F.batch_norm:
             return _batch_norm(*args, **kwargs)
@@ -830,7 +831,12 @@ def _fused_bodies(bodies: Sequence[nn.Module]) -> Iterator[None]:
             names = {n for n, _ in _body.named_parameters()}
             params = {n: t for n, t in stacks.items() if n in names}
             buffers = {n: t for n, t in stacks.items() if n not in names}
-            return _add_batch_dim(fused_body(_body, params, buffers, xs), 0, level)
+            _ESCAPED.append(True)
+            try:
+                out = fused_body(_body, params, buffers, xs)
+            finally:
+                _ESCAPED.pop()
+            return _add_batch_dim(out, 0, level)
 
         body.forward = forward  # type: ignore[method-assign]
         patched.append(body)

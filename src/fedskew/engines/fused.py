@@ -28,11 +28,14 @@ written back), never padded, since padding would enter BatchNorm's statistics.
 
 What is fused: the models built from the layers above (every model of fedskew's zoo:
 mlp, simple-cnn with any norm, fedavg-cnn, cnn-cifar, resnet18 with BatchNorm or GroupNorm)
-trained with cross-entropy (FedAvg, CReFF, FedNova, SCAFFOLD's gradient shift and every
-other plain split without a loss of its own). An algorithm's own loss is one client's
-function of the model, which can call the model on other inputs or with other weights
-(MOON's frozen models, FedACD's mixup): those train by vmap, as does any model with a layer
-this module does not know; ``fused_obstacle`` says why, and the runtime logs it once.
+with every algorithm that trains together. Cross-entropy (FedAvg, CReFF, FedNova,
+SCAFFOLD's gradient shift) runs the whole model through ``fused_logits``. An algorithm's
+own loss is one client's function of the model, which can call the model on other inputs or
+with other weights (MOON's frozen models, FedACD's mixup): it runs under vmap, and each call
+of a body (or of a body's layer) runs ``fused_body`` outside vmap (``together.py``'s
+``_fused_bodies``). A model with a layer this module does not know trains by vmap;
+``fused_obstacle`` says why, and the runtime logs it once. A BatchNorm in eval mode (a
+frozen model's) normalises by its running statistics.
 
 A layer of another kind fuses itself by defining ``fused_forward(tensors, x, clients)``:
 ``tensors`` its parameters and buffers by local name, stacked ``(K, ...)``; ``x`` and the
@@ -130,8 +133,11 @@ def _batch_norm(f: _Fused, module: nn.Module, prefix: str, x: torch.Tensor) -> t
     are one client's, its running buffers that client's rows of the stack (views: updated
     in place, as the module updates its own)."""
     assert isinstance(module, nn.modules.batchnorm._BatchNorm)
+    # A frozen model in eval mode (MOON's, FedNTD's teacher) normalises by its running
+    # statistics, as the module would.
+    training = module.training
     counter = f.buffers.get(prefix + "num_batches_tracked")
-    if counter is not None:
+    if counter is not None and training:
         f.counters.append(counter)
     return F.batch_norm(
         x,
@@ -139,7 +145,7 @@ def _batch_norm(f: _Fused, module: nn.Module, prefix: str, x: torch.Tensor) -> t
         f.buffer(prefix + "running_var"),
         f.weight(prefix + "weight"),
         f.weight(prefix + "bias"),
-        True,
+        training,
         float(module.momentum),  # type: ignore[arg-type]  # None is fused_obstacle's
         module.eps,
     )
@@ -254,6 +260,23 @@ def fused_logits(
         with torch.no_grad():
             torch._foreach_add_(fused.counters, 1)
     return out.reshape(n, k, -1).transpose(0, 1)
+
+
+def fused_body(
+    module: nn.Module, params: Tensors, buffers: Tensors, x: torch.Tensor
+) -> torch.Tensor:
+    """``module`` (a model's body, or any module ``fused_obstacle`` accepts) of K clients in
+    one fused forward: client k's batch ``x[k]`` through its stacked weights
+    ``params[name][k]`` (names local to ``module``); the output is (K, N, ...). BatchNorm's
+    running buffers among ``buffers`` are updated in place, their counters advanced."""
+    k, n = x.shape[0], x.shape[1]
+    wide = x.transpose(0, 1).reshape(n, k * x.shape[2], *x.shape[3:])
+    fused = _Fused(params, buffers, k)
+    out = fused.run(module, "", wide)
+    if fused.counters:
+        with torch.no_grad():
+            torch._foreach_add_(fused.counters, 1)
+    return out.reshape(n, k, out.shape[1] // k, *out.shape[2:]).transpose(0, 1)
 
 
 def fused_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -74,8 +74,10 @@ fit; a chunk that runs out of GPU memory is halved.
 
 Fused (``--clients-together fused``, ``train_together(fused=True)``): the same stacks, loop,
 schedule and SGD step, but a cross-entropy step runs the stacked weights as one wide model
-with native BatchNorm (``engines/fused.py``) instead of vmap; ``fused_why_not`` says when
-it cannot (an algorithm's own loss, a layer it does not know), and vmap trains instead.
+with native BatchNorm (``engines/fused.py``) instead of vmap. An algorithm's own loss runs
+under vmap as above, but each call of a model's body (or of one of its layers) escapes vmap
+into one fused forward of every client (``_fused_bodies``). ``fused_why_not`` says when it
+cannot (a layer the fused model does not know), and vmap trains instead.
 """
 
 from __future__ import annotations
@@ -89,12 +91,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._C._functorch import (
+    _add_batch_dim,
+    get_unwrapped,
+    is_batchedtensor,
+    maybe_get_bdim,
+    maybe_get_level,
+)
 from torch.func import functional_call, vmap
 from torch.overrides import TorchFunctionMode
 
 from fedskew.core.precision import autocast
 from fedskew.data.federated import ClientData
-from fedskew.engines.fused import fused_cross_entropy, fused_logits, fused_obstacle
+from fedskew.engines.fused import fused_body, fused_cross_entropy, fused_logits, fused_obstacle
+from fedskew.models.base import BodyHeadModel
 from fedskew.training.interface import ClientLogic, LocalTrainConfig
 from fedskew.training.local import (
     AUGMENT_PAD,
@@ -197,6 +207,7 @@ def model_obstacle(model: nn.Module) -> str:
 # ---------------------------------------------------------------------------- BatchNorm
 
 _MASK: list[torch.Tensor] = []  # the current per-sample mask while a padded step runs
+_ESCAPED: list[bool] = []  # non-empty while a fused body runs outside vmap (_fused_bodies)
 
 
 class _BatchNormFormula(TorchFunctionMode):
@@ -213,6 +224,8 @@ class _BatchNormFormula(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if _ESCAPED and (func is F.batch_norm or func is torch.batch_norm):
+            return func(*args, **kwargs)  # a fused body's, outside vmap: torch's own
         if func is F.batch_norm:
             return _batch_norm(*args, **kwargs)
         if func is torch.batch_norm:  # aten's order: input, weight, bias, running stats, ...
@@ -511,6 +524,7 @@ def train_together(
     loss_sums = torch.zeros(len(clients), device=device)
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     fuse = fused and not fused_why_not(model, loss)
+    bodies = _bodies(model, loss) if fuse and loss is not None else []
     model.train()
     x_all, y_all = (first.data.x, first.data.y) if first is not None else (None, None)
     max_steps = clients[order[0]].steps if clients else 0
@@ -526,9 +540,9 @@ def train_together(
         with (
             autocast(cfg.precision, x_all.device.type),
             _autocast_in_vmap(cfg.precision),
-            _norms_by_formula(has_bn and not fuse),
+            _norms_by_formula(has_bn and not (fuse and bound is None)),
         ):
-            if fuse:
+            if fuse and bound is None:
                 losses, positions = _fused_step(
                     model, params, buffers, schedule, active, step, x_all, y_all
                 )
@@ -539,10 +553,11 @@ def train_together(
                 positions = None
             else:
                 rows = {name: t[step] for name, t in by_step.items()}
-                losses, positions, carry = _loss_step(
-                    bound, params, buffers, {**extra, **rows}, carry, schedule, active, step,
-                    x_all, y_all,
-                )  # fmt: skip
+                with _fused_bodies(bodies) if fuse else contextlib.nullcontext():
+                    losses, positions, carry = _loss_step(
+                        bound, params, buffers, {**extra, **rows}, carry, schedule, active,
+                        step, x_all, y_all,
+                    )  # fmt: skip
         losses.sum().backward()
         with torch.no_grad():
             _sgd_step(params, momentum, active, cfg, step == 0, shifts, clipped)
@@ -770,13 +785,82 @@ def _cross_entropy_step(
 
 
 def fused_why_not(model: nn.Module, loss: ClientLoss | None) -> str:
-    """Why clients of ``model`` trained with ``loss`` cannot run fused ("" when they can)."""
-    if loss is not None:
-        return (
-            "the algorithm's own loss is one client's function of the model, which the fused "
-            "model does not run per client"
-        )
+    """Why clients of ``model`` trained with ``loss`` cannot run fused ("" when they can).
+    An algorithm's own loss fuses too: it runs under vmap, its calls of the model's body
+    escape into one fused forward (:func:`_fused_bodies`)."""
     return fused_obstacle(model)
+
+
+def _unbatched(t: torch.Tensor, level: int, k: int) -> torch.Tensor | None:
+    """The (K, ...) stack behind a tensor vmap batched at ``level`` (an unbatched one
+    expanded to K); None for one batched at another level.
+
+    Private functorch calls, here only: the body's input and the weights functional_call
+    swapped in are BatchedTensors inside vmap, and the fused body needs their stacks. The
+    stacks keep their autograd history (the backward runs outside vmap), so gradients reach
+    the stacked parameters as through vmap."""
+    if not is_batchedtensor(t):
+        return t.unsqueeze(0).expand(k, *t.shape)
+    if maybe_get_level(t) != level:
+        return None
+    return get_unwrapped(t).movedim(maybe_get_bdim(t), 0)
+
+
+@contextlib.contextmanager
+def _fused_bodies(bodies: Sequence[nn.Module]) -> Iterator[None]:
+    """While the block runs, each of ``bodies`` called inside vmap on a batched input runs
+    as one fused forward of every client (native BatchNorm, running buffers updated in
+    place on the stacks) and returns its output batched again; any other call, or one whose
+    tensors are not the vmap's, runs the body's own forward."""
+    patched = []
+    for body in bodies:
+        original = body.forward
+
+        def forward(x: torch.Tensor, _body: nn.Module = body, _own: Any = original) -> Any:
+            if not isinstance(x, torch.Tensor) or not is_batchedtensor(x):
+                return _own(x)
+            level = maybe_get_level(x)
+            xs = get_unwrapped(x).movedim(maybe_get_bdim(x), 0)
+            k = xs.shape[0]
+            stacks: dict[str, torch.Tensor] = {}
+            for name, t in [*_body.named_parameters(), *_body.named_buffers()]:
+                u = _unbatched(t, level, k)
+                if u is None:
+                    return _own(x)
+                stacks[name] = u
+            names = {n for n, _ in _body.named_parameters()}
+            params = {n: t for n, t in stacks.items() if n in names}
+            buffers = {n: t for n, t in stacks.items() if n not in names}
+            _ESCAPED.append(True)
+            try:
+                out = fused_body(_body, params, buffers, xs)
+            finally:
+                _ESCAPED.pop()
+            return _add_batch_dim(out, 0, level)
+
+        body.forward = forward  # type: ignore[method-assign]
+        patched.append(body)
+    try:
+        yield
+    finally:
+        for body in patched:
+            del body.forward
+
+
+def _bodies(model: nn.Module, loss: ClientLoss | None) -> list[nn.Module]:
+    """The bodies a loss calls, and their layers (a loss may run them one by one: FedFM's
+    pre-ReLU features): the model's, and those of models the loss keeps (MOON's and FedNTD's
+    frozen copies) that the fused model can run."""
+    models = [model] if isinstance(model, BodyHeadModel) else []
+    owner = getattr(loss, "__self__", loss)
+    for value in vars(owner).values() if hasattr(owner, "__dict__") else ():
+        for m in value.modules() if isinstance(value, nn.Module) else ():
+            if isinstance(m, BodyHeadModel) and m not in models and not fused_obstacle(m):
+                models.append(m)
+    found: list[nn.Module] = []
+    for m in models:
+        found += [m.body, *m.body.children()]
+    return found
 
 
 def _fused_step(

@@ -145,3 +145,18 @@ def test_fedskew_deploy_submits_the_torch_installed_here_or_the_one_asked_for(
         assert f'"{pinned}"' in seen[-1]
     with pytest.raises(UsageError, match="not with --app"):
         submit.deploy("loopback", [], app=REPO / "flower", torch="cpu")
+
+
+def test_app_config_writes_the_documented_dir_and_refuses_in_one_line(tmp_path, capsys):
+    # flower.md: `python -m fedskew.apps.flower.app_config DIR/pyproject.toml --torch cu128`
+    # writes an app for `flwr run DIR`; DIR did not exist and it ended in FileNotFoundError's
+    # traceback, as did an unknown --torch (UsageError) and a path that cannot be written.
+    target = tmp_path / "DIR" / "pyproject.toml"
+    assert app_config.main([str(target), "--torch", "cu128"]) == 0
+    assert '"torch==' in target.read_text() and "+cu128" in target.read_text()
+    assert app_config.main([str(target), "--torch", "bogus"]) == 2
+    assert capsys.readouterr().err.startswith("fedskew: error: --torch 'bogus'")
+    (tmp_path / "afile").write_text("")
+    assert app_config.main([str(tmp_path / "afile" / "pyproject.toml")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fedskew: error: cannot write") and err.count("\n") == 1

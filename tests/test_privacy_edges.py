@@ -72,6 +72,19 @@ def test_noise_0_says_there_is_no_privacy(tmp_path, caplog):
     assert "NO PRIVACY: epsilon infinite" in format_summary(summary, folder)
 
 
+def test_report_says_a_run_without_noise_has_infinite_epsilon(tmp_path):
+    # A --dp-noise 0 run logs dp_epsilon null, so the report's privacy column used to be
+    # left out altogether, as if the run had not been a DP run; it must say infinity.
+    from fedskew.apps.cli import main
+
+    run(cfg_of(tmp_path / "none", dp="central", dp_noise=0.0, rounds=1))
+    out = tmp_path / "report"
+    assert main(["report", str(tmp_path / "none"), "-o", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert "privacy spent (DP epsilon)" in md and "∞ (noise 0)" in md
+    assert "∞ (noise 0)" in (out / "report.html").read_text()
+
+
 def test_a_meaninglessly_large_epsilon_is_warned_before_the_run(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         run(cfg_of(tmp_path, dp="local", dp_noise=0.2, rounds=1))

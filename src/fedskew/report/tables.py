@@ -624,6 +624,27 @@ def _last_values(recs: list[RunRecord], key: str, scale: float) -> list[float]:
     return [scale * r.series(key)[-1][1] for r in recs if r.series(key)]
 
 
+def _without_noise(rec: RunRecord) -> bool:
+    """A DP run with ``dp_noise`` 0: clipping only, its epsilon infinite, so its metrics
+    lines carry no number under ``dp_epsilon`` (null) and summary.json says
+    ``dp_guarantee`` "none"; the report must say so rather than leave the column out."""
+    if str((rec.summary or {}).get("dp_guarantee", "")).startswith("none"):
+        return True
+    dp, noise = rec.config.get("dp", "off"), rec.config.get("dp_noise")
+    return dp not in (None, "off") and isinstance(noise, (int, float)) and noise == 0
+
+
+def _epsilon_cell(recs: list[RunRecord]) -> str:
+    """The privacy column's cell: the mean ± std of the epsilons, or infinity where a seed
+    ran without noise (the mean of anything with an infinite epsilon is infinite)."""
+    unbounded = sum(_without_noise(r) for r in recs)
+    if not unbounded:
+        return mean_std(_last_values(recs, "dp_epsilon", 1.0), digits=4)
+    if unbounded == len(recs):
+        return "∞ (noise 0)"
+    return f"∞ (noise 0 in {unbounded} of {len(recs)} seeds)"
+
+
 def metrics_table(records: list[RunRecord]) -> Table | None:
     """Per method, the last logged value (mean ± std over finished seeds) of the papers'
     other metrics present in the runs, and of the algorithm's own diagnostics; None when
@@ -636,6 +657,7 @@ def metrics_table(records: list[RunRecord]) -> Table | None:
         (k, label, scale)
         for k, label, scale in PAPER_METRICS
         if any(r.series(k) for rs in by_method.values() for r in rs)
+        or (k == "dp_epsilon" and any(_without_noise(r) for rs in by_method.values() for r in rs))
     ]
     known = {k for k, _, _ in PAPER_METRICS}
     diagnostics = {
@@ -653,6 +675,9 @@ def metrics_table(records: list[RunRecord]) -> Table | None:
     for method, recs in by_method.items():
         cells = [method]
         for key, _, scale in present:
+            if key == "dp_epsilon":
+                cells.append(_epsilon_cell(recs))
+                continue
             cells.append(mean_std(_last_values(recs, key, scale), digits=2 if scale > 1 else 4))
         if has_diag:
             cells.append(

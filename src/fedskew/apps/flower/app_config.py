@@ -224,7 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     args = parser.parse_args(argv)
     text = args.pyproject.read_text(encoding="utf-8") if args.pyproject.exists() else ""
-    new = app_text(DEFAULT_TORCH if args.torch is None else torch_build(args.torch))
+    try:
+        build = DEFAULT_TORCH if args.torch is None else torch_build(args.torch)
+    except UsageError as exc:
+        print(f"fedskew: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    new = app_text(build)
     if args.check:
         if new != text:
             print(
@@ -234,7 +239,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 1
         return 0
-    args.pyproject.write_text(new, encoding="utf-8")
+    try:  # DIR/pyproject.toml for `flwr run DIR`: the app's folder is made like write_app's
+        args.pyproject.parent.mkdir(parents=True, exist_ok=True)
+        args.pyproject.write_text(new, encoding="utf-8")
+    except OSError as exc:
+        print(f"fedskew: error: cannot write {args.pyproject}: {exc.strerror}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -21,8 +21,8 @@ import torch
 from flwr.app import Message as FlowerMessage
 from flwr.serverapp import Grid
 
-from fedskew.engines.base import ExchangeFaults, TrafficCounter
 from fedskew.core.errors import Diverged
+from fedskew.engines.base import ExchangeFaults, TrafficCounter
 from fedskew.engines.flower_codec import (
     CLIENT_DIVERGED,
     RejectedReply,

@@ -207,7 +207,7 @@ def test_on_flower_a_run_whose_every_reply_is_lost_fails(tmp_path):
         serve(grid, cfg_of(tmp_path, dp="local", dp_noise=0.5))
 
 
-@pytest.mark.parametrize("mode", ["central", "local"])
+@pytest.mark.parametrize("mode", ["central", "local", "secure"])
 def test_on_flower_a_client_diverging_on_dp_noise_stops_the_run_as_in_process(tmp_path, mode):
     """Noise 1e9 wrecks the model in round 1; in round 2 every client's summand is NaN. In
     process the run stops there, naming the noise; on Flower each client raised, its
@@ -234,9 +234,10 @@ def test_on_flower_a_client_diverging_on_dp_noise_stops_the_run_as_in_process(tm
                 error = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason)
                 return FlowerMessage(error, reply_to=msg)
 
-    noise = 1e9 if mode == "central" else 1e30
-    cfg = cfg_of(tmp_path, dp=mode, dp_noise=noise, num_clients=4, clients_per_round=2,
-                 rounds=2)  # fmt: skip
+    noise = 1e30 if mode == "local" else 1e9
+    extra = {"secure_aggregation": True, "clients_per_round": 3} if mode == "secure" else {}
+    cfg = cfg_of(tmp_path, **{"num_clients": 4, "clients_per_round": 2, "rounds": 2, **extra},
+                 dp="local" if mode == "local" else "central", dp_noise=noise)  # fmt: skip
     with pytest.raises(Diverged, match=r"round 2: .*diverged.*Under DP.*noise") as got:
         serve(FlowerRuntimeGrid(4), cfg)
     assert got.value.round == 2 and "\n" not in str(got.value)

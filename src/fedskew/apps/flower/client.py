@@ -92,7 +92,7 @@ def _client_main(message: FlowerMessage, context: Context) -> FlowerMessage:
         reply = runtime.handle(cid, rnd, msg, state)
     except Diverged as exc:
         if is_secure_stage(message):
-            raise  # SecAgg+'s mod takes a client out of the sum by its exception
+            raise  # through SecAgg+'s mod, which answers it the same way
         # One line the server can act on (stop as the in-process run does), instead of an
         # exception Flower would send back as a traceback and the server count as lost.
         error = Error(code=CLIENT_DIVERGED, reason=str(exc).splitlines()[0][:300])

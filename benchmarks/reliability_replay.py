@@ -375,6 +375,17 @@ def _noise_1e9_flower(ctx: Ctx) -> Check:
     return huge_noise(ctx, p)
 
 
+@case("dp-noise-1e9-flower-secagg", "--dp-noise 1e9 on Flower, with SecAgg+ (beside the "
+      "issue's list: the same noise inside a secure sum)", "as in process: stops in one line "
+      "naming the noise, or finishes with a finite epsilon")  # fmt: skip
+def _noise_1e9_secagg(ctx: Ctx) -> Check:
+    # No --quiet: Flower's log is where a client's traceback would show.
+    p = ctx.fedskew("run", "--engine", "flower-sim", "--secure-aggregation", "--dp", "central",
+                    "--dp-noise", "1e9", *SMALL[:-1], "-o", "runs", "--name", "n",
+                    timeout=150)  # fmt: skip
+    return huge_noise(ctx, p)
+
+
 @case("dp-noise-0", "--dp-noise 0 gives a null epsilon and no privacy column, without a word",
       "a warning that the run has no privacy (or a refusal)")  # fmt: skip
 def _noise_0(ctx: Ctx) -> Check:
@@ -743,7 +754,7 @@ def cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def write(results: list[Outcome], total_seconds: float) -> None:
+def write(results: list[Outcome], total_seconds: float, flags: list[str]) -> None:
     from machine import load1, machine_facts
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
@@ -753,7 +764,8 @@ def write(results: list[Outcome], total_seconds: float) -> None:
     ran = [r for r in results if r.verdict != "skipped"]
     clean = sum(r.clean for r in ran)
     facts = machine_facts()
-    data = {"commit": commit, "src_dirty": dirty, "machine": facts, "load1": load1(),
+    data = {"commit": commit, "flags": flags, "src_dirty": dirty,
+            "machine": facts, "load1": load1(),
             "seconds": round(total_seconds, 1), "clean": clean, "total": len(ran),
             "skipped_here": len(results) - len(ran),
             "cases": [asdict(r) for r in results],
@@ -766,7 +778,8 @@ def write(results: list[Outcome], total_seconds: float) -> None:
     lines = [
         "# Issue 50's examples replayed on today's code",
         "",
-        "Made by `python benchmarks/reliability_replay.py` (digits, 2-3 rounds, seed 0) on "
+        f"Made by `python benchmarks/reliability_replay.py{''.join(' ' + f for f in flags)}` "
+        "(digits, 2-3 rounds, seed 0) on "
         f"commit {commit}{' with src changes' if dirty else ''}; machine: {machine}; load "
         f"{data['load1']}; {data['seconds']} s in all.",
         "",
@@ -815,7 +828,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{sum(r.clean for r in ran)} of {len(ran)} cases clean, "
           f"{len(results) - len(ran)} skipped ({total:.0f} s)")  # fmt: skip
     if not args.no_write and not args.only:
-        write(results, total)
+        write(results, total, ["--risk-memory"] if args.risk_memory else [])
     return 0
 
 

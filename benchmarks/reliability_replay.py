@@ -167,11 +167,12 @@ class Ctx:
 Check = tuple[bool, str]
 
 
-def refused(p: Proc, *needles: str) -> Check:
-    """A clean refusal: non-zero exit, one ``fedskew:`` line on stderr saying ``needles``."""
+def refused(p: Proc, *needles: str, progress: bool = False) -> Check:
+    """A clean refusal: non-zero exit, one ``fedskew:`` line on stderr saying ``needles``
+    (``progress``: a command run without --quiet, whose progress lines come before it)."""
     if p.rc == 0:
         return False, "exit 0 where a refusal was expected"
-    lines = p.err_lines
+    lines = p.err_lines[-1:] if progress else p.err_lines
     if len(lines) != 1 or not lines[0].startswith("fedskew:"):
         return False, f"exit {p.rc} but {len(lines)} stderr lines"
     missing = [n for n in needles if n.lower() not in lines[0].lower()]
@@ -335,7 +336,7 @@ def finite_epsilon(x: Any) -> bool:
     return isinstance(x, int | float) and 0 <= x < float("inf")
 
 
-def huge_noise(ctx: Ctx, p: Proc) -> Check:
+def huge_noise(ctx: Ctx, p: Proc, progress: bool = False) -> Check:
     """Noise 1e9 may wreck the model (a clean one-line divergence naming the noise) but the
     accountant must give every played round a finite epsilon (it raised a math domain error)."""
     eps = [r.get("dp_epsilon") for r in rounds_of(ctx, "n")]
@@ -346,7 +347,7 @@ def huge_noise(ctx: Ctx, p: Proc) -> Check:
         if skipped:  # the in-process engine stops this run as diverged
             return False, f"exit 0 with round(s) {skipped} skipped (every reply missing)"
         return True, f"finished; epsilon {eps[-1]:.3g}"
-    ok, why = refused(p, "noise")
+    ok, why = refused(p, "noise", progress=progress)
     return ok, (f"diverged in one line naming the noise; epsilon by round {eps}" if ok else why)
 
 
@@ -383,7 +384,7 @@ def _noise_1e9_secagg(ctx: Ctx) -> Check:
     p = ctx.fedskew("run", "--engine", "flower-sim", "--secure-aggregation", "--dp", "central",
                     "--dp-noise", "1e9", *SMALL[:-1], "-o", "runs", "--name", "n",
                     timeout=150)  # fmt: skip
-    return huge_noise(ctx, p)
+    return huge_noise(ctx, p, progress=True)
 
 
 @case("dp-noise-0", "--dp-noise 0 gives a null epsilon and no privacy column, without a word",

@@ -220,6 +220,42 @@ def test_on_flower_a_run_whose_every_reply_is_lost_fails(tmp_path):
         serve(grid, cfg_of(tmp_path, dp="local", dp_noise=0.5))
 
 
+@pytest.mark.parametrize("mode", ["central", "local", "secure"])
+def test_on_flower_a_client_diverging_on_dp_noise_stops_the_run_as_in_process(tmp_path, mode):
+    """Noise 1e9 wrecks the model in round 1; in round 2 every client's summand is NaN. In
+    process the run stops there, naming the noise; on Flower each client raised, its
+    ClientApp's exception came back as a 20-line traceback and a lost reply, round 2 was
+    skipped and the run "finished" with exit 0 (issue 50's replay). Now a client that
+    diverged says so in a one-line error reply and a round where no reply came and a client
+    diverged stops the run as in process."""
+    pytest.importorskip("flwr")
+    from flower_grid import LocalGrid
+    from flwr.app import Error
+    from flwr.app import Message as FlowerMessage
+    from flwr.common.constant import ErrorCode
+
+    from fedskew.apps.flower.server import serve
+
+    class FlowerRuntimeGrid(LocalGrid):
+        """A ClientApp's exception becomes an error reply, as Flower's runtime makes it."""
+
+        def deliver(self, msg):
+            try:
+                return super().deliver(msg)
+            except Exception as exc:  # noqa: BLE001 - what Flower's runtime does
+                reason = f"{type(exc)}:<'{exc}'>\nTraceback (most recent call last): ..."
+                error = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason)
+                return FlowerMessage(error, reply_to=msg)
+
+    noise = 1e30 if mode == "local" else 1e9
+    extra = {"secure_aggregation": True, "clients_per_round": 3} if mode == "secure" else {}
+    cfg = cfg_of(tmp_path, **{"num_clients": 4, "clients_per_round": 2, "rounds": 2, **extra},
+                 dp="local" if mode == "local" else "central", dp_noise=noise)  # fmt: skip
+    with pytest.raises(Diverged, match=r"round 2: .*diverged.*Under DP.*noise") as got:
+        serve(FlowerRuntimeGrid(4), cfg)
+    assert got.value.round == 2 and "\n" not in str(got.value)
+
+
 def test_the_docs_examples_are_the_scripts_and_learn():
     """docs/privacy.md's first block runs in benchmarks/privacy_examples.py word for word,
     and the table under it is what that script wrote from its results file."""

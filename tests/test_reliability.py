@@ -375,6 +375,29 @@ def test_memory_exhaustion_is_one_line_with_what_was_asked(tmp_path, capsys):
     assert "GiB available of" in err[0] and "Traceback" not in err[0]
 
 
+def test_a_model_larger_than_the_memory_left_is_refused_before_it_is_built(
+    tmp_path, capsys, monkeypatch
+):
+    """A 25 GB model on a 24 GiB host: the kernel let its allocation through and the OOM
+    killer ended the run (exit -9, no line, issue 50's replay); the host's memory is shrunk
+    here so that the same check meets a small model. Refused before its weights exist."""
+    import fedskew.assembly.prepare as prepare
+
+    monkeypatch.setattr(prepare, "available_memory_bytes", lambda: 3 * 2**20, raising=False)
+    args = ["run", "--rounds", "1", "-m", "mlp", "--model-option", "hidden=1000", "--quiet",
+            "-o", str(tmp_path)]  # fmt: skip
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(
+        "fedskew: error: out of host memory: an allocation of 4.1 MiB for "
+        "model mlp's weights cannot be met (3.0 MiB available of "
+    )
+    assert not list(tmp_path.iterdir())  # refused before a run folder was made
+    monkeypatch.setattr(prepare, "available_memory_bytes", lambda: None)  # unknown: no check
+    assert main([*args[:-2], "-o", str(tmp_path / "unknown")]) == 0
+
+
 @pytest.mark.parametrize(
     ("exc", "expected"),
     [

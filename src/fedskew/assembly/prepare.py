@@ -8,6 +8,7 @@ configuration here, so that every process holds the same data, partition and mod
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ import torch
 from fedskew.algorithms import get_algorithm
 from fedskew.config import ExperimentConfig, TrainingWork
 from fedskew.core.device import ExecutionSettings, device_facts, resolve_device
-from fedskew.core.errors import UsageError
+from fedskew.core.errors import FedskewError, UsageError
+from fedskew.core.machine import available_memory_bytes
 from fedskew.core.rng import derive_seed
 from fedskew.data.datasets import DATASETS, Dataset
 from fedskew.data.federated import FederatedData
@@ -231,6 +233,7 @@ def prepare(cfg: ExperimentConfig, dataset: Dataset | None = None) -> Prepared:
         cuda_graphs=cfg.cuda_graphs,
     )
     model_name = resolve_model_name(cfg, dataset)
+    check_model_fits(cfg, dataset, model_name)
     channels_last = use_channels_last(cfg, dataset, model_name)
     if channels_last:
         dataset.x_train = dataset.x_train.contiguous(memory_format=torch.channels_last)
@@ -327,6 +330,39 @@ def new_model(prep: Prepared) -> torch.nn.Module:
     # Initialised on the CPU from the seed above, then moved: the same initial weights on
     # every device.
     return model.to(prep.device)
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_model_fits(cfg: ExperimentConfig, dataset: Dataset, model_name: str) -> None:
+    """Refuse a model whose weights alone exceed the memory left, before they exist.
+
+    Near the machine's size the kernel grants the allocation and its OOM killer ends the run
+    (or another process) while the weights are initialised: no error, no line. The model is
+    built on the meta device (shapes, no storage) to count its bytes; the run needs several
+    times that (clients' copies, gradients), so only what cannot fit at all is refused."""
+    left = available_memory_bytes()
+    if left is None:
+        return
+    try:
+        with torch.device("meta"):
+            probe = build_model(model_name, dataset.input_shape, dataset.num_classes,
+                                **cfg.model_options)  # fmt: skip
+    except FedskewError:
+        raise
+    except Exception:  # noqa: BLE001 - a model that cannot be built on meta is built as before
+        return
+    tensors = [*probe.parameters(), *probe.buffers()]
+    need = sum(t.numel() * t.element_size() for t in tensors)
+    if need > left:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        raise FedskewError(
+            f"out of host memory: an allocation of {_size(need)} for model {model_name}'s "
+            f"weights cannot be met ({_size(left)} available of {_size(total)}); use a "
+            "smaller model (--model-option) or a machine with more memory"
+        )
 
 
 def use_channels_last(cfg: ExperimentConfig, dataset: Dataset, model_name: str) -> bool:

@@ -26,6 +26,9 @@ STATE_SCALARS = "fedskew.state.scalars"
 # experiment it serves.
 SETUP = "fedskew.setup"
 CONFIG_RECORD = "fedskew.config"
+# The error code of a reply by which a client says its update diverged (NaN or Inf where the
+# server could not see it: inside a summed exchange); Flower's own codes are 0 to 8.
+CLIENT_DIVERGED = 1001
 
 
 class RejectedReply(ValueError):

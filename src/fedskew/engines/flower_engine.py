@@ -21,8 +21,10 @@ import torch
 from flwr.app import Message as FlowerMessage
 from flwr.serverapp import Grid
 
+from fedskew.core.errors import Diverged
 from fedskew.engines.base import ExchangeFaults, TrafficCounter
 from fedskew.engines.flower_codec import (
+    CLIENT_DIVERGED,
     RejectedReply,
     check_reply,
     check_sample_count,
@@ -124,9 +126,15 @@ class FlowerEngine:
             content = encode(msg, {"round": self.round, "client_id": cid})
             outgoing.append(FlowerMessage(content, node, MESSAGE_TYPE, group_id=str(self.round)))
         replies: dict[int, Message] = {}
+        diverged: dict[int, str] = {}  # client id -> what it said
         for reply in self.grid.send_and_receive(outgoing, timeout=self.timeout):
             cid = addressed.get(reply.metadata.src_node_id)
             if cid is None:
+                continue
+            if reply.has_error() and reply.error.code == CLIENT_DIVERGED:
+                said = " ".join(str(reply.error.reason or "").split())[:300]
+                log.warning("round %d: client %d diverged: %s", self.round + 1, cid, said)
+                diverged[cid] = said
                 continue
             if reply.has_error():
                 log.warning(
@@ -145,6 +153,16 @@ class FlowerEngine:
         for cid in messages:
             if cid not in replies:
                 self.missing.add(cid)
+        if diverged and not replies:
+            # Nothing to aggregate because the clients' training diverged: the run stops as
+            # it does in process (a client that merely claims it, while others reply, is a
+            # lost reply: one node cannot stop the run).
+            cid = min(diverged)
+            raise Diverged(
+                f"round {self.round + 1}: no reply to aggregate; {len(diverged)} of "
+                f"{len(messages)} clients diverged (client {cid}: {diverged[cid]})",
+                self.round + 1,
+            )
         return replies
 
     def exchange_summed(

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Context, RecordDict
+from flwr.app import ConfigRecord, Context, Error, RecordDict
 from flwr.app import Message as FlowerMessage
 from flwr.client.mod import secaggplus_mod
 from flwr.common import (
@@ -50,7 +50,9 @@ from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
 from flwr.compat.common import recorddict_compat as compat
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
+from fedskew.core.errors import Diverged
 from fedskew.engines.flower_codec import (
+    CLIENT_DIVERGED,
     RejectedReply,
     check_reply,
     check_sample_count,
@@ -88,6 +90,15 @@ def secure_exchange(
     except Abort as exc:
         for cid in messages:
             engine.missing.add(cid)
+        if run.diverged:
+            # The sum failed because clients' training diverged: stop as in process.
+            cid = min(run.diverged)
+            raise Diverged(
+                f"round {engine.round + 1}: secure aggregation stopped ({exc}); "
+                f"{len(run.diverged)} of {len(messages)} clients diverged (client {cid}: "
+                f"{run.diverged[cid]})",
+                engine.round + 1,
+            ) from None
         raise NoReplies(f"secure aggregation stopped: {exc}") from None
 
 
@@ -112,6 +123,7 @@ class _SecureRound:
             else:
                 self.client_of[node] = cid
         self.threshold = threshold(len(self.client_of))
+        self.diverged: dict[int, str] = {}  # client id -> what it said (CLIENT_DIVERGED)
         self.shapes = [(1,), *(tuple(request.shapes[n]) for n in request.names())]
 
     # ---------------------------------------------------------------------- the stages
@@ -344,7 +356,10 @@ class _SecureRound:
             if node not in contents or node in answers:
                 continue
             if reply.has_error():
-                self.left_out(node, stage, reply.error.reason, lost)
+                said = " ".join(str(reply.error.reason or "").split())[:300]
+                if reply.error.code == CLIENT_DIVERGED:
+                    self.diverged[self.client_of[node]] = said
+                self.left_out(node, stage, said, lost)
                 continue
             answers[node] = reply.content
         for node in contents:
@@ -394,6 +409,11 @@ def secure_aggregation_mod(
     state = np.random.get_state()
     try:
         return secaggplus_mod(message, context, call_next)
+    except Diverged as exc:
+        # Its summand is NaN or Inf: out of the sum, saying why in one line (the server
+        # stops the run when the sum fails for it) rather than as Flower's traceback.
+        error = Error(code=CLIENT_DIVERGED, reason=str(exc).splitlines()[0][:300])
+        return FlowerMessage(error, reply_to=message)
     finally:
         np.random.set_state(state)
 

@@ -6,15 +6,16 @@ from __future__ import annotations
 import platform
 
 import torch
-from flwr.app import ConfigRecord, Context
+from flwr.app import ConfigRecord, Context, Error
 from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 
 from fedskew.core.denormals import denormals_state
 from fedskew.core.device import device_name
-from fedskew.core.errors import FedskewError, UsageError
+from fedskew.core.errors import Diverged, FedskewError, UsageError
 from fedskew.engines.client_runtime import ClientRuntime, runtime_from_config_json
 from fedskew.engines.flower_codec import (
+    CLIENT_DIVERGED,
     CONFIG_RECORD,
     SETUP,
     clear_state,
@@ -87,7 +88,15 @@ def _client_main(message: FlowerMessage, context: Context) -> FlowerMessage:
         raise FedskewError(f"message for client {cid} reached the node of partition {pid}")
     state = load_state(context.state)
     rnd = int(envelope["round"])
-    reply = runtime.handle(cid, rnd, msg, state)
+    try:
+        reply = runtime.handle(cid, rnd, msg, state)
+    except Diverged as exc:
+        if is_secure_stage(message):
+            raise  # through SecAgg+'s mod, which answers it the same way
+        # One line the server can act on (stop as the in-process run does), instead of an
+        # exception Flower would send back as a traceback and the server count as lost.
+        error = Error(code=CLIENT_DIVERGED, reason=str(exc).splitlines()[0][:300])
+        return FlowerMessage(error, reply_to=message)
     store_state(state, context.state)
     if is_secure_stage(message):  # SecAgg+'s mod masks the summand on its way out
         return FlowerMessage(secure_reply(reply, msg, runtime.seed, rnd, cid), reply_to=message)

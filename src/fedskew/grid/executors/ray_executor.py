@@ -114,13 +114,56 @@ def check_reachable(address: str | None, seconds: float = REACH_SECONDS) -> None
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"--ray-address must be HOST:PORT or auto, got {address!r}")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=seconds).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=seconds) as conn:
+            # A port that accepts connections is not yet a cluster: ray.init waits for ever on
+            # one that never answers (a firewall's, a stopped process's backlog) or speaks
+            # another protocol. Ray's GCS (and its client server) is gRPC: HTTP/2, whose
+            # server answers a client's preface with a SETTINGS frame. Under TLS the first
+            # bytes are the handshake's, so the probe is left to ray.init there.
+            if not tls_on():
+                answer = http2_answer(conn, seconds)
+                if answer != "settings":
+                    raise UsageError(
+                        f"cannot reach the Ray cluster at {address}: something accepts "
+                        f"connections there but {answer}: not a Ray cluster's GCS (gRPC); "
+                        "is `ray start --head` running there, on that port?"
+                    )
     except (OSError, ValueError) as exc:
         why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         raise UsageError(
             f"cannot reach the Ray cluster at {address}: {why} (nothing answered within "
             f"{seconds:g} s; is `ray start --head` running there?)"
         ) from None
+
+
+# An HTTP/2 client's connection preface and an empty SETTINGS frame (RFC 9113, 3.4 and 6.5).
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+SETTINGS_FRAME = 4
+
+
+def tls_on() -> bool:
+    return os.environ.get("RAY_USE_TLS", "0").strip().lower() in ("1", "true", "yes")
+
+
+def http2_answer(conn: socket.socket, seconds: float) -> str:
+    """'settings' when the server at ``conn`` answers an HTTP/2 preface with its SETTINGS
+    frame within ``seconds``, else what it did instead, in words."""
+    conn.settimeout(seconds)
+    try:
+        conn.sendall(HTTP2_PREFACE)
+        head = b""
+        while len(head) < 9:  # a frame header: length (3), type, flags, stream id (4)
+            got = conn.recv(9 - len(head))
+            if not got:
+                return "closed the connection without an answer"
+            head += got
+    except TimeoutError:
+        return f"nothing answered within {seconds:g} s"
+    except OSError as exc:
+        return f"the connection failed ({exc.strerror or exc})"
+    if head[3] == SETTINGS_FRAME and head[5:9] == bytes(4):
+        return "settings"
+    return f"it answered {head[:9]!r}, not as gRPC does"
 
 
 # The watcher of the cluster this process started (ray_reaper), until disconnect.

@@ -105,14 +105,25 @@ def test_compare_and_tune_on_a_silent_port_are_one_line_soon(tmp_path, silent, c
     pytest.importorskip("ray")
     if command == "tune":
         pytest.importorskip("optuna")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from reliability_replay import GRID, tune_file
-
+    experiment = (
+        '[experiment]\ndataset = "digits"\nnum_clients = 4\nclients_per_round = 2\n'
+        "rounds = 1\nlocal_epochs = 1\n"
+    )
+    file = tmp_path / f"{command}.toml"
     if command == "tune":
-        args = ["tune", "-c", str(tune_file(tmp_path)), "-o", str(tmp_path / "t")]
+        file.write_text(
+            '[tune]\ntrials = 1\nseeds = [100]\nlast = 1\npruner = "none"\n'
+            'sampler = "random"\n[compare]\nseeds = [0]\nthreads = 1\n'
+            + experiment
+            + "[methods.fedavg.search]\nlr = { log = [0.01, 0.1] }\n"
+        )
+        args = ["tune", "-c", str(file), "-o", str(tmp_path / "t")]
     else:
-        file = tmp_path / "grid.toml"
-        file.write_text(GRID.format(out=tmp_path / "out"))
+        file.write_text(
+            f'[compare]\nout_dir = "{tmp_path / "out"}"\nseeds = [0]\njobs = 1\nthreads = 1\n'
+            + experiment
+            + "[methods.fedavg]\n"
+        )
         args = ["compare", "-c", str(file)]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     cmd = [sys.executable, "-m", "fedskew", *args, "--executor", "ray", "--ray-address", silent]

@@ -251,15 +251,7 @@ def fused_logits(
     through its stacked weights ``params[name][k]``, in one fused forward of ``model``'s
     architecture (its own weights are not used). BatchNorm's running buffers among
     ``buffers`` are updated in place, their batch counters advanced by one."""
-    k, n = x.shape[0], x.shape[1]
-    # (N, K*C, ...): client k's sample i in channels [k*C, (k+1)*C) of row i.
-    wide = x.transpose(0, 1).reshape(n, k * x.shape[2], *x.shape[3:])
-    fused = _Fused(params, buffers, k)
-    out = fused.run(model, "", wide)
-    if fused.counters:  # one kernel for every layer's counter, as each module adds its own
-        with torch.no_grad():
-            torch._foreach_add_(fused.counters, 1)
-    return out.reshape(n, k, -1).transpose(0, 1)
+    return fused_body(model, params, buffers, x).flatten(2)
 
 
 def fused_body(
@@ -270,10 +262,11 @@ def fused_body(
     ``params[name][k]`` (names local to ``module``); the output is (K, N, ...). BatchNorm's
     running buffers among ``buffers`` are updated in place, their counters advanced."""
     k, n = x.shape[0], x.shape[1]
+    # (N, K*C, ...): client k's sample i in channels [k*C, (k+1)*C) of row i.
     wide = x.transpose(0, 1).reshape(n, k * x.shape[2], *x.shape[3:])
     fused = _Fused(params, buffers, k)
     out = fused.run(module, "", wide)
-    if fused.counters:
+    if fused.counters:  # one kernel for every layer's counter, as each module adds its own
         with torch.no_grad():
             torch._foreach_add_(fused.counters, 1)
     return out.reshape(n, k, out.shape[1] // k, *out.shape[2:]).transpose(0, 1)

@@ -803,6 +803,11 @@ def _unbatched(t: torch.Tensor, level: int, k: int) -> torch.Tensor | None:
         return t.unsqueeze(0).expand(k, *t.shape)
     if maybe_get_level(t) != level:
         return None
+    return _stack(t)
+
+
+def _stack(t: torch.Tensor) -> torch.Tensor:
+    """The (K, ...) tensor behind a BatchedTensor, its batch dimension first."""
     return get_unwrapped(t).movedim(maybe_get_bdim(t), 0)
 
 
@@ -820,7 +825,7 @@ def _fused_bodies(bodies: Sequence[nn.Module]) -> Iterator[None]:
             if not isinstance(x, torch.Tensor) or not is_batchedtensor(x):
                 return _own(x)
             level = maybe_get_level(x)
-            xs = get_unwrapped(x).movedim(maybe_get_bdim(x), 0)
+            xs = _stack(x)
             k = xs.shape[0]
             stacks: dict[str, torch.Tensor] = {}
             for name, t in [*_body.named_parameters(), *_body.named_buffers()]:

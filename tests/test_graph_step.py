@@ -25,6 +25,7 @@ from fedskew.assembly.prepare import new_model, prepare
 from fedskew.config import ExperimentConfig
 from fedskew.data.federated import ClientData
 from fedskew.models import build_model
+from fedskew.training.graph_replay import GraphReplay
 from fedskew.training.graph_step import LocalStep, resolve_graphs
 from fedskew.training.interface import ClientContext, LocalTrainConfig
 from fedskew.training.local import (
@@ -307,8 +308,8 @@ def test_the_graph_schedule_warms_up_captures_once_and_replays(monkeypatch) -> N
 
     def capture(self, size):  # type: ignore[no-untyped-def]
         kinds.append("capture")
-        self._graph[size] = _FakeGraph(functools.partial(self.body, size))
-        self._graph[size].replay()  # a capture records; the step itself is its first replay
+        self.graphs[size] = _FakeGraph(functools.partial(self.body, size))
+        self.graphs[size].replay()  # a capture records; the step itself is its first replay
 
     body = LocalStep.body
 
@@ -320,11 +321,11 @@ def test_the_graph_schedule_warms_up_captures_once_and_replays(monkeypatch) -> N
     results = {}
     for graphs in (False, True):
         model, data = _client(n=37)  # 4 batches of 8 and one of 5 per epoch
-        step = LocalStep(model, data, cfg, graphs=graphs)
         if graphs:
-            monkeypatch.setattr(LocalStep, "_on_side_stream", side)
-            monkeypatch.setattr(LocalStep, "_capture", capture)
+            monkeypatch.setattr(GraphReplay, "on_side_stream", side)
+            monkeypatch.setattr(GraphReplay, "capture", capture)
             monkeypatch.setattr(LocalStep, "body", traced)
+        step = LocalStep(model, data, cfg, graphs=graphs)
         result = step.train(torch.Generator().manual_seed(5))
         results[graphs] = (result, {k: v.clone() for k, v in model.state_dict().items()})
     assert results[True][0] == results[False][0]

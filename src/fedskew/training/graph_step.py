@@ -23,14 +23,12 @@ gradients by ``torch.autograd.grad``, clipping, the shift, and SGD with momentum
 decay as ``torch.optim.SGD`` computes it, written with foreach operators over the parameter
 list. On the CPU it runs eagerly and is what ``run_plain`` trains with; it gives
 ``local_train``'s numbers bit for bit (tests/test_graph_step.py, fp32 and float64, every
-algorithm). On CUDA, where the step is graph-safe (:func:`graph_obstacle`), the first
-full-size steps run eagerly on a side stream (the warm-up, in which cuDNN chooses its
-algorithms), the next is captured, and the rest are replays.
+algorithm). On CUDA, where the step is graph-safe (:func:`graph_obstacle`), full-size steps
+are replayed by ``graph_replay.GraphReplay`` (two eager warm-up steps on a side stream, in
+which cuDNN chooses its algorithms, then a capture, then replays).
 
-What a fused chunk of clients would need is the same contract: static inputs, in-place
-state, one body per batch size. The optimiser works on lists of tensors (parameters,
-gradients, momentum), and the loss is one method (:meth:`LocalStep.loss_of`), so another
-model layout overrides that and keeps the update and the capture driver.
+A round's clients trained together (stacked or fused, ``engines/together.py``) keep the same
+contract in their chunk step, with the same driver.
 """
 
 from __future__ import annotations
@@ -44,6 +42,7 @@ from torch import nn
 
 from fedskew.core.precision import autocast
 from fedskew.data.federated import ClientData
+from fedskew.training.graph_replay import GraphReplay, say_once
 from fedskew.training.interface import ClientContext, LocalTrainConfig
 from fedskew.training.local import (
     ClientLoss,
@@ -60,14 +59,7 @@ from fedskew.training.local import (
     draw_augmentation,
 )
 
-log = logging.getLogger("fedskew")
-
 GRAPH_MODES = ("auto", "on", "off")
-# Full-size steps run eagerly before the capture: the first (momentum starts as SGD starts
-# it, a copy of the step) and one more, so that cuDNN's algorithm choice and the caching
-# allocator's first allocations happen outside the graph.
-WARMUP_STEPS = 2
-_said: set[str] = set()  # reasons for eager steps on CUDA, logged once per process
 
 
 def graph_obstacle(model: nn.Module) -> str:
@@ -164,11 +156,8 @@ class LocalStep:
         self._pending: dict[str, torch.Tensor] = {}
         self.augment = cfg.augment and data.x.dim() == 4
         self.graphs = graphs
-        self.graph_reason = ""  # why capture was given up, when it was
-        self._graph: dict[int, Any] = {}  # batch size -> torch.cuda.CUDAGraph
-        self._warm: dict[int, int] = {}
-        self._side: Any = None  # the warm-up stream
-        self._pool: Any = None  # the graphs' memory pool, shared by the batch sizes
+        # Full-size steps as CUDA graphs, one per batch size (graph_replay.py).
+        self.replay = GraphReplay(data.device, self.body, "the local step", self._drop_pending)
 
     # ------------------------------------------------------------------ the step itself
 
@@ -328,47 +317,20 @@ class LocalStep:
         if not self.graphs or size != full:
             self.body(size)
             return
-        graph = self._graph.get(size)
-        if graph is not None:
-            graph.replay()
-            return
-        if self._warm.get(size, 0) < WARMUP_STEPS:
-            self._warm[size] = self._warm.get(size, 0) + 1
-            self._on_side_stream(size)
-            return
-        self._capture(size)
+        self.replay.run(size)
 
-    def _on_side_stream(self, size: int) -> None:
-        """An eager step on a side stream, as capture wants its warm-up (CUDA only)."""
-        if self._side is None:
-            self._side = torch.cuda.Stream(device=self.data.device)
-        current = torch.cuda.current_stream(self.data.device)
-        self._side.wait_stream(current)
-        with torch.cuda.stream(self._side):
-            self.body(size)
-        current.wait_stream(self._side)
+    @property
+    def _graph(self) -> dict[Any, Any]:
+        """The captured graphs, by batch size."""
+        return self.replay.graphs
 
-    def _capture(self, size: int) -> None:
-        """Capture the step of ``size`` and replay it for this step; on failure say why and
-        go on eagerly (a capture records, it does not run: the state is as it was)."""
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                self.body(size)
-        except Exception as exc:  # noqa: BLE001 - any capture failure falls back, said once
-            torch.cuda.synchronize(self.data.device)
-            self.graphs = False
-            self.graph_reason = f"capture failed: {type(exc).__name__}: {exc}".splitlines()[0]
-            if self.graph_reason not in _said:
-                _said.add(self.graph_reason)
-                log.warning("CUDA graph of the local step: %s; eager steps", self.graph_reason)
-            self._pending = {}
-            self.body(size)
-            return
-        if self._pool is None:
-            self._pool = graph.pool()
-        self._graph[size] = graph
-        graph.replay()
+    @property
+    def graph_reason(self) -> str:
+        """Why capture was given up, when it was."""
+        return self.replay.reason
+
+    def _drop_pending(self) -> None:
+        self._pending = {}
 
 
 def train_plain(plan: PlainTraining, ctx: ClientContext) -> TrainResult:
@@ -376,9 +338,8 @@ def train_plain(plan: PlainTraining, ctx: ClientContext) -> TrainResult:
     ``ctx.train.cuda_graphs`` and the device allow), the plan's carried tensors holding
     their final values after it, as ``run_plain`` leaves them."""
     graphs, reason = resolve_graphs(ctx.train.cuda_graphs, ctx.data.device, ctx.model)
-    if reason and ctx.data.device.type == "cuda" and reason not in _said:
-        _said.add(reason)
-        log.info("local steps run eagerly, not as CUDA graphs: %s", reason)
+    if reason and ctx.data.device.type == "cuda":
+        say_once(reason, "local steps run eagerly, not as CUDA graphs: %s", logging.INFO)
     step = LocalStep(
         ctx.model,
         ctx.data,

@@ -4,9 +4,9 @@
 #   1. benchmarks/graph_step_check.py (issue 47: the local step as a CUDA graph against eager,
 #      bit for bit over 20 steps; samples/s and peak memory of fedskew's step eager and as a
 #      graph, a bare CUDA-graph loop of the same model, precision and batches, fedskew rounds
-#      one after another (--cuda-graphs off/on) and together (vmap, fused), 4 replicas on 4
-#      CUDA streams, and 2 and 4 processes at once on the GPU, 4 also under a private MPS
-#      daemon (fp32 only); ResNet-18 and fedavg-cnn, fp32 and bf16), at most half the budget;
+#      one after another (--cuda-graphs off/on) and together (vmap, fused, fused + CUDA
+#      graph), 4 replicas on 4 CUDA streams, and 2 and 4 processes at once on the GPU, 4 also
+#      under a private MPS daemon (fp32 only); ResNet-18 and fedavg-cnn, fp32 and bf16), at most half the budget;
 #   2. benchmarks/gpu_check.sh (CUDA tests, CPU/CUDA curves per algorithm, throughput table);
 #   3. benchmarks/gpu_table.py (one after another against together, fp32/TF32/bf16,
 #      fedavg-cnn and ResNet-18, samples/s and peak memory);

@@ -13,7 +13,8 @@ images of those shapes: the timings hold, nothing is learnt) and precision (fp32
    forward, cross-entropy, backward, ``torch.optim.SGD(foreach=True)`` captured whole),
    fedskew FedAvg rounds (4 clients x 20 steps: one after another with ``--cuda-graphs on``
    and ``off``, capture per client included; clients together by ``vmap`` and ``fused``,
-   each row saying what the run recorded it did), and the paths of concurrent_paths.py:
+   and ``fused`` with its chunk step replayed as CUDA graphs, each row saying what the run
+   recorded it did), and the paths of concurrent_paths.py:
    4 replicas on 4 CUDA streams in one process (graphed steps), and N processes at once
    (2 and 4, and 4 under a private MPS daemon where one starts), each its own graphed step,
    as aggregate samples/s with each process's peak memory. The ratios (a path / bare loop)
@@ -23,7 +24,7 @@ images of those shapes: the timings hold, nothing is learnt) and precision (fp32
 ``PATHS`` maps a path's name to a function ``(Setting) -> dict`` returning at least
 ``samples_per_second`` (and ``peak_mib`` where measured); ``--paths`` picks which run,
 ``register_path`` adds one. ``FUTURE_PATHS`` are rows not built in this build, reported as
-such, not skipped silently: the fused chunk's step as a CUDA graph (engine work).
+such, not skipped silently (none now).
 
     python benchmarks/graph_step_check.py --device cuda --out OUT/graph_step.md
     python benchmarks/graph_step_check.py --dry-run    # the same code, tiny, on the CPU
@@ -302,6 +303,7 @@ def fedskew_round(s: Setting, graphs: str, together: str = "off") -> dict[str, A
 
 PathFn = Callable[[Setting], dict[str, Any]]
 FUSED = "fedskew round, clients together (fused)"
+FUSED_GRAPH = "fedskew round, fused + CUDA graph"
 STREAMS = "CUDA streams, one replica per client"
 # The paths measured side by side, in report order (a Setting in, samples_per_second /
 # peak_mib / note out). The N-process rows are added per run (process_paths: how many
@@ -314,15 +316,11 @@ PATHS: dict[str, PathFn] = {
     "fedskew round, --cuda-graphs on": lambda s: fedskew_round(s, "on"),
     "fedskew round, clients together (vmap)": lambda s: fedskew_round(s, "off", "vmap"),
     FUSED: lambda s: fedskew_round(s, "off", "fused"),
+    FUSED_GRAPH: lambda s: fedskew_round(s, "on", "fused"),
     STREAMS: streams_path,
 }
 # Issue 47's paths not in this build, reported as rows that say so (register_path adds one).
-# The fused chunk's step captured as a CUDA graph needs the fused engine to keep static
-# buffers and one body per batch size (engines/fused.py): engine work, not a benchmark's.
-FUTURE_PATHS: dict[str, str] = {
-    "fedskew round, fused + CUDA graph": "not built: capturing the fused chunk's step as a "
-    "CUDA graph is engine work (engines/fused.py) not done in this build",
-}
+FUTURE_PATHS: dict[str, str] = {}
 BARE = "bare CUDA-graph loop"
 MPS_ROW = ", MPS)"  # how an N-process row under MPS ends
 

@@ -4,7 +4,7 @@ Trains one together round (``train_together``) of six clients with ragged data s
 two small models (``mlp`` and ``simple-cnn`` with BatchNorm) under a TorchDispatchMode that
 counts every aten operator and the bytes of the new tensors they return, split by step.
 A step runs from the end of the previous SGD step to the end of its own (so it holds the
-previous step's loss bookkeeping); "setup" is everything before the first step's gather
+previous step's loss bookkeeping); "setup" is everything before the first step
 and "finish" everything after the last SGD step. Operator counts do not depend on timing,
 so they compare across machines and loads: ``--label before|after`` keeps both labels in
 ``results/together_op_count.json`` and the .md shows them side by side.
@@ -85,7 +85,7 @@ def one_round(model_name: str) -> dict[str, Any]:
     )
     mode = Counting()
     segments: list[dict[str, Any]] = []
-    real_step, real_gather = together._sgd_step, together._gather
+    real_sgd, real_step = together._sgd_step, together._ChunkStep.step
     started = False
 
     def cut(name: str, active: int | None = None) -> None:
@@ -100,24 +100,25 @@ def one_round(model_name: str) -> dict[str, Any]:
             }  # fmt: skip
         )
 
-    def gather(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def step(*args, **kwargs):  # type: ignore[no-untyped-def]
         nonlocal started
         if not started:
             cut("setup")
             started = True
-        return real_gather(*args, **kwargs)
+        return real_step(*args, **kwargs)
 
-    def sgd(params, momentum, active, *args, **kwargs):  # type: ignore[no-untyped-def]
-        real_step(params, momentum, active, *args, **kwargs)
+    def sgd(weights, *args, **kwargs):  # type: ignore[no-untyped-def]
+        real_sgd(weights, *args, **kwargs)
+        active = weights[0].shape[0]
         cut(f"step {sum(1 for s in segments if s['segment'].startswith('step'))}", active)
 
-    together._sgd_step, together._gather = sgd, gather
+    together._sgd_step, together._ChunkStep.step = sgd, step  # type: ignore[method-assign]
     try:
         with mode:
             together.train_together(model, datas, cfg, gens, [start] * len(SIZES), [1] * len(SIZES))
             cut("finish")
     finally:
-        together._sgd_step, together._gather = real_step, real_gather
+        together._sgd_step, together._ChunkStep.step = real_sgd, real_step  # type: ignore[method-assign]
     return {"model": model_name, "options": MODELS[model_name], "segments": segments}
 
 
@@ -138,7 +139,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{BATCH}, one epoch, momentum, weight decay and clipping, on the CPU; aten operators "
         "counted by a TorchDispatchMode, bytes of the tensors they newly return. A step runs "
         "from the end of the previous SGD step to the end of its own; setup is the stacking "
-        "and whatever batch drawing happens before the first step's gather, finish the rest.",
+        "and the drawing of every batch, which happens before the first step; finish the rest.",
         "",
     ]
     for label in labels:

@@ -10,15 +10,13 @@ same bits in fp32 and in float64: global models, every client's state and the ro
 from __future__ import annotations
 
 import functools
-import gc
 import json
-import weakref
 
 import pytest
 import torch
+from capture_check import recorded as _recorded
 from test_together import CASES, SEAMS, _fm_options, _rounds, _seam_plan
 from tiny_bn import NAME as TINY_BN
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedskew.apps.cli import main
 from fedskew.assembly.prepare import new_model, prepare
@@ -100,46 +98,6 @@ def test_the_graph_safe_step_is_local_train_bit_for_bit(case: str, dtype: torch.
 # during a step outlives it except in that memory: state rebound to a new tensor (as
 # torch.optim.SGD's loop leaves fresh gradients in p.grad every step) is invisible to a
 # replay, and the check below flags it for that loop.
-
-
-class _Record(TorchDispatchMode):
-    """Each dispatched operator with its inputs' shapes and dtypes, and a weak reference to
-    each tensor it returns."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[tuple] = []
-        self.made: list[weakref.ref] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        shapes = tuple(
-            (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__
-            for a in (*args, *kwargs.values())
-        )
-        self.ops.append((str(func), shapes))
-        out = func(*args, **kwargs)
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.made.append(weakref.ref(t))
-        return out
-
-
-def _recorded(step, static: list[torch.Tensor]) -> tuple[list[tuple], list[tuple]]:  # type: ignore[no-untyped-def]
-    """The operators of one call of ``step``, and the tensors made during it that are still
-    alive after it outside the memory of ``static`` (shape, dtype)."""
-    record = _Record()
-    with record:
-        step()
-    gc.collect()
-    homes = {t.untyped_storage().data_ptr() for t in static}
-    alive = [ref() for ref in record.made]
-    left = [
-        (tuple(t.shape), t.dtype)
-        for t in alive
-        if t is not None and t.untyped_storage().data_ptr() not in homes
-    ]
-    return record.ops, left
 
 
 def _counting_loss(model, x, y, t):  # type: ignore[no-untyped-def]

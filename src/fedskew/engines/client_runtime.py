@@ -43,6 +43,7 @@ from fedskew.engines.together_memory import (
     free_bytes,
     plan_stack_bytes,
 )
+from fedskew.training.graph_step import resolve_graphs
 from fedskew.training.interface import ClientContext, ClientLogic, LocalTrainConfig
 from fedskew.training.local import PlainTraining, TrainResult, set_arrays
 from fedskew.training.local_evaluation import LOCAL_EVALUATION, answer_local_evaluation
@@ -332,6 +333,8 @@ class ClientRuntime:
             if reason:
                 self._say(f"clients trained together by vmap, not fused: {reason}")
                 fused = False
+        # Steps of one batch size replay as CUDA graphs where the local step would.
+        graphs, _ = resolve_graphs(self.train.cuda_graphs, self.device, self.model)
         for members in pieces:
             results, finals = train_together(
                 self.model,
@@ -352,6 +355,7 @@ class ClientRuntime:
                 after_step=after_step,
                 after_epoch=after_epoch,
                 fused=fused,
+                graphs=graphs,
             )
             trained.update(zip(members, zip(results, finals, strict=True), strict=True))
         return plans, [trained[c] for c in chunk]

@@ -105,6 +105,7 @@ from fedskew.core.precision import autocast
 from fedskew.data.federated import ClientData
 from fedskew.engines.fused import fused_body, fused_cross_entropy, fused_logits, fused_obstacle
 from fedskew.models.base import BodyHeadModel
+from fedskew.training.graph_replay import GraphReplay
 from fedskew.training.interface import ClientLogic, LocalTrainConfig
 from fedskew.training.local import (
     AUGMENT_PAD,
@@ -349,6 +350,7 @@ class _Schedule:
             identity[2].zero_()
             self.draws = identity.expand(steps, len(clients), 3, widest).clone()
         real = torch.get_default_dtype()
+        self.steps = steps
         sizes: list[list[int]] = [[] for _ in range(steps)]
         for i, c in enumerate(clients):
             if not c.steps:  # no data: nothing drawn, as alone
@@ -377,19 +379,28 @@ class _Schedule:
         """Inputs and labels of step ``step`` for the first ``which`` clients of the stack
         (or those at positions ``which``), ``width`` samples each, augmented."""
         index = self.index[step]
+        draws = self.draws[step] if self.augment else None
         if isinstance(which, int):
             index = _prefix(index, which)
+            draws = None if draws is None else _prefix(draws, which)
         else:
             index = index.index_select(0, which)
+            draws = None if draws is None else draws[which]
         if width != index.shape[1]:
             index = index[:, :width]
+            draws = None if draws is None else draws[..., :width]
+        return self.gather(index, draws, x, y)
+
+    def gather(
+        self, index: torch.Tensor, draws: torch.Tensor | None, x: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs (clients, batch, ...) and labels of dataset rows ``index`` (clients,
+        batch), augmented by ``draws`` (clients, 3, batch) when the schedule augments."""
         xb = x[index]
-        if self.augment:
-            draws = self.draws[step]
-            draws = _prefix(draws, which) if isinstance(which, int) else draws[which]
+        if draws is not None:
             # One kernel for the whole stack, client after client.
             flat = xb.reshape(index.numel(), *xb.shape[2:])
-            stacked = draws[..., :width].permute(1, 0, 2).reshape(3, index.numel())
+            stacked = draws.permute(1, 0, 2).reshape(3, index.numel())
             xb = crop_and_flip(flat, stacked).reshape(xb.shape)
         return xb, y[index]
 
@@ -478,6 +489,7 @@ def train_together(
     after_step: StepUpdate | None = None,
     after_epoch: EpochUpdate | None = None,
     fused: bool = False,
+    graphs: bool = False,
 ) -> tuple[list[TrainResult], list[dict[str, torch.Tensor]]]:
     """Train client k from ``starts[k]`` (a state dict) on ``datas[k]`` for ``epochs[k]``
     epochs with generator ``gens[k]``, all clients at once; ``model`` gives the architecture
@@ -486,7 +498,9 @@ def train_together(
     ``carried[k]``, whose tensors hold client k's trained and final values afterwards, and
     ``step_tensors[k]``, ``after_step`` and ``after_epoch``. ``fused``: the steps run as one
     fused model with native BatchNorm (``engines/fused.py``) where ``fused_why_not`` says
-    nothing against it, else by vmap. Returns each client's TrainResult and trained state."""
+    nothing against it, else by vmap. ``graphs``: steps whose clients' batches are all of one
+    size replay as CUDA graphs (``_ChunkStep``; callers decide with
+    ``graph_step.resolve_graphs``). Returns each client's TrainResult and trained state."""
     augment = cfg.augment and bool(datas) and datas[0].x.dim() == 4
     clients = [
         _Client(d, g, e, cfg.batch_size, augment)
@@ -518,59 +532,27 @@ def train_together(
     clipped = set(params)  # the model's parameters, as train_client clips them
     params.update({_BESIDE + name: t for name, t in beside.items()})
     extra.update(beside)
-    momentum = {name: torch.zeros_like(p) for name, p in params.items()}
     first = clients[order[0]] if clients else None
     device = first.data.device if first is not None else torch.device("cpu")
-    loss_sums = torch.zeros(len(clients), device=device)
-    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     fuse = fused and not fused_why_not(model, loss)
-    bodies = _bodies(model, loss) if fuse and loss is not None else []
     model.train()
-    x_all, y_all = (first.data.x, first.data.y) if first is not None else (None, None)
-    max_steps = clients[order[0]].steps if clients else 0
-    bound = None if loss is None else _LossModule(model, loss, after_step)
-    schedule = _Schedule([clients[k] for k in order], device)
-    running = [sum(1 for c in clients if c.steps > step) for step in range(max_steps)]
+    chunk = _ChunkStep(
+        model, params, buffers, clipped, cfg,
+        schedule=_Schedule([clients[k] for k in order], device),
+        x_all=first.data.x if first is not None else None,
+        y_all=first.data.y if first is not None else None,
+        loss=None if loss is None else _LossModule(model, loss, after_step),
+        fuse=fuse, extra=extra, beside=set(beside), shifts=shifts, carry=carry,
+        by_step=by_step, graphs=graphs,
+    )  # fmt: skip
+    running = [sum(1 for c in clients if c.steps > step) for step in range(chunk.schedule.steps)]
     ends = _EpochEnds([clients[k] for k in order], device) if after_epoch and carry else None
-
-    for step in range(max_steps):
-        active = running[step]
-        for p in params.values():
-            p.grad = None
-        with (
-            autocast(cfg.precision, x_all.device.type),
-            _autocast_in_vmap(cfg.precision),
-            _norms_by_formula(has_bn and not (fuse and bound is None)),
-        ):
-            if fuse and bound is None:
-                losses, positions = _fused_step(
-                    model, params, buffers, schedule, active, step, x_all, y_all
-                )
-            elif bound is None:
-                losses = _cross_entropy_step(
-                    model, params, buffers, schedule, active, step, x_all, y_all
-                )
-                positions = None
-            else:
-                rows = {name: t[step] for name, t in by_step.items()}
-                with _fused_bodies(bodies) if fuse else contextlib.nullcontext():
-                    losses, positions, carry = _loss_step(
-                        bound, params, buffers, {**extra, **rows}, carry, schedule, active,
-                        step, x_all, y_all,
-                    )  # fmt: skip
-        losses.sum().backward()
-        with torch.no_grad():
-            _sgd_step(params, momentum, active, cfg, step == 0, shifts, clipped)
-            # Each loss added as train_client adds it (to the fp32 sum in the loss's dtype,
-            # then rounded): a float64 run's mean losses are one after another's.
-            if positions is None:
-                _prefix(loss_sums, active).add_(losses.detach())
-            else:
-                added = loss_sums.index_select(0, positions) + losses.detach()
-                loss_sums.index_copy_(0, positions, added.to(loss_sums.dtype))
-            if ends is not None and ends.any[step]:
-                assert after_epoch is not None
-                carry = ends.update(after_epoch, carry, active, step)
+    for step, active in enumerate(running):
+        chunk.step(step, active)
+        if ends is not None and ends.any[step]:
+            assert after_epoch is not None
+            ends.update(after_epoch, carry, active, step)
+    loss_sums = chunk.loss_sums
 
     loss_host = loss_sums.tolist()
     results: list[TrainResult | None] = [None] * len(clients)
@@ -588,6 +570,185 @@ def train_together(
             for name, t in carry.items():
                 carried[k][name].copy_(t[position])
     return results, finals  # type: ignore[return-value]
+
+
+class _ChunkStep:
+    """The stacked clients' steps, one at a time (``train_together``'s loop body).
+
+    A step whose active clients all have a batch of one size (every step but those at a
+    short last batch) runs :meth:`body`, which is graph-safe as ``graph_step.LocalStep``'s
+    step is: before it, the host copies the step's batch rows (and augmentation draws and
+    step tensors' rows) into static buffers of its shape (active clients, batch width); the
+    body reads only those, the stacks and the carried tensors, writes the weights, momentum,
+    BatchNorm's buffers, loss sums and carried tensors in place, and reads nothing back. On
+    the CPU it runs eagerly (it is the CPU's code path); with ``graphs`` on CUDA it is
+    replayed by ``GraphReplay``, one graph per shape (a chunk's shapes change only as
+    clients finish). Other steps (batches of several sizes) run :meth:`ragged`, eagerly."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        clipped: set[str],
+        cfg: LocalTrainConfig,
+        *,
+        schedule: _Schedule,
+        x_all: torch.Tensor | None,
+        y_all: torch.Tensor | None,
+        loss: _LossModule | None,
+        fuse: bool,
+        extra: dict[str, torch.Tensor],
+        beside: set[str],
+        shifts: dict[str, torch.Tensor],
+        carry: dict[str, torch.Tensor],
+        by_step: dict[str, torch.Tensor],
+        graphs: bool,
+    ) -> None:
+        self.model, self.params, self.buffers, self.cfg = model, params, buffers, cfg
+        self.schedule, self.x_all, self.y_all = schedule, x_all, y_all
+        self.bound, self.fuse = loss, fuse
+        self.extra, self.beside, self.shifts = extra, beside, shifts
+        self.carry, self.by_step = carry, by_step
+        # The optimiser's tensors: those with a gradient (frozen ones are left alone).
+        self.names = [name for name, p in params.items() if p.requires_grad]
+        self.clip = [name in clipped for name in self.names]
+        self.momentum = {name: torch.zeros_like(params[name]) for name in self.names}
+        device = schedule.index.device
+        self.loss_sums = torch.zeros(schedule.index.shape[1], device=device)
+        self.has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        self.bodies = _bodies(model, loss.loss) if fuse and loss is not None else []
+        # Static buffers: per shape the batch rows and draws; the step tensors' current row.
+        self.index: dict[tuple[int, int], torch.Tensor] = {}
+        self.draws: dict[tuple[int, int], torch.Tensor] = {}
+        self.rows = {name: t[0].clone() for name, t in by_step.items()}
+        self.graphs = graphs
+        self.replay = GraphReplay(device, self.body, "a chunk of clients' step")
+
+    def step(self, step: int, active: int) -> None:
+        """Step ``step`` of the first ``active`` clients of the stack."""
+        if len(self.schedule.groups[step]) != 1:
+            self.ragged(step, active)
+            return
+        key = self.load(step, active)
+        if step == 0 or not self.graphs:  # the first starts momentum (a copy): eager
+            self.body(key, first=step == 0)
+        else:
+            self.replay.run(key)
+
+    def load(self, step: int, active: int) -> tuple[int, int]:
+        """Fill the static buffers of this step's shape and return the shape: what the
+        host does between replays."""
+        width = self.schedule.width[step]
+        key = (active, width)
+        if key not in self.index:
+            self.index[key] = self.schedule.index.new_empty(active, width)
+            if self.schedule.augment:
+                self.draws[key] = self.schedule.draws.new_empty(active, 3, width)
+        self.index[key].copy_(self.schedule.index[step, :active, :width])
+        if self.schedule.augment:
+            self.draws[key].copy_(self.schedule.draws[step, :active, :, :width])
+        for name, t in self.by_step.items():
+            self.rows[name].copy_(t[step])
+        return key
+
+    def contexts(self) -> contextlib.ExitStack:
+        """Autocast as the precision says (and its casts inside vmap), BatchNorm by its
+        formula inside vmap, the model's bodies fused where they run fused."""
+        stack = contextlib.ExitStack()
+        device_type = self.x_all.device.type if self.x_all is not None else "cpu"
+        stack.enter_context(autocast(self.cfg.precision, device_type))
+        stack.enter_context(_autocast_in_vmap(self.cfg.precision))
+        stack.enter_context(_norms_by_formula(self.has_bn and not (self.fuse and not self.bound)))
+        if self.bodies:
+            stack.enter_context(_fused_bodies(self.bodies))
+        return stack
+
+    def body(self, key: tuple[int, int], first: bool = False) -> None:
+        """A step whose ``active`` clients have batches of ``width`` samples, from the static
+        buffers of that shape: graph-safe (see the class's docstring)."""
+        active, width = key
+        assert self.x_all is not None and self.y_all is not None
+        p_now = {name: _prefix(p, active) for name, p in self.params.items()}
+        b_now = {name: _prefix(b, active) for name, b in self.buffers.items()}
+        model_p = {name: p for name, p in p_now.items() if name[0] != "\0"}
+        xb, yb = self.schedule.gather(self.index[key], self.draws.get(key), self.x_all, self.y_all)
+        new: dict[str, torch.Tensor] = {}
+        with self.contexts():
+            if self.bound is None and self.fuse:
+                losses = fused_cross_entropy(fused_logits(self.model, model_p, b_now, xb), yb)
+            elif self.bound is None:
+                losses = _vmapped_cross_entropy(self.model, model_p, b_now, xb, yb, None)
+            else:
+                # Tensors trained beside the model reach the loss as the views differentiated.
+                t_now = {
+                    name: p_now[_BESIDE + name] if name in self.beside else _prefix(t, active)
+                    for name, t in self.extra.items()
+                }
+                t_now.update({name: _prefix(t, active) for name, t in self.rows.items()})
+                c_now = {name: _prefix(c, active) for name, c in self.carry.items()}
+                losses, new = _vmapped_loss(self.bound, model_p, b_now, t_now, c_now, xb, yb)
+        self.update(losses, [p_now[name] for name in self.names], active, first)
+        with torch.no_grad():
+            _prefix(self.loss_sums, active).add_(losses.detach())
+            if self.bound is not None and self.bound.after_step is not None:
+                for name, c in self.carry.items():
+                    _prefix(c, active).copy_(new[name])
+
+    def ragged(self, step: int, active: int) -> None:
+        """A step whose clients' batches differ in size (eager): padded and masked for
+        cross-entropy by vmap, else one forward per batch size."""
+        assert self.x_all is not None and self.y_all is not None
+        x, y = self.x_all, self.y_all
+        rows = {name: t[step] for name, t in self.by_step.items()}
+        new = self.carry
+        with self.contexts():
+            if self.bound is None and self.fuse:
+                losses, positions = _fused_step(
+                    self.model, self.params, self.buffers, self.schedule, step, x, y
+                )
+            elif self.bound is None:
+                losses = _padded_cross_entropy(
+                    self.model, self.params, self.buffers, self.schedule, active, step, x, y
+                )
+                positions = None
+            else:
+                losses, positions, new = _loss_step(
+                    self.bound, self.params, self.buffers, {**self.extra, **rows}, self.carry,
+                    self.schedule, step, x, y,
+                )  # fmt: skip
+        # Gradients of the whole stacks (a group's weights are picked by index), then the
+        # active clients' rows.
+        self.update(losses, [self.params[name] for name in self.names], active, step == 0)
+        with torch.no_grad():
+            # Each loss added as train_client adds it (to the fp32 sum in the loss's dtype,
+            # then rounded): a float64 run's mean losses are one after another's.
+            if positions is None:
+                _prefix(self.loss_sums, active).add_(losses.detach())
+            else:
+                added = self.loss_sums.index_select(0, positions) + losses.detach()
+                self.loss_sums.index_copy_(0, positions, added.to(self.loss_sums.dtype))
+            for name, c in self.carry.items():
+                if new[name] is not c:
+                    c.copy_(new[name])
+
+    def update(
+        self, losses: torch.Tensor, inputs: list[torch.Tensor], active: int, first: bool
+    ) -> None:
+        """The gradients of the clients' summed losses and the SGD step of the first
+        ``active`` clients."""
+        grads = torch.autograd.grad(losses.sum(), inputs, allow_unused=True)
+        now = [None if g is None else _prefix(g, active) for g in grads]
+        _sgd_step(
+            [_prefix(self.params[name], active) for name in self.names],
+            now,
+            [_prefix(self.momentum[name], active) for name in self.names],
+            [None if name not in self.shifts else _prefix(self.shifts[name], active)
+             for name in self.names],
+            self.clip,
+            self.cfg,
+            first,
+        )  # fmt: skip
 
 
 def _stacked_steps(
@@ -636,18 +797,21 @@ class _EpochEnds:
         carry: dict[str, torch.Tensor],
         active: int,
         step: int,
-    ) -> dict[str, torch.Tensor]:
-        """The carried tensors after ``after_epoch`` for the clients whose epoch ends at
-        ``step`` (mapped over the active ones, kept where the mask says), as they were for
-        the others."""
+    ) -> None:
+        """``after_epoch`` for the clients whose epoch ends at ``step`` (mapped over the
+        active ones, kept where the mask says), written into the carried tensors in place
+        (they are the chunk step's static tensors)."""
         now = {name: _prefix(t, active) for name, t in carry.items()}
         new = vmap(after_epoch)(now)
         mask = _prefix(self.mask[step], active)
+        # Every new value before any copy: an update may move one carried value to another.
         out = {}
-        for name, t in carry.items():
+        for name, t in now.items():
             ends = mask.reshape(-1, *([1] * (t.dim() - 1)))
-            out[name] = _new_prefix(t, torch.where(ends, new[name], now[name]))
-        return out
+            out[name] = torch.where(ends, new[name], t)
+        with torch.no_grad():
+            for name, t in now.items():
+                t.copy_(out[name])
 
 
 # Autocast's CPU/CUDA op lists, as far as a model's forward and its loss reach them:
@@ -753,22 +917,16 @@ def _stacked(
     return {name: torch.stack([per_client[k][name] for k in order]) for name in names}
 
 
-def _cross_entropy_step(
+def _vmapped_cross_entropy(
     model: nn.Module,
-    params: dict[str, torch.Tensor],
-    buffers: dict[str, torch.Tensor],
-    schedule: _Schedule,
-    active: int,
-    step: int,
-    x_all: torch.Tensor,
-    y_all: torch.Tensor,
+    p_now: dict[str, torch.Tensor],
+    b_now: dict[str, torch.Tensor],
+    xb: torch.Tensor,
+    yb: torch.Tensor,
+    mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The cross-entropy of each of the first ``active`` clients' batch ``step``, ragged
-    batches padded and masked in one vmap."""
-    xb, yb, mask = _gather(schedule, active, step, x_all, y_all)
-    padded = mask is not None
-    p_now = {name: _prefix(p, active) for name, p in params.items()}
-    b_now = {name: _prefix(b, active) for name, b in buffers.items()}
+    """Each client's cross-entropy (mean over the real samples ``mask`` marks, when the
+    batches are padded) of its batch through its stacked weights, in one vmap."""
 
     def one(p: dict, b: dict, x: torch.Tensor, y: torch.Tensor, m: Any) -> torch.Tensor:
         if m is None:
@@ -781,7 +939,26 @@ def _cross_entropy_step(
         ce = F.cross_entropy(logits, y, reduction="none")
         return (ce * m).sum() / m.sum()
 
+    padded = mask is not None
     return vmap(one, in_dims=(0, 0, 0, 0, 0 if padded else None))(p_now, b_now, xb, yb, mask)
+
+
+def _padded_cross_entropy(
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    schedule: _Schedule,
+    active: int,
+    step: int,
+    x_all: torch.Tensor,
+    y_all: torch.Tensor,
+) -> torch.Tensor:
+    """The cross-entropy of each of the first ``active`` clients' batch ``step``, ragged
+    batches padded and masked in one vmap."""
+    xb, yb, mask = _gather(schedule, active, step, x_all, y_all)
+    p_now = {name: _prefix(p, active) for name, p in params.items() if name[0] != "\0"}
+    b_now = {name: _prefix(b, active) for name, b in buffers.items()}
+    return _vmapped_cross_entropy(model, p_now, b_now, xb, yb, mask)
 
 
 def fused_why_not(model: nn.Module, loss: ClientLoss | None) -> str:
@@ -873,25 +1050,18 @@ def _fused_step(
     params: dict[str, torch.Tensor],
     buffers: dict[str, torch.Tensor],
     schedule: _Schedule,
-    active: int,
     step: int,
     x_all: torch.Tensor,
     y_all: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The cross-entropy of each of the first ``active`` clients' batch ``step`` through
-    the fused model, and where batches differ in size the clients' positions in the stack.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cross-entropy through the fused model of the clients' batch ``step`` when the
+    batches differ in size, and the clients' positions in the stack.
 
     Ragged batches are not padded (padding would enter BatchNorm's statistics): each batch
     size runs its own fused forward on its clients' rows, BatchNorm's buffers (copies)
     written back to the stack after it."""
-    groups = schedule.groups[step]
-    if len(groups) == 1:
-        xb, yb = schedule.batches(step, x_all, y_all, active, schedule.width[step])
-        p_now = {name: _prefix(p, active) for name, p in params.items() if name[0] != "\0"}
-        b_now = {name: _prefix(b, active) for name, b in buffers.items()}
-        return fused_cross_entropy(fused_logits(model, p_now, b_now, xb), yb), None
     parts, where = [], []
-    for size, index in groups:
+    for size, index in schedule.groups[step]:
         xb, yb = schedule.batches(step, x_all, y_all, index, size)
         p_now = {name: p.index_select(0, index) for name, p in params.items() if name[0] != "\0"}
         b_now = {name: b.index_select(0, index) for name, b in buffers.items()}
@@ -903,6 +1073,28 @@ def _fused_step(
     return torch.cat(parts), torch.cat(where)
 
 
+def _vmapped_loss(
+    bound: _LossModule,
+    p_now: dict[str, torch.Tensor],
+    b_now: dict[str, torch.Tensor],
+    t_now: dict[str, torch.Tensor],
+    c_now: dict[str, torch.Tensor],
+    xb: torch.Tensor,
+    yb: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Each client's loss of its batch (and its carried tensors after the step), in one
+    vmap. The model's weights go to functional_call; tensors trained beside it reach the
+    loss among its tensors."""
+
+    def one(
+        p: dict, b: dict, t: dict, c: dict, x: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        state = {"model." + k: v for k, v in {**p, **b}.items()}
+        return functional_call(bound, state, (x, y, t, c))
+
+    return vmap(one)(p_now, b_now, t_now, c_now, xb, yb)
+
+
 def _loss_step(
     bound: _LossModule,
     params: dict[str, torch.Tensor],
@@ -910,51 +1102,28 @@ def _loss_step(
     extra: dict[str, torch.Tensor],
     carry: dict[str, torch.Tensor],
     schedule: _Schedule,
-    active: int,
     step: int,
     x_all: torch.Tensor,
     y_all: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
-    """An algorithm's loss of each of the first ``active`` clients' batch ``step``:
-    the losses, when the batches differ in size their positions in the stack, and the
-    carried tensors after the step (``carry`` itself without an ``after_step``).
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """An algorithm's loss of the clients' batch ``step`` when the batches differ in size:
+    the losses, their positions in the stack, and the carried tensors after the step
+    (``carry`` itself without an ``after_step``).
 
     An algorithm's loss may use the whole batch (batch statistics, a batch mean), so padding
     cannot be masked out of it: clients whose batches differ in size run in one vmap per
-    size, without padding.
-
-    Carried tensors are replaced, not written in place: the step's graph may hold them."""
-    groups = schedule.groups[step]
+    size, without padding. The new carried tensors are new tensors (the step's graph may
+    hold the old ones until its backward)."""
     updates = bound.after_step is not None
-
-    # The model's weights go to functional_call; tensors trained beside it (``_BESIDE``, in
-    # ``extra`` too) reach the loss among its tensors.
-    def one(
-        p: dict, b: dict, t: dict, c: dict, x: torch.Tensor, y: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        state = {"model." + k: v for k, v in {**p, **b}.items()}
-        return functional_call(bound, state, (x, y, t, c))
-
-    mapped = vmap(one)
-    if len(groups) == 1:
-        xb, yb = schedule.batches(step, x_all, y_all, active, schedule.width[step])
-        p_now = {name: _prefix(p, active) for name, p in params.items() if name[0] != "\0"}
-        b_now = {name: _prefix(b, active) for name, b in buffers.items()}
-        t_now = {name: _prefix(t, active) for name, t in extra.items()}
-        c_now = {name: _prefix(c, active) for name, c in carry.items()}
-        losses, new = mapped(p_now, b_now, t_now, c_now, xb, yb)
-        if updates:
-            carry = {name: _new_prefix(c, new[name]) for name, c in carry.items()}
-        return losses, None, carry
     parts, where = [], []
-    for size, index in groups:
+    for size, index in schedule.groups[step]:
         xb, yb = schedule.batches(step, x_all, y_all, index, size)
         p_now = {name: p.index_select(0, index) for name, p in params.items() if name[0] != "\0"}
         # Copies: BatchNorm's running statistics go back to the stack after the forward.
         b_now = {name: b.index_select(0, index) for name, b in buffers.items()}
         t_now = {name: t.index_select(0, index) for name, t in extra.items()}
         c_now = {name: c.index_select(0, index) for name, c in carry.items()}
-        losses, new = mapped(p_now, b_now, t_now, c_now, xb, yb)
+        losses, new = _vmapped_loss(bound, p_now, b_now, t_now, c_now, xb, yb)
         parts.append(losses)
         with torch.no_grad():
             for name, b in buffers.items():
@@ -980,46 +1149,55 @@ def _gather(
 
 
 def _sgd_step(
-    params: dict[str, torch.Tensor],
-    momentum: dict[str, torch.Tensor],
-    active: int,
+    weights: list[torch.Tensor],
+    grads: list[torch.Tensor | None],
+    momentum: list[torch.Tensor],
+    shifts: list[torch.Tensor | None],
+    clip: list[bool],
     cfg: LocalTrainConfig,
     first_step: bool,
-    shifts: Mapping[str, torch.Tensor],
-    clipped: set[str],
 ) -> None:
-    """``torch.optim.SGD`` (momentum, weight decay, no dampening or Nesterov) on the first
-    ``active`` clients of the stack, after clipping each client's gradient by its own norm
-    and adding its ``shifts`` (``PlainTraining.grad_shift``), as ``run_plain`` does.
-    One multi-tensor (foreach) kernel per operation over all the stacked tensors, as the
-    optimiser itself does on CUDA."""
-    names = [name for name, p in params.items() if p.grad is not None]
-    if not names:
+    """``torch.optim.SGD`` (momentum, weight decay, no dampening or Nesterov) on stacked
+    ``weights`` (clients first), after clipping each client's gradient by its own norm (over
+    the tensors ``clip`` marks: the model's) and adding its ``shifts``
+    (``PlainTraining.grad_shift``), as ``run_plain`` does. One multi-tensor (foreach) kernel
+    per operation over all the stacked tensors, as the optimiser itself does on CUDA.
+
+    Gradients from ``autograd.grad`` may share memory (one tensor handed to two inputs),
+    so they are only read: each change makes a new list, as SGD's ``grad.add(param)``."""
+    have = [i for i, g in enumerate(grads) if g is not None]
+    if not have:
         return
-    weights = [_prefix(params[name], active) for name in names]
-    grads = [_prefix(params[name].grad, active) for name in names]  # type: ignore[arg-type]
-    if cfg.grad_clip > 0:
-        # clip_grad_norm_: the norm of the per-tensor norms, coefficient clamped at 1.
-        own = [g for name, g in zip(names, grads, strict=True) if name in clipped]
-        norms = torch.stack([torch.linalg.vector_norm(g.reshape(active, -1), dim=1) for g in own])
-        total = torch.linalg.vector_norm(norms, dim=0)
-        coef = torch.clamp(cfg.grad_clip / (total + 1e-6), max=1.0)
-        for g in own:
-            g.mul_(coef.reshape(-1, *([1] * (g.dim() - 1))))
-    for name, g in zip(names, grads, strict=True):
-        if name in shifts:
-            g.add_(_prefix(shifts[name], active))
-    # Into the gradients, which nothing reads after the step (the next one sets them to
-    # None): g + wd * p as SGD computes it, without a temporary per tensor.
-    if cfg.weight_decay:
-        torch._foreach_add_(grads, weights, alpha=cfg.weight_decay)
-    steps = grads
-    if cfg.momentum != 0:
-        buffers = [_prefix(momentum[name], active) for name in names]
-        if first_step:
-            torch._foreach_copy_(buffers, steps)
-        else:
-            torch._foreach_mul_(buffers, cfg.momentum)
-            torch._foreach_add_(buffers, steps)
-        steps = buffers
-    torch._foreach_add_(weights, steps, alpha=-cfg.lr)
+    with torch.no_grad():
+        g: list[torch.Tensor] = [grads[i] for i in have]  # type: ignore[misc]
+        params = [weights[i] for i in have]
+        if cfg.grad_clip > 0:
+            own = [j for j, i in enumerate(have) if clip[i]]
+            if own:
+                # clip_grad_norm_: the norm of the per-tensor norms, coefficient clamped at 1.
+                active = g[own[0]].shape[0]
+                norms = torch.stack(
+                    [torch.linalg.vector_norm(g[j].reshape(active, -1), dim=1) for j in own]
+                )
+                total = torch.linalg.vector_norm(norms, dim=0)
+                coef = torch.clamp(cfg.grad_clip / (total + 1e-6), max=1.0)
+                for j in own:
+                    g[j] = g[j] * coef.reshape(-1, *([1] * (g[j].dim() - 1)))
+        shifted = [j for j, i in enumerate(have) if shifts[i] is not None]
+        if shifted:
+            deltas: list[torch.Tensor] = [shifts[have[j]] for j in shifted]  # type: ignore[misc]
+            moved = torch._foreach_add([g[j] for j in shifted], deltas)
+            for j, t in zip(shifted, moved, strict=True):
+                g[j] = t
+        if cfg.weight_decay:
+            g = list(torch._foreach_add(g, params, alpha=cfg.weight_decay))
+        steps = g
+        if cfg.momentum != 0:
+            bufs = [momentum[i] for i in have]
+            if first_step:
+                torch._foreach_copy_(bufs, steps)
+            else:
+                torch._foreach_mul_(bufs, cfg.momentum)
+                torch._foreach_add_(bufs, steps)
+            steps = bufs
+        torch._foreach_add_(params, steps, alpha=-cfg.lr)

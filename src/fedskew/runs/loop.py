@@ -453,12 +453,13 @@ def graph_facts(state: RunState) -> dict[str, Any]:
     facts: dict[str, Any] = {"cuda_graphs": "on" if graphs else "off"}
     if not graphs:
         facts["cuda_graphs_reason"] = reason
-    elif state.engine.clients_together == "vmap":
-        # The stacked (vmap) step is not graphed; clients that fall back to one after
-        # another are.
+    elif state.engine.clients_together in ("vmap", "fused"):
+        # A chunk's steps whose clients' batches are all of one size replay; the others
+        # (a short last batch among full ones) run eagerly.
         facts["cuda_graphs_reason"] = (
-            "clients trained together (--clients-together vmap) run eagerly; only clients "
-            "trained one after another replay graphs (--clients-together off)"
+            f"clients trained together (--clients-together {state.engine.clients_together}) "
+            "replay the steps whose batches are of one size; steps with a short last batch "
+            "among them run eagerly"
         )
     return facts
 

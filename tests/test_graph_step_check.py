@@ -52,6 +52,9 @@ def test_the_dry_run_is_green_and_its_ratios_are_computed(check, tmp_path) -> No
         assert cell["over_bare_loop"] == round(cell["samples_per_second"] / bare, 3)
     # Each new path says what it ran: fused for real, the streams' CPU stand-in, N processes.
     assert paths[check.FUSED]["clients_together"] == "fused"
+    fused_graph = paths[check.FUSED_GRAPH]
+    assert fused_graph["clients_together"] == "fused" and fused_graph["cuda_graphs"] == "off"
+    assert "no CUDA graphs on cpu" in fused_graph["note"]  # the CPU's eager step, said
     assert "2 replicas one after another (no streams on cpu)" in paths[check.STREAMS]["note"]
     two = paths["N processes (2)"]
     assert two["processes"] == 2 and two["note"].startswith("2 processes at once")

@@ -78,6 +78,12 @@ with native BatchNorm (``engines/fused.py``) instead of vmap. An algorithm's own
 under vmap as above, but each call of a model's body (or of one of its layers) escapes vmap
 into one fused forward of every client (``_fused_bodies``). ``fused_why_not`` says when it
 cannot (a layer the fused model does not know), and vmap trains instead.
+
+CUDA graphs (``train_together(graphs=True)``, from ``--cuda-graphs``): every step whose
+active clients all have a batch of one size runs ``_ChunkStep.body``, graph-safe as the
+one-client ``LocalStep`` is (static buffers of its shape filled by the host, state written
+in place, no host reads), and on CUDA is replayed by ``training/graph_replay.py``, one graph
+per shape (active clients, batch width). The CPU runs the same body eagerly.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ from fedskew.training.local import (
     set_arrays,
     trained_needs,
 )
+from fedskew.training.parameter_terms import flat, inner
 from fedskew.training.protocol import Channel, Message, arrived
 from fedskew.training.state_spec import StatePart, after_training, model_part
 
@@ -90,10 +91,12 @@ def dynamic_terms(
     variables: Sequence[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``<g_k, theta'>`` and ``||theta' - theta||^2`` over the (theta', g_k, theta) triples."""
-    # one or two fused kernels per tensor: this runs at every local step
-    linear = [p.reshape(-1) @ grad.reshape(-1) for p, grad, _ in variables]
-    quad = [F.mse_loss(p, server, reduction="sum") for p, _, server in variables]
-    return torch.stack(linear).sum(), torch.stack(quad).sum()
+    # all tensors at once (a few operators, not a few per tensor): runs every local step
+    # (the weights concatenated once for both terms: squared_distance would concatenate again)
+    params, grads, servers = (list(column) for column in zip(*variables, strict=True))
+    w = flat(params)
+    d = w - flat(servers)
+    return inner(w, flat(grads)), inner(d, d)
 
 
 class FedDynServer(ServerLogic):

@@ -27,6 +27,7 @@ from fedskew.training.local import (
     set_arrays,
     trained_reply,
 )
+from fedskew.training.parameter_terms import squared_distance
 from fedskew.training.protocol import Message
 
 
@@ -53,12 +54,8 @@ def proximal_loss(
     logits = model.head(features)
     loss = F.cross_entropy(logits, y)
     if mu:
-        # one fused kernel per tensor: this runs at every local step
-        prox = [
-            F.mse_loss(p, a, reduction="sum")
-            for p, a in zip(model.parameters(), anchor, strict=True)
-        ]
-        loss = loss + 0.5 * mu * torch.stack(prox).sum()
+        # all tensors at once (a few operators, not a few per tensor): runs every local step
+        loss = loss + 0.5 * mu * squared_distance(list(model.parameters()), anchor)
     return LossOutput(loss, features, logits)
 
 

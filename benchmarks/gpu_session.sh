@@ -72,17 +72,17 @@ fi
 # (about 200 operators; bf16 250: <= 22 ms), replayed as a graph <= 5 ms (fp32 GPU work);
 # fedavg-cnn eager <= 3 ms. Per setting:
 #   bit check 60 eager steps + 1 capture; eager 80; graph 80; bare loop 83    ResNet <= 5 s
-#   4 fedskew runs x 3 rounds x 4 clients x 20 steps = 960 steps, 1-2 s setup
-#     each, a capture per client and round with graphs on                     ResNet <= 30 s
+#   5 fedskew runs (off, on, vmap, fused, fused + graph) x 3 rounds x 4 clients x 20
+#     steps = 1200 steps, 1-2 s setup each, captures with graphs on           ResNet <= 37 s
 #   streams: 4 replicas x 80 steps (GPU work serialised at worst) + 4 captures  <= 4 s
 #   N processes (fp32 only): each process 240 steps, started at once (Python, torch and
 #     fedskew imports and CUDA start: <= 8 s); N=2 <= 10 s, N=4 <= 12 s, N=4 MPS <= 13 s
-# ResNet-18: fp32 <= 39 s + 35 s of processes, bf16 <= 45 s; fedavg-cnn (3 ms eager):
-# fp32 <= 15 s + 30 s of processes, bf16 <= 15 s. In all <= 115 s in process + 65 s of
-# processes = 180 s: at worst at the hard cut. So graph_step_check runs every setting's
-# in-process cells first (<= 115 s, well inside) and the N-process cells last: in the worst
-# case the last of those (the MPS rows) do not start after 160 s and their rows say
-# "skipped: the budget was spent"; no model or precision loses its other rows.
+# ResNet-18: fp32 <= 46 s + 35 s of processes, bf16 <= 52 s; fedavg-cnn (3 ms eager):
+# fp32 <= 17 s + 30 s of processes, bf16 <= 17 s. In all <= 132 s in process + 65 s of
+# processes = 197 s, above the 180 s cut at worst. So graph_step_check runs every setting's
+# in-process cells first (<= 132 s, inside) and the N-process cells last: in the worst case
+# the last of those (fedavg-cnn's 4 processes and the MPS rows) do not start after 160 s and
+# their rows say "skipped: the budget was spent"; no model or precision loses its other rows.
 # The MPS rows run last of all (after every setting's plain N-process rows): a measuring
 # process that has not answered in 60 s (concurrent_paths.PROCESS_DEADLINE_S: an MPS server
 # that never starts) is stopped and its row says so; the MPS daemon is quit on the way out,

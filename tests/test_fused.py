@@ -169,12 +169,23 @@ def test_fp32_servers_train_fused_as_one_after_another(
 
 
 # Algorithms with a loss of their own (issue 47): the loss runs under vmap, the body fused.
+MOON_RESNET = {"params": {"mu": 1.0, "out_dim": 16}, "model": "resnet18"}
 LOSSES = {
     **{case: SEAMS[case] for case in sorted(set(SEAMS) - set(FUSED))},
     "fedacd-mixup-margins": {"algorithm": "fedacd", "model": TINY_BN, "augment": True},
     **{case: _fm_options(case) for case in ("fedprox+fm-l2", "moon+fm-warmup", "fedacd+fm")},
     "fedprox-resnet18-gn": {"algorithm": "fedprox", "params": {"mu": 0.1},
                             "model": "resnet18", "model_options": {"width": 8, "norm": "gn"}},
+    # MOON's frozen global and previous models (eval-mode BatchNorm, by running statistics)
+    # beside the student's BatchNorm, in rounds that mix clients with and without a previous
+    # model. At lr 0.01: at the default 0.05, three rounds of this ResNet-18 (1x1 in its last
+    # stage on 8x8 digits) amplify float64 rounding to 1e-8 (MOON) and 1e-7 (FedAvg), as far
+    # as one after another moves from itself with each batch's rows reversed; at 0.01 both
+    # stay near 5e-13 (benchmarks/results/fused_float64_drift.md).
+    "moon-resnet18-bn": {"algorithm": "moon", "rounds": 3, "lr": 0.01, **MOON_RESNET,
+                         "model_options": {"width": 8}},
+    "moon-resnet18-gn": {"algorithm": "moon", "rounds": 3, **MOON_RESNET,
+                         "model_options": {"width": 8, "norm": "gn"}},
     "fedntd-mlp": {"algorithm": "fedntd", "params": {"tau": 2.0}, "model": "mlp"},
 }  # fmt: skip
 FAST_LOSSES = {"fedprox", "moon", "fedacd-mixup-margins"}

@@ -231,6 +231,33 @@ def test_algorithm_trains_together_as_one_after_another_in_float64(
     _assert_float64_equal(case, expected, alone, got, together)
 
 
+# ResNet-18 with GroupNorm, channels_last as prepare lays out a convolutional model: the
+# grouped convolutions inside vmap return channels_last activations, which torch's
+# group_norm cannot ask for their memory format there ("NYI: querying is_contiguous inside
+# of vmap"); MOON's stacks of one client (with and without a previous model) give layer4's
+# (N, C, 1, 1) activations channels_last strides that Tensor.contiguous keeps.
+GROUP_NORM = {"model": "resnet18", "model_options": {"width": 8, "norm": "gn"}}
+GN_CASES: dict[str, dict] = {
+    "fedavg-resnet18-gn": GROUP_NORM,
+    "moon-resnet18-gn": {"algorithm": "moon", "rounds": 3,
+                         "params": {"mu": 1.0, "out_dim": 16}, **GROUP_NORM},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(GN_CASES))
+def test_group_norm_resnet18_trains_by_vmap_as_one_after_another_in_float64(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cross-entropy steps and an algorithm's own loss (MOON's frozen models too) by vmap
+    on GroupNorm activations in channels_last: as one after another to 1e-10 in float64."""
+    expected, alone = _rounds("off", dtype=torch.float64, **GN_CASES[case])
+    assert alone.prep.channels_last
+    sizes = _chunks_seen(monkeypatch)
+    got, together = _rounds("vmap", dtype=torch.float64, **GN_CASES[case])
+    assert sum(sizes) == 4 * len(expected)  # every client trained together
+    _assert_float64_equal(case, expected, alone, got, together)
+
+
 # The feature-matching plug-in around algorithms that train together: three rounds, the
 # matching launched in the second (before it, the round is the inner algorithm's).
 FM_START = 1

@@ -292,13 +292,49 @@ def _batch_norm(
     return torch.addcmul(shift.reshape(shape), x, scale.reshape(shape)).to(given)
 
 
+class _ContiguousGroupNorm(TorchFunctionMode):
+    """Every ``F.group_norm`` of a vmapped input whose strides are not row-major run on a
+    row-major copy.
+
+    torch's group_norm asks its input for its suggested memory format, and a vmapped tensor
+    can say only whether it is contiguous in the default format: a channels_last activation
+    (prepare's default layout for convolutional models; the stacked weights keep it, so the
+    grouped convolutions return channels_last) raised "NYI: querying is_contiguous inside
+    of vmap for memory_format other than torch.contiguous_format" (torch 2.13, CPU) for
+    ResNet-18 with GroupNorm, every algorithm. ``Tensor.contiguous`` is not enough: a
+    (N, C, 1, 1) activation with channels_last strides counts as contiguous and is returned
+    as it is. The copy holds the same values: only the order in which the kernel sums a
+    group differs, as between CPU and CUDA."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if (func is F.group_norm or func is torch.group_norm) and is_batchedtensor(args[0]):
+            x = args[0]
+            if x.stride() != _row_major(x.shape):
+                args = (x.clone(memory_format=torch.contiguous_format), *args[1:])
+        return func(*args, **kwargs)
+
+
+def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a row-major (C-contiguous) tensor of ``shape``, size-1 dimensions
+    included."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
 @contextlib.contextmanager
-def _norms_by_formula(active: bool) -> Iterator[None]:
-    """:class:`_BatchNormFormula` in the block when ``active`` (the model has BatchNorm)."""
-    if not active:
-        yield
-        return
-    with _BatchNormFormula():
+def _norms_in_vmap(batch_norm: bool, group_norm: bool) -> Iterator[None]:
+    """:class:`_BatchNormFormula` in the block where the model has BatchNorm,
+    :class:`_ContiguousGroupNorm` where it has GroupNorm (modes cost a Python call per
+    operator: none where the model needs none)."""
+    with contextlib.ExitStack() as stack:
+        if batch_norm:
+            stack.enter_context(_BatchNormFormula())
+        if group_norm:
+            stack.enter_context(_ContiguousGroupNorm())
         yield
 
 
@@ -623,6 +659,7 @@ class _ChunkStep:
         device = schedule.index.device
         self.loss_sums = torch.zeros(schedule.index.shape[1], device=device)
         self.has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        self.has_gn = any(isinstance(m, nn.GroupNorm) for m in model.modules())
         self.bodies = _bodies(model, loss.loss) if fuse and loss is not None else []
         # Static buffers: per shape the batch rows and draws; the step tensors' current row.
         self.index: dict[tuple[int, int], torch.Tensor] = {}
@@ -659,13 +696,16 @@ class _ChunkStep:
         return key
 
     def contexts(self) -> contextlib.ExitStack:
-        """Autocast as the precision says (and its casts inside vmap), BatchNorm by its
-        formula inside vmap, the model's bodies fused where they run fused."""
+        """Autocast as the precision says (and its casts inside vmap), the norms' modes
+        inside vmap (BatchNorm by its formula, GroupNorm on row-major inputs), the model's
+        bodies fused where they run fused."""
         stack = contextlib.ExitStack()
         device_type = self.x_all.device.type if self.x_all is not None else "cpu"
         stack.enter_context(autocast(self.cfg.precision, device_type))
         stack.enter_context(_autocast_in_vmap(self.cfg.precision))
-        stack.enter_context(_norms_by_formula(self.has_bn and not (self.fuse and not self.bound)))
+        # A fused cross-entropy step runs no vmap (a fused loss does, its bodies not).
+        in_vmap = not (self.fuse and self.bound is None)
+        stack.enter_context(_norms_in_vmap(self.has_bn and in_vmap, self.has_gn and in_vmap))
         if self.bodies:
             stack.enter_context(_fused_bodies(self.bodies))
         return stack

@@ -1,0 +1,441 @@
+"""Issue 47's fixed per-round costs: what a round spends outside local training.
+
+FedAvg and FedFM (for its anchor pass) on ResNet-18 (CIFAR stem, about 11 M parameters) with
+random images of CIFAR-10's shape (3x32x32, 10 classes), 10 clients per round (all of them,
+IID, ``--samples`` each), clients in this process (``workers`` 0). Everything else is
+fedskew's default: the global model evaluated on the whole test set and a checkpoint written
+every round (``eval_every`` 1, ``checkpoint_every`` 1), local epochs 2, batch 32, lr 0.05,
+momentum 0.9, ``clients_together`` auto (vmap on CUDA, one after another on the CPU),
+FedFM's parameters (the anchors are computed and aggregated every round; the matching term
+starts at round 20). The test set has ``--test-size`` images: 10,000 by default, CIFAR-10's
+test split, which fedskew scores whole.
+
+Timers (round_timers.py, the mechanism of round_profile.py) are installed around fedskew's
+functions and book each stretch of time to one category, exclusively, so the categories of
+a round add up to its wall time (end of one round to the end of the next; round 1 warms up
+and is not reported). On CUDA every clock reading is preceded by ``torch.cuda.synchronize``:
+the device's work is booked to the category that queued it.
+
+Each category is reported as a fraction (a) of the measured round and (b) of the issue's goal
+round, a ResNet-18 FedAvg round of 10 x 5,000 images in 8 s, against the issue's bound of 5 %
+of a round for the fixed costs. On the CPU the training is far from the goal speed and there
+is no device boundary (nothing is copied to or from a device): (b) then says what the host
+side costs, not what a GPU round costs.
+
+    python benchmarks/round_fixed_costs.py --device cuda --out OUT/round_fixed_costs.md
+    python benchmarks/round_fixed_costs.py --dry-run     # tiny, seconds on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import load1, machine_facts  # noqa: E402
+from round_timers import Ledger, Patches, timed  # noqa: E402
+
+import fedskew.algorithms.fedavg as fedavg_mod  # noqa: E402
+import fedskew.algorithms.fedfm as fedfm_mod  # noqa: E402
+import fedskew.engines.client_runtime as runtime_mod  # noqa: E402
+import fedskew.runs.loop as loop_mod  # noqa: E402
+import fedskew.training.graph_step as graph_step_mod  # noqa: E402
+import fedskew.training.local as local_mod  # noqa: E402
+from fedskew.config import ExperimentConfig  # noqa: E402
+from fedskew.core.device import device_facts, resolve_device  # noqa: E402
+from fedskew.core.machine import git_commit  # noqa: E402
+from fedskew.data.datasets import Dataset  # noqa: E402
+from fedskew.data.sources import register_dataset  # noqa: E402
+from fedskew.models import build_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "results" / "round_fixed_costs.md"
+
+# The issue's goal: a ResNet-18 FedAvg round of 10 x 5,000 images in about 8 s, with the
+# fixed per-round costs under 5 % of it.
+GOAL_ROUND_S = 8.0
+GOAL_SHARE = 0.05
+CLIENTS = 10
+SHAPE = (3, 32, 32)
+CLASSES = 10
+
+TRAINING = "training"
+OTHER = "other"
+# (category, what it times, where). Report order; "other" is the ledger's bottom: time no
+# wrapper claims.
+CATEGORIES: list[tuple[str, str, str]] = [
+    (TRAINING, "local training: the graph-safe step, local_train, or clients trained together",
+     "training/graph_step.py train_plain, training/local.py local_train, "
+     "engines/together.py train_together"),
+    ("aggregation", "the server's weighted average of the replies and its server-lr step",
+     "training/aggregation.py weighted_average, apply_server_lr"),
+    ("host<->device copies", "messages' arrays and client states moved to the run's device and "
+     "back at the runtime's boundary (nothing on the CPU)",
+     "core/device.py to_device, to_cpu (from engines/client_runtime.py)"),
+    ("model state copies", "a message's weights loaded into the scratch model, the reply's "
+     "clone of the trained state, FedFM's copy of the received model",
+     "training/local.py set_arrays, get_arrays; algorithms/fedfm.py keep_received"),
+    ("checkpoint", "save_checkpoint (npz, fsync, rename)", "runs/checkpoint.py"),
+    ("evaluation", "the global model on the test set", "runs/loop.py evaluate_global_model"),
+    ("anchor pass", "FedFM's step 1: the clients' class means of features over all their "
+     "samples and the server's anchor aggregation (its copies are in the copy rows)",
+     "algorithms/fedfm.py anchor_exchange, local_anchor_arrays, aggregate_anchors"),
+    (OTHER, "the rest: engine dispatch, client contexts and generators, NaN/Inf checks, "
+     "traffic count, metrics line, run loop", "engines/, runs/loop.py"),
+]  # fmt: skip
+NAMES = [c for c, _, _ in CATEGORIES]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    shape: tuple[int, int, int]
+    samples: int  # per client
+    test: int
+    rounds: int  # measured, after one warm-up round
+    model_options: dict[str, Any]
+    local_epochs: int | None  # None: fedskew's default
+
+
+FULL = Sizes(shape=SHAPE, samples=5000, test=10_000, rounds=2, model_options={}, local_epochs=None)
+# The same code at a size that takes seconds on two shared CPU cores.
+# (Width 8: at width 4 fedskew's CPU step ran for minutes here; not looked into.)
+DRY = Sizes(
+    shape=(3, 8, 8), samples=8, test=32, rounds=1, model_options={"width": 8}, local_epochs=1
+)
+
+
+# ----------------------------------------------------------------------------- timers
+
+
+class BoundaryBytes:
+    """Bytes that really cross the device boundary in to_device / to_cpu."""
+
+    def __init__(self) -> None:
+        self.down = 0  # host -> device
+        self.up = 0  # device -> host
+
+    def count(self, arrays: Mapping[str, torch.Tensor], target: torch.device | None) -> int:
+        """Bytes of ``arrays`` not on ``target`` (None: the host)."""
+        kind = "cpu" if target is None else target.type
+        return sum(t.nbytes for t in arrays.values() if t.device.type != kind)
+
+
+@contextmanager
+def instrumented(
+    ledger: Ledger, crossing: BoundaryBytes, inclusive: dict[str, float]
+) -> Iterator[None]:
+    """Install the timers on fedskew's functions; put every one back afterwards."""
+    patches = Patches(ledger)
+    t = patches.time
+    t(graph_step_mod, "train_plain", TRAINING)
+    t(local_mod, "local_train", TRAINING)
+    t(runtime_mod, "train_together", TRAINING)
+    for mod in (fedavg_mod, fedfm_mod):
+        t(mod, "weighted_average", "aggregation")
+        t(mod, "apply_server_lr", "aggregation")
+        t(mod, "set_arrays", "model state copies")
+    t(runtime_mod, "set_arrays", "model state copies")
+    t(local_mod, "get_arrays", "model state copies")
+    t(fedfm_mod, "keep_received", "model state copies")
+    t(loop_mod, "save_checkpoint", "checkpoint")
+    t(loop_mod, "evaluate_global_model", "evaluation")
+    t(fedfm_mod, "local_anchor_arrays", "anchor pass")
+    t(fedfm_mod, "aggregate_anchors", "anchor pass")
+
+    to_device, to_cpu = runtime_mod.to_device, runtime_mod.to_cpu
+
+    def counted_to_device(arrays: Mapping[str, torch.Tensor], device: torch.device) -> Any:
+        crossing.down += crossing.count(arrays, device)
+        return to_device(arrays, device)
+
+    def counted_to_cpu(arrays: Mapping[str, torch.Tensor]) -> Any:
+        crossing.up += crossing.count(arrays, None)
+        return to_cpu(arrays)
+
+    patches.replace(
+        runtime_mod, "to_device", timed(ledger, counted_to_device, "host<->device copies")
+    )
+    patches.replace(runtime_mod, "to_cpu", timed(ledger, counted_to_cpu, "host<->device copies"))
+
+    # The anchor pass also whole, its copies and model loads included (inclusive time).
+    anchor_exchange = timed(ledger, fedfm_mod.anchor_exchange, "anchor pass")
+
+    def whole_anchor_exchange(*args: Any, **kwargs: Any) -> Any:
+        start = ledger._now()
+        try:
+            return anchor_exchange(*args, **kwargs)
+        finally:
+            inclusive["anchor pass"] = inclusive.get("anchor pass", 0.0) + ledger._now() - start
+
+    patches.replace(fedfm_mod, "anchor_exchange", whole_anchor_exchange)
+    try:
+        yield
+    finally:
+        patches.restore()
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def synthetic(
+    name: str, shape: tuple[int, ...], n_train: int, n_test: int
+) -> Callable[[], Dataset]:
+    def load() -> Dataset:
+        gen = torch.Generator().manual_seed(0)
+        return Dataset(
+            name=name, x_train=torch.randn(n_train, *shape, generator=gen),
+            y_train=torch.randint(0, CLASSES, (n_train,), generator=gen),
+            x_test=torch.randn(n_test, *shape, generator=gen),
+            y_test=torch.randint(0, CLASSES, (n_test,), generator=gen),
+            num_classes=CLASSES, input_shape=shape, class_names=[str(i) for i in range(CLASSES)],
+            source="random images made by benchmarks/round_fixed_costs.py",
+        )  # fmt: skip
+
+    return load
+
+
+def measure(algorithm: str, device: torch.device, sizes: Sizes) -> dict[str, Any]:
+    """One run of ``algorithm``: per measured round its wall time, the seconds of every
+    category, the bytes across the device boundary; the run's own facts beside them."""
+    name = f"fixed-costs-{'x'.join(map(str, sizes.shape))}-{sizes.samples}-{sizes.test}"
+    register_dataset(name, synthetic(name, sizes.shape, CLIENTS * sizes.samples, sizes.test))
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    ledger = Ledger(base=OTHER, sync=sync)
+    crossing = BoundaryBytes()
+    inclusive: dict[str, float] = {}
+    rounds: list[dict[str, Any]] = []
+    last: dict[str, Any] = {}
+
+    def mark() -> None:
+        wall, totals, _ = ledger.snapshot()
+        last.update(wall=wall, totals=totals, down=crossing.down, up=crossing.up,
+                    anchor=inclusive.get("anchor pass", 0.0))  # fmt: skip
+
+    def on_round(record: dict[str, Any]) -> None:
+        before = dict(last)
+        mark()
+        seconds = {c: last["totals"].get(c, 0.0) - before["totals"].get(c, 0.0) for c in NAMES}
+        rounds.append({
+            "round": record["round"],
+            "wall_s": last["wall"] - before["wall"],
+            "seconds": seconds,
+            "anchor_pass_inclusive_s": last["anchor"] - before["anchor"],
+            "bytes_to_device": last["down"] - before["down"],
+            "bytes_to_host": last["up"] - before["up"],
+            "samples": record["samples"],
+        })  # fmt: skip
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        extra = {} if sizes.local_epochs is None else {"local_epochs": sizes.local_epochs}
+        cfg = ExperimentConfig(
+            algorithm=algorithm, dataset=name, model="resnet18",
+            model_options=dict(sizes.model_options), num_clients=CLIENTS, partition="iid",
+            clients_per_round=CLIENTS, rounds=sizes.rounds + 1, workers=0, device=str(device),
+            seed=0, out_dir=out_dir, name=f"{algorithm}-{time.monotonic_ns()}", quiet=True,
+            **extra,
+        )  # fmt: skip
+        with instrumented(ledger, crossing, inclusive):
+            mark()
+            folder, _ = loop_mod.run(cfg, on_round=on_round)
+        process = json.loads((folder / "processes.jsonl").read_text().splitlines()[0])
+        config = json.loads((folder / "config.json").read_text())
+    params = sum(
+        p.numel()
+        for p in build_model("resnet18", sizes.shape, CLASSES, **sizes.model_options).parameters()
+    )
+    return {
+        "algorithm": algorithm,
+        "parameters": params,
+        "clients_together": process.get("clients_together"),
+        "cuda_graphs": process.get("cuda_graphs"),
+        "settings": {k: config.get(k) for k in (
+            "local_epochs", "batch_size", "lr", "momentum", "eval_every", "checkpoint_every",
+            "clients_together", "precision", "algorithm_params")},
+        "warm_up": rounds[0],
+        "rounds": rounds[1:],
+    }  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def summarise(run: dict[str, Any]) -> dict[str, Any]:
+    """Mean seconds per measured round per category, and each one's fractions of the
+    measured round and of the goal round, computed here from the measurements."""
+    rounds = run["rounds"]
+    wall = statistics.mean(r["wall_s"] for r in rounds)
+    rows = []
+    for c in NAMES:
+        s = statistics.mean(r["seconds"][c] for r in rounds)
+        rows.append(
+            {"category": c, "seconds": s, "of_round": s / wall, "of_goal": s / GOAL_ROUND_S}
+        )
+    fixed = sum(r["seconds"] for r in rows if r["category"] != TRAINING)
+    return {
+        "wall_s": wall,
+        "rows": rows,
+        "fixed_s": fixed,
+        "fixed_of_round": fixed / wall,
+        "fixed_of_goal": fixed / GOAL_ROUND_S,
+        "fixed_within_goal": fixed / GOAL_ROUND_S < GOAL_SHARE,
+        "anchor_pass_inclusive_s": statistics.mean(r["anchor_pass_inclusive_s"] for r in rounds),
+        "bytes_to_device": statistics.mean(r["bytes_to_device"] for r in rounds),
+        "bytes_to_host": statistics.mean(r["bytes_to_host"] for r in rounds),
+        "samples": statistics.mean(r["samples"] for r in rounds),
+    }
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.2f} %"
+
+
+def markdown(data: dict[str, Any]) -> str:
+    env = data["environment"]
+    where = env.get("device_name") or data["device"]
+    label = "CPU" if data["device"] == "cpu" else where
+    sizes = data["sizes"]
+    lines = [
+        f"# Fixed per-round costs (issue 47): {label}",
+        "",
+        f"Written by `{data['command']}` on {data['date']} UTC; code {data['commit']}; "
+        f"torch {data['machine'].get('torch', '?')}; {data['machine'].get('cpu', '?')}, "
+        f"{data['threads']} torch threads; load average {data['load_before']} before, "
+        f"{data['load_after']} after.",
+        "",
+        f"ResNet-18 (CIFAR stem), random images of shape {'x'.join(map(str, sizes['shape']))}, "
+        f"{CLASSES} classes, {CLIENTS} clients per round (IID, all sampled) of "
+        f"{sizes['samples']:,} images each, a test set of {sizes['test']:,} images, seed 0; "
+        f"round 1 warms up, rounds 2..{sizes['rounds'] + 1} are measured (mean per round). "
+        "fedskew's defaults otherwise (listed per run): evaluation every round on the whole "
+        "test set, a checkpoint every round. Clients in this process (workers 0).",
+        "",
+        f"Goal round: {GOAL_ROUND_S:g} s (issue 47: a ResNet-18 FedAvg round of 10 x 5,000 "
+        f"images); bound on the fixed costs: {100 * GOAL_SHARE:g} % of it "
+        f"({GOAL_SHARE * GOAL_ROUND_S:g} s).",
+        "",
+    ]
+    if data["dry_run"]:
+        lines += ["**Dry run**: tiny model and sizes; the numbers check the script, not the "
+                  "costs.", ""]  # fmt: skip
+    if data["device"] == "cpu":
+        lines += [
+            "**CPU**: training is far from the goal speed, and nothing crosses a device "
+            "boundary (the copy rows hold no host<->device transfer): the goal column says "
+            "what the host-side work would weigh in an 8 s round, not what a GPU round costs.",
+            "",
+        ]
+    for run in data["runs"]:
+        s = run["summary"]
+        st = run["settings"]
+        lines += [
+            f"## {run['algorithm']}",
+            "",
+            f"{run['parameters']:,} parameters; clients_together {run['clients_together']}, "
+            f"cuda_graphs {run['cuda_graphs']}; local epochs {st['local_epochs']}, batch "
+            f"{st['batch_size']}, lr {st['lr']}, momentum {st['momentum']}, precision "
+            f"{st['precision']}, eval_every {st['eval_every']}, checkpoint_every "
+            f"{st['checkpoint_every']}; {s['samples']:,.0f} training samples per round.",
+            "",
+            "| category | s/round | of the measured round | of the 8 s goal round |",
+            "|---|---:|---:|---:|",
+        ]
+        for r in s["rows"]:
+            lines.append(f"| {r['category']} | {r['seconds']:.4f} | {pct(r['of_round'])} | "
+                         f"{pct(r['of_goal'])} |")  # fmt: skip
+        lines += [
+            f"| **fixed costs (all but training)** | **{s['fixed_s']:.4f}** | "
+            f"**{pct(s['fixed_of_round'])}** | **{pct(s['fixed_of_goal'])}** |",
+            f"| round wall time | {s['wall_s']:.4f} | 100 % | {pct(s['wall_s'] / GOAL_ROUND_S)} |",
+            "",
+            f"Fixed costs {'within' if s['fixed_within_goal'] else '**over**'} "
+            f"{100 * GOAL_SHARE:g} % of the goal round ({pct(s['fixed_of_goal'])}). Bytes "
+            f"across the device boundary per round: {s['bytes_to_device'] / 2**20:,.1f} MiB "
+            f"to the device, {s['bytes_to_host'] / 2**20:,.1f} MiB back to the host.",
+            "",
+        ]
+        if run["algorithm"] == "fedfm":
+            a = s["anchor_pass_inclusive_s"]
+            lines += [f"Anchor pass whole (its copies and model loads included): {a:.4f} s "
+                      f"per round, {pct(a / s['wall_s'])} of the round, {pct(a / GOAL_ROUND_S)} "
+                      "of the goal round.", ""]  # fmt: skip
+    lines += ["## What each category times", ""]
+    lines += [f"- `{c}`: {what} ({where})" for c, what, where in CATEGORIES]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU (seconds)")
+    ap.add_argument("--algorithms", nargs="+", default=["fedavg", "fedfm"])
+    ap.add_argument("--samples", type=int, help=f"images per client (default {FULL.samples})")
+    ap.add_argument("--test-size", type=int, help=f"test images (default {FULL.test:,})")
+    ap.add_argument("--rounds", type=int, help=f"measured rounds (default {FULL.rounds})")
+    ap.add_argument("--local-epochs", type=int, help="default: fedskew's")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args(argv)
+    base = DRY if args.dry_run else FULL
+    if args.dry_run and args.device != "cpu":
+        ap.error("--dry-run runs on the CPU")
+    sizes = Sizes(
+        shape=base.shape, samples=args.samples or base.samples, test=args.test_size or base.test,
+        rounds=args.rounds or base.rounds, model_options=base.model_options,
+        local_epochs=args.local_epochs or base.local_epochs,
+    )  # fmt: skip
+    if min(sizes.samples, sizes.test, sizes.rounds) < 1:
+        ap.error("--samples, --test-size and --rounds must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data: dict[str, Any] = {
+        "command": "python benchmarks/round_fixed_costs.py "
+        + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
+        "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "commit": git_commit(ROOT),
+        "machine": machine_facts(),
+        "environment": device_facts(device),
+        "device": device.type,
+        "threads": torch.get_num_threads(),
+        "dry_run": args.dry_run,
+        "sizes": {"shape": list(sizes.shape), "samples": sizes.samples, "test": sizes.test,
+                  "rounds": sizes.rounds, "model_options": sizes.model_options,
+                  "local_epochs": sizes.local_epochs},
+        "goal_round_s": GOAL_ROUND_S,
+        "goal_share": GOAL_SHARE,
+        "load_before": load1(),
+        "runs": [],
+    }  # fmt: skip
+    for algorithm in args.algorithms:
+        run = measure(algorithm, device, sizes)
+        run["summary"] = summarise(run)
+        data["runs"].append(run)
+        data["load_after"] = load1()
+        # Written after every run: a session cut short keeps what it finished.
+        out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+        out.write_text(markdown(data))
+        print(f"{algorithm}: round {run['summary']['wall_s']:.3f} s, fixed "
+              f"{run['summary']['fixed_s']:.3f} s", flush=True)  # fmt: skip
+    print(f"written: {out} and {out.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

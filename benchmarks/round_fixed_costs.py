@@ -2,10 +2,11 @@
 
 FedAvg and FedFM (for its anchor pass) on ResNet-18 (CIFAR stem, about 11 M parameters) with
 random images of CIFAR-10's shape (3x32x32, 10 classes), 10 clients per round (all of them,
-IID, ``--samples`` each), clients in this process (``workers`` 0). Everything else is
-fedskew's default: the global model evaluated on the whole test set and a checkpoint written
-every round (``eval_every`` 1, ``checkpoint_every`` 1), local epochs 2, batch 32, lr 0.05,
-momentum 0.9, ``clients_together`` auto (vmap on CUDA, one after another on the CPU),
+IID, ``--samples`` each, 5,000 by default), one local epoch (the goal round's 10 x 5,000
+images), clients in this process (``workers`` 0). Everything else is fedskew's default: the
+global model evaluated on the whole test set and a checkpoint written every round
+(``eval_every`` 1, ``checkpoint_every`` 1), batch 32, lr 0.05, momentum 0.9, fp32,
+``clients_together`` auto (vmap on CUDA, one after another on the CPU),
 FedFM's parameters (the anchors are computed and aggregated every round; the matching term
 starts at round 20). The test set has ``--test-size`` images: 10,000 by default, CIFAR-10's
 test split, which fedskew scores whole.
@@ -50,7 +51,10 @@ from round_timers import Ledger, Patches, timed  # noqa: E402
 import fedskew.algorithms.fedavg as fedavg_mod  # noqa: E402
 import fedskew.algorithms.fedfm as fedfm_mod  # noqa: E402
 import fedskew.engines.client_runtime as runtime_mod  # noqa: E402
+import fedskew.runs.folder as folder_mod  # noqa: E402
 import fedskew.runs.loop as loop_mod  # noqa: E402
+import fedskew.runs.measurements as measurements_mod  # noqa: E402
+import fedskew.runs.tracking.session as session_mod  # noqa: E402
 import fedskew.training.graph_step as graph_step_mod  # noqa: E402
 import fedskew.training.local as local_mod  # noqa: E402
 from fedskew.config import ExperimentConfig  # noqa: E402
@@ -92,8 +96,12 @@ CATEGORIES: list[tuple[str, str, str]] = [
     ("anchor pass", "FedFM's step 1: the clients' class means of features over all their "
      "samples and the server's anchor aggregation (its copies are in the copy rows)",
      "algorithms/fedfm.py anchor_exchange, local_anchor_arrays, aggregate_anchors"),
-    (OTHER, "the rest: engine dispatch, client contexts and generators, NaN/Inf checks, "
-     "traffic count, metrics line, run loop", "engines/, runs/loop.py"),
+    ("NaN/Inf checks", "every reply's arrays and the new global model checked for NaN/Inf",
+     "runs/loop.py non_finite_value, non_finite_array"),
+    ("metrics line", "the round's measurements, metrics.jsonl line (fsync) and trackers",
+     "runs/measurements.py, runs/folder.py append_metrics, runs/tracking"),
+    (OTHER, "the rest: engine dispatch, client contexts and generators, traffic count, run "
+     "loop", "engines/, runs/loop.py"),
 ]  # fmt: skip
 NAMES = [c for c, _, _ in CATEGORIES]
 
@@ -105,10 +113,10 @@ class Sizes:
     test: int
     rounds: int  # measured, after one warm-up round
     model_options: dict[str, Any]
-    local_epochs: int | None  # None: fedskew's default
+    local_epochs: int
 
 
-FULL = Sizes(shape=SHAPE, samples=5000, test=10_000, rounds=2, model_options={}, local_epochs=None)
+FULL = Sizes(shape=SHAPE, samples=5000, test=10_000, rounds=2, model_options={}, local_epochs=1)
 # The same code at a size that takes seconds on two shared CPU cores.
 # (Width 8: at width 4 fedskew's CPU step ran for minutes here; not looked into.)
 DRY = Sizes(
@@ -149,6 +157,11 @@ def instrumented(
     t(runtime_mod, "set_arrays", "model state copies")
     t(local_mod, "get_arrays", "model state copies")
     t(fedfm_mod, "keep_received", "model state copies")
+    t(loop_mod, "non_finite_value", "NaN/Inf checks")
+    t(loop_mod, "non_finite_array", "NaN/Inf checks")
+    t(measurements_mod.Measurements, "measure", "metrics line")
+    t(folder_mod.RunFolder, "append_metrics", "metrics line")
+    t(session_mod.TrackingSession, "log_round", "metrics line")
     t(loop_mod, "save_checkpoint", "checkpoint")
     t(loop_mod, "evaluate_global_model", "evaluation")
     t(fedfm_mod, "local_anchor_arrays", "anchor pass")
@@ -238,13 +251,12 @@ def measure(algorithm: str, device: torch.device, sizes: Sizes) -> dict[str, Any
         })  # fmt: skip
 
     with tempfile.TemporaryDirectory() as out_dir:
-        extra = {} if sizes.local_epochs is None else {"local_epochs": sizes.local_epochs}
         cfg = ExperimentConfig(
             algorithm=algorithm, dataset=name, model="resnet18",
             model_options=dict(sizes.model_options), num_clients=CLIENTS, partition="iid",
             clients_per_round=CLIENTS, rounds=sizes.rounds + 1, workers=0, device=str(device),
             seed=0, out_dir=out_dir, name=f"{algorithm}-{time.monotonic_ns()}", quiet=True,
-            **extra,
+            local_epochs=sizes.local_epochs,
         )  # fmt: skip
         with instrumented(ledger, crossing, inclusive):
             mark()
@@ -386,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, help=f"images per client (default {FULL.samples})")
     ap.add_argument("--test-size", type=int, help=f"test images (default {FULL.test:,})")
     ap.add_argument("--rounds", type=int, help=f"measured rounds (default {FULL.rounds})")
-    ap.add_argument("--local-epochs", type=int, help="default: fedskew's")
+    ap.add_argument("--local-epochs", type=int, help="default 1 (the goal round's)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)

@@ -14,7 +14,8 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -552,7 +553,8 @@ def play_round(state: RunState, rnd: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     served = channel if state.measurements is None else state.measurements.channel(rnd, channel)
     try:
-        round_metrics = server.round(rnd, clients, served)
+        with device_replies(engine, served is channel and server.takes_device_replies()):
+            round_metrics = server.round(rnd, clients, served)
     except Diverged as exc:
         cause = dp_noise_cause(state)
         if not cause:
@@ -610,6 +612,22 @@ def play_round(state: RunState, rnd: int) -> dict[str, Any]:
             "and shapes)"
         )
     return record
+
+
+@contextmanager
+def device_replies(engine: Engine, allowed: bool) -> Iterator[None]:
+    """For the block, the in-process engine leaves the replies' arrays on its device where
+    ``allowed`` (the server computes with them there; no measurement wraps its channel, as
+    the local-risk one keeps the replies on the host). Other engines' replies come from other
+    processes, in host memory."""
+    if not (allowed and isinstance(engine, InProcessEngine)):
+        yield
+        return
+    engine.replies_on_device = True
+    try:
+        yield
+    finally:
+        engine.replies_on_device = False
 
 
 def dp_noise_cause(state: RunState) -> str:
@@ -714,10 +732,17 @@ class FiniteReplies:
         return summed
 
 
-def non_finite_array(arrays: dict[str, torch.Tensor]) -> str | None:
-    for name, t in arrays.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            return name
+def non_finite_array(arrays: Mapping[str, torch.Tensor]) -> str | None:
+    """The name of a floating tensor holding NaN or Inf (the first, where all are on one
+    device), or None. One read back per device, not one per tensor: on a GPU each is a
+    synchronisation, and a round checks every reply (ResNet-18: 122 tensors) and the new
+    global model."""
+    floats = [(name, t) for name, t in arrays.items() if t.is_floating_point()]
+    for device in dict.fromkeys(t.device for _, t in floats):
+        named = [(name, t) for name, t in floats if t.device == device]
+        finite = torch.stack([torch.isfinite(t).all() for _, t in named])
+        if not bool(finite.all()):
+            return named[int(torch.nonzero(~finite)[0])][0]
     return None
 
 

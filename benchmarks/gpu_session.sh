@@ -8,10 +8,11 @@
 #      graph), 4 replicas on 4 CUDA streams, and 2 and 4 processes at once on the GPU, 4 also
 #      under a private MPS daemon (fp32 only); ResNet-18 and fedavg-cnn, fp32 and bf16), at most half the budget;
 #   2. benchmarks/round_fixed_costs.py (issue 47: what a ResNet-18 FedAvg and FedFM round of
-#      10 clients x 5,000 images spends outside local training: aggregation, host<->device
-#      copies, model state copies, checkpoint, evaluation, FedFM's anchor pass; as fractions of
-#      the round and of the issue's 8 s goal round), one measured round each, cut at 60 s and
-#      skipped when under 60 s is left (FedAvg is written first, so a cut keeps it);
+#      10 clients spends outside local training: aggregation, host<->device copies, model state
+#      copies, checkpoint, evaluation, NaN/Inf checks, FedFM's anchor pass; as fractions of the
+#      round and of the issue's 8 s goal round; FedAvg also with its replies brought to the
+#      host, as before it averaged on the device), one measured round each, cut at 60 s and
+#      skipped when under 60 s is left (each run written when it ends, FedAvg first);
 #   3. benchmarks/gpu_check.sh (CUDA tests, CPU/CUDA curves per algorithm, throughput table);
 #   4. benchmarks/gpu_table.py (one after another against together, fp32/TF32/bf16,
 #      fedavg-cnn and ResNet-18, samples/s and peak memory);
@@ -102,14 +103,16 @@ timeout $(( budget / 2 )) "$PY" benchmarks/graph_step_check.py --device cuda \
     --budget $(( budget / 2 - 20 )) --out "$out/graph_step.md" >"$out/graph_step.log" 2>&1
 echo "gpu_session: graph_step_check exit $?, $(left) s left"
 
-# Step 2: one warm-up and one measured round each of FedAvg and FedFM. Worst case on one
-# H100/H200: a round trains 50,000 images (clients together by vmap, fedskew's default on
-# CUDA) at >= 15,000 images/s (graph_step_check's ResNet-18 rows) <= 4 s, evaluates 10,000
-# <= 1 s and moves 10 x 2 x 45 MB across PCIe; FedFM adds its anchor pass (a forward over the
-# 50,000 images <= 2 s): 2 x 5 s + 2 x 7 s + start-up (imports, CUDA, data) <= 10 s = 34 s,
-# cut at 60 s. FedAvg's report is written before FedFM starts.
+# Step 2: one warm-up and one measured round each of FedAvg, FedAvg with its replies brought
+# to the host (the path before it averaged on the device) and FedFM, 10 clients x 2,000
+# images (the per-round costs do not depend on it; FedFM's anchor pass, a forward over every
+# client's images, grows with it). Worst case on one H100/H200: ResNet-18 fp32 trains at
+# about 4,200 images/s there (benchmarks/results/gpu_table.md, H200: one after another 4,402,
+# together 4,180), so a round's 20,000 images take <= 5 s, evaluating 10,000 <= 1 s, and
+# FedFM's anchor pass adds <= 2 s: 2 x 6 s + 2 x 6 s + 2 x 8 s + start-up (imports, CUDA,
+# data) <= 10 s = 50 s, cut at 60 s. Each run's report is written when it ends (FedFM's last).
 if [ "$(left)" -gt 60 ]; then
-    timeout 60 "$PY" benchmarks/round_fixed_costs.py --device cuda --rounds 1 \
+    timeout 60 "$PY" benchmarks/round_fixed_costs.py --device cuda --rounds 1 --samples 2000 \
         --out "$out/round_fixed_costs.md" >"$out/round_fixed_costs.log" 2>&1
     echo "gpu_session: round_fixed_costs exit $?, $(left) s left"
 else

@@ -219,9 +219,17 @@ def synthetic(
     return load
 
 
-def measure(algorithm: str, device: torch.device, sizes: Sizes) -> dict[str, Any]:
-    """One run of ``algorithm``: per measured round its wall time, the seconds of every
-    category, the bytes across the device boundary; the run's own facts beside them."""
+# FedAvg as it ran before its round averaged on the device: every reply's arrays brought to
+# the host and averaged there (ServerLogic.takes_device_replies off). The same on the CPU.
+HOST_REPLIES = "fedavg@host"
+ALGORITHMS = {"fedavg": "fedavg", "fedfm": "fedfm", HOST_REPLIES: "fedavg"}
+
+
+def measure(variant: str, device: torch.device, sizes: Sizes) -> dict[str, Any]:
+    """One run of ``variant`` (an algorithm, or HOST_REPLIES): per measured round its wall
+    time, the seconds of every category, the bytes across the device boundary; the run's own
+    facts beside them."""
+    algorithm = ALGORITHMS[variant]
     name = f"fixed-costs-{'x'.join(map(str, sizes.shape))}-{sizes.samples}-{sizes.test}"
     register_dataset(name, synthetic(name, sizes.shape, CLIENTS * sizes.samples, sizes.test))
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
@@ -259,8 +267,14 @@ def measure(algorithm: str, device: torch.device, sizes: Sizes) -> dict[str, Any
             local_epochs=sizes.local_epochs,
         )  # fmt: skip
         with instrumented(ledger, crossing, inclusive):
-            mark()
-            folder, _ = loop_mod.run(cfg, on_round=on_round)
+            host = Patches(ledger)
+            if variant == HOST_REPLIES:
+                host.replace(fedavg_mod.FedAvgServer, "takes_device_replies", lambda self: False)
+            try:
+                mark()
+                folder, _ = loop_mod.run(cfg, on_round=on_round)
+            finally:
+                host.restore()
         process = json.loads((folder / "processes.jsonl").read_text().splitlines()[0])
         config = json.loads((folder / "config.json").read_text())
     params = sum(
@@ -268,7 +282,7 @@ def measure(algorithm: str, device: torch.device, sizes: Sizes) -> dict[str, Any
         for p in build_model("resnet18", sizes.shape, CLASSES, **sizes.model_options).parameters()
     )
     return {
-        "algorithm": algorithm,
+        "algorithm": variant,
         "parameters": params,
         "clients_together": process.get("clients_together"),
         "cuda_graphs": process.get("cuda_graphs"),
@@ -307,6 +321,38 @@ def summarise(run: dict[str, Any]) -> dict[str, Any]:
         "bytes_to_host": statistics.mean(r["bytes_to_host"] for r in rounds),
         "samples": statistics.mean(r["samples"] for r in rounds),
     }
+
+
+def before_after(runs: list[dict[str, Any]]) -> list[str]:
+    """FedAvg averaging on the device against FedAvg with the replies brought to the host,
+    where both ran: the fixed costs of each and their difference."""
+    by = {r["algorithm"]: r["summary"] for r in runs}
+    if "fedavg" not in by or HOST_REPLIES not in by:
+        return []
+    now, before = by["fedavg"], by[HOST_REPLIES]
+    lines = [
+        "## FedAvg: replies averaged where they are against brought to the host (before)",
+        "",
+        "| category | host (before) s/round | device s/round | difference |",
+        "|---|---:|---:|---:|",
+    ]
+    for a, b in zip(before["rows"], now["rows"], strict=True):
+        if a["category"] != TRAINING:
+            lines.append(f"| {a['category']} | {a['seconds']:.4f} | {b['seconds']:.4f} | "
+                         f"{b['seconds'] - a['seconds']:+.4f} |")  # fmt: skip
+    saved = before["fixed_s"] - now["fixed_s"]
+    lines += [
+        f"| **fixed costs** | **{before['fixed_s']:.4f}** | **{now['fixed_s']:.4f}** | "
+        f"**{-saved:+.4f}** |",
+        "",
+        f"Fixed costs {pct(before['fixed_of_goal'])} of the goal round before, "
+        f"{pct(now['fixed_of_goal'])} now; bytes the runtime brought back to the host per "
+        f"round {before['bytes_to_host'] / 2**20:,.1f} MiB before, "
+        f"{now['bytes_to_host'] / 2**20:,.1f} MiB now (plus, now, the average's one copy to "
+        "the host, inside the aggregation row).",
+        "",
+    ]
+    return lines
 
 
 def pct(x: float) -> str:
@@ -382,6 +428,7 @@ def markdown(data: dict[str, Any]) -> str:
             lines += [f"Anchor pass whole (its copies and model loads included): {a:.4f} s "
                       f"per round, {pct(a / s['wall_s'])} of the round, {pct(a / GOAL_ROUND_S)} "
                       "of the goal round.", ""]  # fmt: skip
+    lines += before_after(data["runs"])
     lines += ["## What each category times", ""]
     lines += [f"- `{c}`: {what} ({where})" for c, what, where in CATEGORIES]
     return "\n".join(lines) + "\n"
@@ -394,7 +441,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU (seconds)")
-    ap.add_argument("--algorithms", nargs="+", default=["fedavg", "fedfm"])
+    ap.add_argument(
+        "--algorithms", nargs="+", choices=list(ALGORITHMS), default=None,
+        help=f"default: fedavg {HOST_REPLIES} fedfm on CUDA ({HOST_REPLIES}: FedAvg with the "
+        "replies brought to the host, as before), fedavg fedfm on the CPU (no boundary)",
+    )  # fmt: skip
     ap.add_argument("--samples", type=int, help=f"images per client (default {FULL.samples})")
     ap.add_argument("--test-size", type=int, help=f"test images (default {FULL.test:,})")
     ap.add_argument("--rounds", type=int, help=f"measured rounds (default {FULL.rounds})")
@@ -435,6 +486,9 @@ def main(argv: list[str] | None = None) -> int:
         "load_before": load1(),
         "runs": [],
     }  # fmt: skip
+    if args.algorithms is None:
+        on_cpu = device.type == "cpu" and not args.dry_run  # the dry run runs every variant
+        args.algorithms = ["fedavg", "fedfm"] if on_cpu else ["fedavg", HOST_REPLIES, "fedfm"]
     for algorithm in args.algorithms:
         run = measure(algorithm, device, sizes)
         run["summary"] = summarise(run)

@@ -116,4 +116,5 @@ def test_gpu_session_dry_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert "| N processes (4, MPS) | - | - | - | - | not measured: MPS is CUDA's" in text
     # Step 2's dry run too: issue 47's fixed per-round costs, FedAvg and FedFM.
     fixed = json.loads((tmp_path / "s" / "round_fixed_costs.json").read_text())
-    assert fixed["dry_run"] and [r["algorithm"] for r in fixed["runs"]] == ["fedavg", "fedfm"]
+    names = [r["algorithm"] for r in fixed["runs"]]
+    assert fixed["dry_run"] and names == ["fedavg", "fedavg@host", "fedfm"]

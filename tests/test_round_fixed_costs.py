@@ -42,7 +42,7 @@ def report(costs, tmp_path_factory) -> tuple[dict[str, Any], str]:  # type: igno
 def test_categories_add_up_to_each_round(costs, report) -> None:  # type: ignore[no-untyped-def]
     data, _ = report
     assert data["dry_run"] and data["device"] == "cpu" and data["commit"]
-    assert [r["algorithm"] for r in data["runs"]] == ["fedavg", "fedfm"]
+    assert [r["algorithm"] for r in data["runs"]] == ["fedavg", costs.HOST_REPLIES, "fedfm"]
     for run in data["runs"]:
         assert run["settings"]["eval_every"] == 1 and run["settings"]["checkpoint_every"] == 1
         assert run["rounds"], run
@@ -62,6 +62,7 @@ def test_categories_add_up_to_each_round(costs, report) -> None:  # type: ignore
 def test_fractions_are_computed_from_the_seconds(costs, report) -> None:  # type: ignore[no-untyped-def]
     data, text = report
     assert "**Dry run**" in text and "**CPU**" in text
+    assert "## FedAvg: replies averaged where they are against brought to the host" in text
     for run in data["runs"]:
         s, rounds = run["summary"], run["rounds"]
         wall = sum(r["wall_s"] for r in rounds) / len(rounds)

@@ -294,6 +294,37 @@ def measure(variant: str, device: torch.device, sizes: Sizes) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def per_tensor_check(arrays: Mapping[str, torch.Tensor]) -> str | None:
+    """fedskew's NaN/Inf check as it was before (commit 0384df6): isfinite of every element,
+    read back tensor by tensor. Kept here only to time it beside the present one."""
+    for name, t in arrays.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+def nan_check_before_after(device: torch.device, sizes: Sizes, repeats: int = 5) -> dict[str, Any]:
+    """Seconds of the NaN/Inf checks of one round (10 replies and the new global model) done
+    the old way and by fedskew's non_finite_array, on one model's state on ``device``, the
+    faster of ``repeats`` tries each, alternating."""
+    torch.manual_seed(0)
+    state = build_model("resnet18", sizes.shape, CLASSES, **sizes.model_options).to(device)
+    arrays = {k: v.detach().clone() for k, v in state.state_dict().items()}
+    checks = {"before": per_tensor_check, "now": loop_mod.non_finite_array}
+    best = {name: float("inf") for name in checks}
+    for _ in range(repeats):
+        for name, fn in checks.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            assert fn(arrays) is None
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    per_round = CLIENTS + 1
+    return {"models_per_round": per_round, **{f"{k}_s": v * per_round for k, v in best.items()}}
+
+
 # ----------------------------------------------------------------------------- summary
 
 
@@ -429,6 +460,19 @@ def markdown(data: dict[str, Any]) -> str:
                       f"per round, {pct(a / s['wall_s'])} of the round, {pct(a / GOAL_ROUND_S)} "
                       "of the goal round.", ""]  # fmt: skip
     lines += before_after(data["runs"])
+    nan = data.get("nan_check")
+    if nan:
+        lines += [
+            "## NaN/Inf checks before and now",
+            "",
+            f"The checks of one round ({nan['models_per_round']} models: the replies and the new "
+            f"global model), timed apart in this invocation: {nan['before_s']:.4f} s the way "
+            f"fedskew checked before (isfinite of every element, read back per tensor), "
+            f"{nan['now_s']:.4f} s now (each tensor's extremes, one read back): "
+            f"{pct(nan['before_s'] / GOAL_ROUND_S)} and {pct(nan['now_s'] / GOAL_ROUND_S)} of "
+            "the goal round.",
+            "",
+        ]
     lines += ["## What each category times", ""]
     lines += [f"- `{c}`: {what} ({where})" for c, what, where in CATEGORIES]
     return "\n".join(lines) + "\n"
@@ -486,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_before": load1(),
         "runs": [],
     }  # fmt: skip
+    data["nan_check"] = nan_check_before_after(device, sizes)
     if args.algorithms is None:
         on_cpu = device.type == "cpu" and not args.dry_run  # the dry run runs every variant
         args.algorithms = ["fedavg", "fedfm"] if on_cpu else ["fedavg", HOST_REPLIES, "fedfm"]

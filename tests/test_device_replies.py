@@ -144,21 +144,41 @@ def test_the_run_loop_asks_for_device_replies_only_for_such_servers(  # type: ig
 
 
 def test_non_finite_array_reads_one_flag_back(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Each bool() of a tensor is a device synchronisation on a GPU: one per check."""
-    arrays = {f"t{i}": torch.ones(4) for i in range(50)}
+    """Each bool() of a tensor is a device synchronisation on a GPU: one per check; and no
+    boolean copy of every element is made (isfinite sees two extremes per tensor)."""
+    arrays = {f"t{i}": torch.ones(1000) for i in range(50)}
     arrays["count"] = torch.tensor(3)
     reads = []
-    real = torch.Tensor.__bool__
+    sizes: list[int] = []
+    real_bool, real_isfinite = torch.Tensor.__bool__, torch.isfinite
 
     def counted(self: torch.Tensor) -> bool:
         reads.append(1)
-        return real(self)
+        return real_bool(self)
+
+    def isfinite(t: torch.Tensor) -> torch.Tensor:
+        sizes.append(t.numel())
+        return real_isfinite(t)
 
     monkeypatch.setattr(torch.Tensor, "__bool__", counted)
+    monkeypatch.setattr(torch, "isfinite", isfinite)
     assert non_finite_array(arrays) is None
     assert len(reads) == 1
-    arrays["t7"][2] = float("nan")
-    arrays["t9"][0] = float("inf")
+    assert max(sizes) <= 2 * 50  # the extremes, not the 50,000 elements
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_non_finite_array_finds_the_first_bad_tensor(bad, dtype) -> None:  # type: ignore[no-untyped-def]
+    arrays = {
+        "empty": torch.zeros(0, dtype=dtype),
+        "big": torch.full((5,), 1e300, dtype=torch.float64),  # finite, beyond float32
+        **{f"t{i}": torch.ones(3, 4, dtype=dtype) for i in range(10)},
+        "count": torch.tensor(3),
+    }
+    assert non_finite_array(arrays) is None
+    arrays["t7"][1, 2] = bad
+    arrays["t9"][0, 0] = bad
     assert non_finite_array(arrays) == "t7"
     assert non_finite_array({"count": torch.tensor(1)}) is None
     assert non_finite_array({}) is None

@@ -63,6 +63,9 @@ def test_fractions_are_computed_from_the_seconds(costs, report) -> None:  # type
     data, text = report
     assert "**Dry run**" in text and "**CPU**" in text
     assert "## FedAvg: replies averaged where they are against brought to the host" in text
+    nan = data["nan_check"]
+    assert nan["before_s"] > 0 and nan["now_s"] > 0 and nan["models_per_round"] == 11
+    assert f"{nan['before_s']:.4f} s the way fedskew checked before" in text
     for run in data["runs"]:
         s, rounds = run["summary"], run["rounds"]
         wall = sum(r["wall_s"] for r in rounds) / len(rounds)

@@ -734,13 +734,19 @@ class FiniteReplies:
 
 def non_finite_array(arrays: Mapping[str, torch.Tensor]) -> str | None:
     """The name of a floating tensor holding NaN or Inf (the first, where all are on one
-    device), or None. One read back per device, not one per tensor: on a GPU each is a
-    synchronisation, and a round checks every reply (ResNet-18: 122 tensors) and the new
-    global model."""
-    floats = [(name, t) for name, t in arrays.items() if t.is_floating_point()]
+    device), or None. Every reply of a round and the new global model pass here, so: each
+    tensor's extremes (``aminmax``: a NaN propagates into them, an Inf is one of them) in one
+    pass without a boolean copy of every element (about 10x faster on a CPU than
+    ``isfinite(t).all()``), and one read back per device, not one per tensor (on a GPU each is
+    a synchronisation; ResNet-18 has 122 tensors)."""
+    floats = [(name, t) for name, t in arrays.items() if t.is_floating_point() and t.numel()]
     for device in dict.fromkeys(t.device for _, t in floats):
         named = [(name, t) for name, t in floats if t.device == device]
-        finite = torch.stack([torch.isfinite(t).all() for _, t in named])
+        # float64 holds the extremes of every floating dtype exactly.
+        extremes = torch.stack(
+            [torch.stack(torch.aminmax(t.detach())).to(torch.float64) for _, t in named]
+        )
+        finite = torch.isfinite(extremes).all(dim=1)
         if not bool(finite.all()):
             return named[int(torch.nonzero(~finite)[0])][0]
     return None

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import statistics
 import sys
 import tempfile
 import time
@@ -328,29 +327,37 @@ def nan_check_before_after(device: torch.device, sizes: Sizes, repeats: int = 5)
 # ----------------------------------------------------------------------------- summary
 
 
+def typical_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The measured round of median wall time (the lower of the two middle ones): on a shared
+    machine a mean takes in whatever else ran, and its categories still add up to its wall."""
+    return sorted(rounds, key=lambda r: r["wall_s"])[(len(rounds) - 1) // 2]
+
+
 def summarise(run: dict[str, Any]) -> dict[str, Any]:
-    """Mean seconds per measured round per category, and each one's fractions of the
-    measured round and of the goal round, computed here from the measurements."""
-    rounds = run["rounds"]
-    wall = statistics.mean(r["wall_s"] for r in rounds)
+    """The typical measured round's seconds per category, and each one's fractions of that
+    round and of the goal round, computed here from the measurements."""
+    rnd = typical_round(run["rounds"])
+    wall = rnd["wall_s"]
     rows = []
     for c in NAMES:
-        s = statistics.mean(r["seconds"][c] for r in rounds)
+        s = rnd["seconds"][c]
         rows.append(
             {"category": c, "seconds": s, "of_round": s / wall, "of_goal": s / GOAL_ROUND_S}
         )
     fixed = sum(r["seconds"] for r in rows if r["category"] != TRAINING)
     return {
+        "round": rnd["round"],
+        "walls_s": [r["wall_s"] for r in run["rounds"]],
         "wall_s": wall,
         "rows": rows,
         "fixed_s": fixed,
         "fixed_of_round": fixed / wall,
         "fixed_of_goal": fixed / GOAL_ROUND_S,
         "fixed_within_goal": fixed / GOAL_ROUND_S < GOAL_SHARE,
-        "anchor_pass_inclusive_s": statistics.mean(r["anchor_pass_inclusive_s"] for r in rounds),
-        "bytes_to_device": statistics.mean(r["bytes_to_device"] for r in rounds),
-        "bytes_to_host": statistics.mean(r["bytes_to_host"] for r in rounds),
-        "samples": statistics.mean(r["samples"] for r in rounds),
+        "anchor_pass_inclusive_s": rnd["anchor_pass_inclusive_s"],
+        "bytes_to_device": rnd["bytes_to_device"],
+        "bytes_to_host": rnd["bytes_to_host"],
+        "samples": rnd["samples"],
     }
 
 
@@ -406,7 +413,8 @@ def markdown(data: dict[str, Any]) -> str:
         f"ResNet-18 (CIFAR stem), random images of shape {'x'.join(map(str, sizes['shape']))}, "
         f"{CLASSES} classes, {CLIENTS} clients per round (IID, all sampled) of "
         f"{sizes['samples']:,} images each, a test set of {sizes['test']:,} images, seed 0; "
-        f"round 1 warms up, rounds 2..{sizes['rounds'] + 1} are measured (mean per round). "
+        f"round 1 warms up, rounds 2..{sizes['rounds'] + 1} are measured; the tables show "
+        "the measured round of median wall time (the lower middle one of an even count), whose rows add up to it. "
         "fedskew's defaults otherwise (listed per run): evaluation every round on the whole "
         "test set, a checkpoint every round. Clients in this process (workers 0).",
         "",
@@ -435,7 +443,9 @@ def markdown(data: dict[str, Any]) -> str:
             f"cuda_graphs {run['cuda_graphs']}; local epochs {st['local_epochs']}, batch "
             f"{st['batch_size']}, lr {st['lr']}, momentum {st['momentum']}, precision "
             f"{st['precision']}, eval_every {st['eval_every']}, checkpoint_every "
-            f"{st['checkpoint_every']}; {s['samples']:,.0f} training samples per round.",
+            f"{st['checkpoint_every']}; {s['samples']:,.0f} training samples per round. "
+            f"Measured rounds' wall times: {', '.join(f'{w:.2f}' for w in s['walls_s'])} s; "
+            f"the table is round {s['round']}'s.",
             "",
             "| category | s/round | of the measured round | of the 8 s goal round |",
             "|---|---:|---:|---:|",

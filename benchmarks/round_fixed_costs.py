@@ -414,7 +414,8 @@ def markdown(data: dict[str, Any]) -> str:
         f"{CLASSES} classes, {CLIENTS} clients per round (IID, all sampled) of "
         f"{sizes['samples']:,} images each, a test set of {sizes['test']:,} images, seed 0; "
         f"round 1 warms up, rounds 2..{sizes['rounds'] + 1} are measured; the tables show "
-        "the measured round of median wall time (the lower middle one of an even count), whose rows add up to it. "
+        "the measured round of median wall time (the lower middle one of an even count), "
+        "whose rows add up to it. "
         "fedskew's defaults otherwise (listed per run): evaluation every round on the whole "
         "test set, a checkpoint every round. Clients in this process (workers 0).",
         "",

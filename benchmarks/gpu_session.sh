@@ -7,25 +7,32 @@
 #      one after another (--cuda-graphs off/on) and together (vmap, fused, fused + CUDA
 #      graph), 4 replicas on 4 CUDA streams, and 2 and 4 processes at once on the GPU, 4 also
 #      under a private MPS daemon (fp32 only); ResNet-18 and fedavg-cnn, fp32 and bf16), at most half the budget;
-#   2. benchmarks/gpu_check.sh (CUDA tests, CPU/CUDA curves per algorithm, throughput table);
-#   3. benchmarks/gpu_table.py (one after another against together, fp32/TF32/bf16,
+#   2. benchmarks/round_fixed_costs.py (issue 47: what a ResNet-18 FedAvg and FedFM round of
+#      10 clients spends outside local training: aggregation, host<->device copies, model state
+#      copies, checkpoint, evaluation, NaN/Inf checks, FedFM's anchor pass; as fractions of the
+#      round and of the issue's 8 s goal round; FedAvg also with its replies brought to the
+#      host, as before it averaged on the device), one measured round each, cut at 60 s and
+#      skipped when under 60 s is left (each run written when it ends, FedAvg first);
+#   3. benchmarks/gpu_check.sh (CUDA tests, CPU/CUDA curves per algorithm, throughput table);
+#   4. benchmarks/gpu_table.py (one after another against together, fp32/TF32/bf16,
 #      fedavg-cnn and ResNet-18, samples/s and peak memory);
-#   4. benchmarks/precision_accuracy.py --device cuda --modes fp32 tf32 bf16 (TF32's and bf16's
+#   5. benchmarks/precision_accuracy.py --device cuda --modes fp32 tf32 bf16 (TF32's and bf16's
 #      accuracy cost, seeds 0-2, 10 rounds, three runs at a time on the one GPU: under 2 minutes
 #      on an H200).
-# Each step gets what is left of the budget (seconds) and is cut there (`timeout`); steps 3
-# and 4 are skipped when under a minute is left; every result lands in OUT_DIR (.md, .json,
-# logs), step by step, so a run cut short keeps what it finished, and OUT_DIR.tgz packs the
-# folder (no checkpoints).
+# Each step gets what is left of the budget (seconds) and is cut there (`timeout`), step 2 at
+# most 60 s; steps 2, 4 and 5 are skipped when under a minute is left; every result lands in
+# OUT_DIR (.md, .json, logs), step by step, so a run cut short keeps what it finished, and
+# OUT_DIR.tgz packs the folder (no checkpoints).
 #
 #   benchmarks/gpu_session.sh OUT_DIR [BUDGET_SECONDS]
-#   benchmarks/gpu_session.sh --dry-run OUT_DIR   # step 1 at tiny size on the CPU (seconds);
-#       the other steps' own dry runs take minutes: python benchmarks/gpu_check.py --device cpu
+#   benchmarks/gpu_session.sh --dry-run OUT_DIR   # steps 1 and 2 at tiny size on the CPU
+#       (seconds each); the other steps' own dry runs take minutes:
+#       python benchmarks/gpu_check.py --device cpu
 #
 # Provenance: the machine may hold a stale copy of .git, so beside `git rev-parse HEAD` the
 # script records the tree of the files it ran (`tree.txt`: `git write-tree` of the working
 # tree through a temporary index); `git rev-parse COMMIT^{tree}` here names the commit it was.
-# Fashion-MNIST for steps 2-4: carry data/fmnist (see gpu_check.sh).
+# Fashion-MNIST for steps 3-5: carry data/fmnist (see gpu_check.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry_run=0
@@ -60,7 +67,12 @@ if [ "$dry_run" = 1 ]; then
         >"$out/graph_step.log" 2>&1
     status=$?
     echo "gpu_session: graph_step_check (dry run, CPU) exit $status, $(left) s left"
+    "$PY" benchmarks/round_fixed_costs.py --dry-run --out "$out/round_fixed_costs.md" \
+        >"$out/round_fixed_costs.log" 2>&1
+    fixed=$?
+    echo "gpu_session: round_fixed_costs (dry run, CPU) exit $fixed, $(left) s left"
     echo "gpu_session: dry run: gpu_check, gpu_table and precision_accuracy not run"
+    [ "$status" = 0 ] && status=$fixed
     exit "$status"
 fi
 
@@ -90,6 +102,22 @@ fi
 timeout $(( budget / 2 )) "$PY" benchmarks/graph_step_check.py --device cuda \
     --budget $(( budget / 2 - 20 )) --out "$out/graph_step.md" >"$out/graph_step.log" 2>&1
 echo "gpu_session: graph_step_check exit $?, $(left) s left"
+
+# Step 2: one warm-up and one measured round each of FedAvg, FedAvg with its replies brought
+# to the host (the path before it averaged on the device) and FedFM, 10 clients x 2,000
+# images (the per-round costs do not depend on it; FedFM's anchor pass, a forward over every
+# client's images, grows with it). Worst case on one H100/H200: ResNet-18 fp32 trains at
+# about 4,200 images/s there (benchmarks/results/gpu_table.md, H200: one after another 4,402,
+# together 4,180), so a round's 20,000 images take <= 5 s, evaluating 10,000 <= 1 s, and
+# FedFM's anchor pass adds <= 2 s: 2 x 6 s + 2 x 6 s + 2 x 8 s + start-up (imports, CUDA,
+# data) <= 10 s = 50 s, cut at 60 s. Each run's report is written when it ends (FedFM's last).
+if [ "$(left)" -gt 60 ]; then
+    timeout 60 "$PY" benchmarks/round_fixed_costs.py --device cuda --rounds 1 --samples 2000 \
+        --out "$out/round_fixed_costs.md" >"$out/round_fixed_costs.log" 2>&1
+    echo "gpu_session: round_fixed_costs exit $?, $(left) s left"
+else
+    echo "gpu_session: round_fixed_costs skipped (under a minute left)"
+fi
 
 timeout "$(left)" bash benchmarks/gpu_check.sh --out "$out/gpu_check.md" \
     >"$out/gpu_check.log" 2>&1

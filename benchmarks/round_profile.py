@@ -68,6 +68,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_facts  # noqa: E402
+from round_timers import Ledger as _Ledger  # noqa: E402
+from round_timers import Patches, timed  # noqa: E402
 
 import fedskew.algorithms.fedavg as fedavg_mod  # noqa: E402
 import fedskew.engines.client_runtime as runtime_mod  # noqa: E402
@@ -176,81 +178,18 @@ BARE_PHASES = {
 # ----------------------------------------------------------------------------- the ledger
 
 
-class Ledger:
-    """Exclusive time per category: the time between two clock readings goes to the
-    category on top of the stack."""
+class Ledger(_Ledger):
+    """round_timers.Ledger with this profile's bottom category (no CUDA: nothing to sync)."""
 
     def __init__(self) -> None:
-        self.totals: dict[str, float] = defaultdict(float)
-        self.calls: Counter[str] = Counter()
-        self.stack = [BASE]
-        self.last = time.perf_counter()
-        self.regions = False  # record_function regions (while torch.profiler runs)
-        self.excluded = 0.0  # time kept out of every category (the interleaved bare loop)
-        self.suspended = False  # inside aside(): wrapped calls book nothing
-
-    def enter(self, category: str) -> None:
-        now = time.perf_counter()
-        self.totals[self.stack[-1]] += now - self.last
-        self.stack.append(category)
-        self.calls[category] += 1
-        self.last = now
-
-    def leave(self) -> None:
-        now = time.perf_counter()
-        self.totals[self.stack.pop()] += now - self.last
-        self.last = now
-
-    def snapshot(self) -> tuple[float, dict[str, float], dict[str, int]]:
-        now = time.perf_counter()
-        self.totals[self.stack[-1]] += now - self.last
-        self.last = now
-        return now - self.excluded, dict(self.totals), dict(self.calls)
-
-    def aside(self, fn: Callable[[], Any]) -> None:
-        """Call ``fn`` with its time booked to no category and left out of the round."""
-        now = time.perf_counter()
-        self.totals[self.stack[-1]] += now - self.last
-        self.suspended = True
-        try:
-            fn()
-        finally:
-            self.suspended = False
-            self.last = time.perf_counter()
-            self.excluded += self.last - now
-
-
-def timed(ledger: Ledger, fn: Callable[..., Any], category: str) -> Callable[..., Any]:
-    """``fn`` with its time booked to ``category``; arguments and result pass unchanged."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if ledger.suspended:
-            return fn(*args, **kwargs)
-        ledger.enter(category)
-        region = torch.profiler.record_function("fs::" + category) if ledger.regions else None
-        if region is not None:
-            region.__enter__()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if region is not None:
-                region.__exit__(None, None, None)
-            ledger.leave()
-
-    return wrapper
+        super().__init__(base=BASE)
 
 
 @contextlib.contextmanager
 def instrumented(ledger: Ledger) -> Iterator[None]:
     """Install the timers; put every patched attribute back afterwards."""
-    saved: list[tuple[Any, str, Any]] = []
-
-    def patch(owner: Any, name: str, category: str) -> None:
-        original = getattr(owner, name)
-        saved.append((owner, name, original))
-        setattr(owner, name, timed(ledger, original, category))
-
+    patches = Patches(ledger)
+    patch = patches.time
     original_local_train = local_mod.local_train
     original_make_optimizer = local_mod.make_optimizer
 
@@ -265,10 +204,12 @@ def instrumented(ledger: Ledger) -> Iterator[None]:
         opt.zero_grad = timed(ledger, opt.zero_grad, "train/zero_grad")  # type: ignore[method-assign]
         return opt
 
-    saved.append((local_mod, "local_train", original_local_train))
-    local_mod.local_train = timed(ledger, local_train, "train/other Python in the loop")
-    saved.append((local_mod, "make_optimizer", original_make_optimizer))
-    local_mod.make_optimizer = timed(ledger, make_optimizer, "train/optimizer creation")
+    patches.replace(
+        local_mod, "local_train", timed(ledger, local_train, "train/other Python in the loop")
+    )
+    patches.replace(
+        local_mod, "make_optimizer", timed(ledger, make_optimizer, "train/optimizer creation")
+    )
     patch(torch.Tensor, "backward", "train/backward")
     patch(torch, "randperm", "train/data: randperm")
     patch(ClientData, "batch", "train/data: gather batch")
@@ -294,8 +235,7 @@ def instrumented(ledger: Ledger) -> Iterator[None]:
     try:
         yield
     finally:
-        for owner, name, original in reversed(saved):
-            setattr(owner, name, original)
+        patches.restore()
 
 
 def wrapper_cost(ledger_cls: type[Ledger] = Ledger, calls: int = 20_000) -> float:

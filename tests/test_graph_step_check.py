@@ -114,3 +114,7 @@ def test_gpu_session_dry_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
             assert rows[name]["samples_per_second"] > 0, (model, name)
     text = (tmp_path / "s" / "graph_step.md").read_text()
     assert "| N processes (4, MPS) | - | - | - | - | not measured: MPS is CUDA's" in text
+    # Step 2's dry run too: issue 47's fixed per-round costs, FedAvg and FedFM.
+    fixed = json.loads((tmp_path / "s" / "round_fixed_costs.json").read_text())
+    names = [r["algorithm"] for r in fixed["runs"]]
+    assert fixed["dry_run"] and names == ["fedavg", "fedavg@host", "fedfm"]

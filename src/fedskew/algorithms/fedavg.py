@@ -74,9 +74,18 @@ class FedAvgServer(ServerLogic):
         clients = arrived(clients, replies)
         weights = self.weights(replies, clients)
         metrics = self.metrics(replies, clients, weights)
+        # On the device the replies are on (takes_device_replies), then one copy of the
+        # average to where the global model lives, not one of every reply.
         averaged = weighted_average([replies[c].arrays for c in clients], weights)
+        averaged = {k: v.to(self.global_arrays[k].device) for k, v in averaged.items()}
         self.global_arrays = apply_server_lr(self.global_arrays, averaged, self.server_lr())
         return metrics
+
+    def takes_device_replies(self) -> bool:
+        """The plain round reads the replies' arrays only in the average (and its
+        subclasses' weights and metrics only their numbers); the summed exchanges of secure
+        aggregation and DP are left on the host."""
+        return self.private is None
 
     def private_round(
         self, rnd: int, clients: list[int], channel: Channel, msg: Message

@@ -14,7 +14,8 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -552,7 +553,8 @@ def play_round(state: RunState, rnd: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     served = channel if state.measurements is None else state.measurements.channel(rnd, channel)
     try:
-        round_metrics = server.round(rnd, clients, served)
+        with device_replies(engine, served is channel and server.takes_device_replies()):
+            round_metrics = server.round(rnd, clients, served)
     except Diverged as exc:
         cause = dp_noise_cause(state)
         if not cause:
@@ -610,6 +612,22 @@ def play_round(state: RunState, rnd: int) -> dict[str, Any]:
             "and shapes)"
         )
     return record
+
+
+@contextmanager
+def device_replies(engine: Engine, allowed: bool) -> Iterator[None]:
+    """For the block, the in-process engine leaves the replies' arrays on its device where
+    ``allowed`` (the server computes with them there; no measurement wraps its channel, as
+    the local-risk one keeps the replies on the host). Other engines' replies come from other
+    processes, in host memory."""
+    if not (allowed and isinstance(engine, InProcessEngine)):
+        yield
+        return
+    engine.replies_on_device = True
+    try:
+        yield
+    finally:
+        engine.replies_on_device = False
 
 
 def dp_noise_cause(state: RunState) -> str:
@@ -714,10 +732,23 @@ class FiniteReplies:
         return summed
 
 
-def non_finite_array(arrays: dict[str, torch.Tensor]) -> str | None:
-    for name, t in arrays.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            return name
+def non_finite_array(arrays: Mapping[str, torch.Tensor]) -> str | None:
+    """The name of a floating tensor holding NaN or Inf (the first, where all are on one
+    device), or None. Every reply of a round and the new global model pass here, so: each
+    tensor's extremes (``aminmax``: a NaN propagates into them, an Inf is one of them) in one
+    pass without a boolean copy of every element (about 10x faster on a CPU than
+    ``isfinite(t).all()``), and one read back per device, not one per tensor (on a GPU each is
+    a synchronisation; ResNet-18 has 122 tensors)."""
+    floats = [(name, t) for name, t in arrays.items() if t.is_floating_point() and t.numel()]
+    for device in dict.fromkeys(t.device for _, t in floats):
+        named = [(name, t) for name, t in floats if t.device == device]
+        # float64 holds the extremes of every floating dtype exactly.
+        extremes = torch.stack(
+            [torch.stack(torch.aminmax(t.detach())).to(torch.float64) for _, t in named]
+        )
+        finite = torch.isfinite(extremes).all(dim=1)
+        if not bool(finite.all()):
+            return named[int(torch.nonzero(~finite)[0])][0]
     return None
 
 

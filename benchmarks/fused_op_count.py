@@ -82,7 +82,7 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
     "fedproto": {},
     "fedcme": {},
     "fedfm": FM,
-    "fedfm-lite": FM,
+    "fedfm-lite": {"a": 2, **FM},
     "fedrod": {},
     "moon": {"out_dim": 16},
     "fedacd": {},

@@ -304,11 +304,13 @@ def commit() -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
+    machine = result["machine"]
     lines = [
         "# Operators per local step, one client and fused (issue 47)",
         "",
         f"`benchmarks/fused_op_count.py` at commit {result['commit']}, torch {result['torch']}, "
-        f"{result['machine'].get('cpu', '')} ({result['seconds']:.0f} s). Every algorithm that "
+        f"{machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB "
+        f"({result['seconds']:.0f} s). Every algorithm that "
         f"trains together, run for real (`fedskew.run`, {ROUNDS} rounds, the last counted): "
         f"ResNet-18 of width 8 on random {'x'.join(map(str, SHAPE))} images, {PER_CLIENT} a "
         f"client (equal IID split), batch {BATCH}, {EPOCHS} local epochs, momentum 0.9, weight "
@@ -316,7 +318,9 @@ def markdown(result: dict[str, Any]) -> str:
         "one client with `--clients-together off` (graph_step.LocalStep), fused with K clients "
         "(`--clients-together fused`). Ratio: fused K=5 over one client; "
         f"`<= {BOUND}x` and `K-independent` (every operator the same for K=2 and K=5) are "
-        "computed from the counts.",
+        "computed from the counts. A fused step is counted only where every client of its "
+        "stack trains (FedCME's odd client out of K=5 trains all epochs in train_first and is "
+        "not in train_rest's stack of 4).",
         "",
         "| algorithm | exchange | one client | fused K=2 | fused K=5 | ratio | K-independent "
         f"| <= {BOUND}x |",

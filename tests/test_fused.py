@@ -7,8 +7,10 @@ with the number of clients and stay within 1.1x one client's step."""
 from __future__ import annotations
 
 import logging
+import sys
 from collections import Counter
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +25,6 @@ from test_together import (
 )
 from tiny_bn import NAME as TINY_BN
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedskew.algorithms.feddyn import GRAD, SERVER, dynamic_loss
 from fedskew.algorithms.fednh import PrototypeHead
@@ -37,6 +38,14 @@ from fedskew.engines.together import fused_why_not, resolve_mode, train_together
 from fedskew.models import BodyHeadModel, build_model
 from fedskew.training.interface import LocalTrainConfig
 from fedskew.training.local import cross_entropy_loss, local_train
+
+# The operator counting of benchmarks/fused_op_count.py (every algorithm through real runs):
+# aten operators cut into steps, and the views that launch no kernel on a GPU.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from fused_op_count import StepOps as _Steps  # noqa: E402
+from fused_op_count import non_view as _kernels  # noqa: E402
+
+sys.path.pop(0)
 
 # Every model of the zoo with each of its normalisations, at tiny widths.
 ZOO = {
@@ -263,31 +272,7 @@ def test_the_option_takes_fused() -> None:
 
 # ---------------------------------------------------------------------------- operators
 
-# Operators that allocate nothing and launch no kernel on a GPU (views and aliases), as the
-# third GPU review counts "non-view device ops" (../shared/docs/gpu-review-3-opcount.py).
-VIEWS = {
-    "view", "_unsafe_view", "reshape", "expand", "slice", "select", "t", "permute",
-    "as_strided", "unsqueeze", "squeeze", "detach", "alias", "transpose", "unbind", "split",
-    "lift_fresh", "_reshape_alias", "narrow", "unflatten", "flatten",
-}  # fmt: skip
 SHAPE, BATCH, STEPS = (3, 8, 8), 4, 3
-
-
-class _Steps(TorchDispatchMode):
-    """aten operators, cut into steps by ``cut()`` (called at the end of each SGD step)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-        self.steps: list[Counter[str]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-    def cut(self) -> None:
-        self.steps.append(self.ops)
-        self.ops = Counter()
 
 
 def _data(clients: int) -> list[ClientData]:
@@ -390,10 +375,6 @@ def _fused_steps(
             loss=of_tensors, tensors=[make(model)] * clients if make is not None else (),
         )  # fmt: skip
     return mode.steps[1:]  # the first holds the stacking and the drawing of batches
-
-
-def _kernels(step: Counter[str]) -> int:
-    return sum(n for op, n in step.items() if op not in VIEWS)
 
 
 def test_a_fused_resnet18_step_costs_what_one_clients_step_costs(

@@ -310,14 +310,22 @@ def add_to_confusion(
     mix = aux.get("mix")
     if mix is None:
         rows = aux["y_a"]
-        sums = sums.index_add(0, rows, probs)
-        weights = weights.index_add(0, rows, torch.ones_like(rows, dtype=torch.float64))
+        sums = _rows_added(sums, rows, probs)
+        weights = _rows_added(weights, rows, torch.ones_like(rows, dtype=torch.float64))
     else:
         w = mix.to(torch.float64)
         for rows, share in ((aux["y_a"], w), (aux["y_b"], 1.0 - w)):
-            sums = sums.index_add(0, rows, probs * share)
-            weights = weights.index_add(0, rows, share.expand(rows.shape))
+            sums = _rows_added(sums, rows, probs * share)
+            weights = _rows_added(weights, rows, share.expand(rows.shape))
     return {**carried, SUMS: sums, WEIGHTS: weights}
+
+
+def _rows_added(t: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``t.index_add(0, rows, values)`` (the same additions, in the same order) as
+    ``scatter_add``: under vmap, index_add with each client's own rows runs client by client
+    (its batching rule loops over the clients), scatter_add runs once for all of them."""
+    index = rows.reshape(-1, *[1] * (values.dim() - 1)).expand_as(values)
+    return t.scatter_add(0, index, values)
 
 
 def margins_of_epoch(carried: Mapping[str, torch.Tensor], delta: float) -> dict[str, torch.Tensor]:

@@ -269,13 +269,15 @@ def alignment_loss(
     Samples of unknown classes are weighted 0 rather than masked out, and the per-class
     means are summed with ``where``: the same value (to the last bits of a sum) without a
     single read back to the host, which a boolean mask or ``bincount`` costs on a GPU at
-    every step."""
+    every step. The per-class sums are ``scatter_add``s (``index_add``'s additions in the
+    same order): under vmap, index_add with each client's own labels runs client by client
+    (its batching rule loops over the clients), scatter_add once for all of them."""
     num_classes = global_features.shape[0]
     weight = known[y].to(features.dtype)
     sq = ((features - global_features[y].to(features.dtype)) ** 2).sum(dim=1) * weight
     zeros = torch.zeros(num_classes, dtype=sq.dtype, device=sq.device)
-    sums = zeros.index_add(0, y, sq)
-    counts = zeros.index_add(0, y, weight)
+    sums = zeros.scatter_add(0, y, sq)
+    counts = zeros.scatter_add(0, y, weight)
     in_batch = counts > 0
     means = torch.where(in_batch, sums / counts.clamp(min=1.0), 0.0)
     return means.sum() / in_batch.sum().clamp(min=1).to(sq.dtype)

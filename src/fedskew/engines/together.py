@@ -1080,15 +1080,28 @@ def _bodies(model: nn.Module, loss: ClientLoss | None) -> list[nn.Module]:
     pre-ReLU features): the model's, and those of models the loss keeps (MOON's and FedNTD's
     frozen copies) that the fused model can run."""
     models = [model] if isinstance(model, BodyHeadModel) else []
-    owner = getattr(loss, "__self__", loss)
-    for value in vars(owner).values() if hasattr(owner, "__dict__") else ():
-        for m in value.modules() if isinstance(value, nn.Module) else ():
-            if isinstance(m, BodyHeadModel) and m not in models and not fused_obstacle(m):
-                models.append(m)
+    for m in _kept_modules(loss, set()):
+        if isinstance(m, BodyHeadModel) and m not in models and not fused_obstacle(m):
+            models.append(m)
     found: list[nn.Module] = []
     for m in models:
         found += [m.body, *m.body.children()]
     return found
+
+
+def _kept_modules(loss: object, seen: set[int]) -> Iterator[nn.Module]:
+    """The modules a loss's owner keeps, and those of the losses it wraps (the feature-matching
+    plug-in's ``InnerMatchingLoss`` keeps the inner algorithm's loss, whose owner keeps MOON's
+    frozen models): without them, those models' bodies ran under vmap, BatchNorm by formula."""
+    owner = getattr(loss, "__self__", loss)
+    if id(owner) in seen or not hasattr(owner, "__dict__"):
+        return
+    seen.add(id(owner))
+    for value in vars(owner).values():
+        if isinstance(value, nn.Module):
+            yield from value.modules()
+        elif callable(value) and not isinstance(value, type):
+            yield from _kept_modules(value, seen)
 
 
 def _fused_step(

@@ -104,11 +104,13 @@ def test_gpu_session_dry_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
     data = json.loads((tmp_path / "s" / "graph_step.json").read_text())
     assert all(c["graph_equals_eager"] for c in data["cells"] if c["kind"] == "bits")
     assert not [c for c in data["cells"] if c.get("error")]
-    # Issue 47's rows, with numbers for both models at fp32: fused, streams, N processes.
+    # Issue 47's rows, with numbers for both models at fp32: fused (also with its step as a
+    # graph, eager on the CPU), streams, N processes.
     for model in ("resnet18", "fedavg-cnn"):
         rows = {c["path"]: c for c in data["cells"]
                 if c["kind"] == "path" and c["model"] == model and c["precision"] == "fp32"}
         for name in ("fedskew round, clients together (fused)",
+                     "fedskew round, fused + CUDA graph",
                      "CUDA streams, one replica per client", "N processes (2)",
                      "N processes (4)"):  # fmt: skip
             assert rows[name]["samples_per_second"] > 0, (model, name)

@@ -5,9 +5,7 @@ stand-in, and an equivalence row cannot pass for a curve that does not learn."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from unittest import mock
 
@@ -20,17 +18,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
-def gpu_check():
-    sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(
-        "gpu_check_under_test", BENCHMARKS / "gpu_check.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
-    sys.path.remove(str(BENCHMARKS))
+def gpu_check(benchmark_script):  # type: ignore[no-untyped-def]
+    return benchmark_script("gpu_check.py")
 
 
 def curve(accuracy: list[float], train_loss: list[float]) -> list[dict]:

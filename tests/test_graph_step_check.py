@@ -4,7 +4,6 @@ from the numbers it measured."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,17 +17,8 @@ BENCHMARKS = ROOT / "benchmarks"
 
 
 @pytest.fixture(scope="module")
-def check():  # type: ignore[no-untyped-def]
-    sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(
-        "graph_step_check_under_test", BENCHMARKS / "graph_step_check.py"
-    )
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules[spec.name] = module  # type: ignore[union-attr]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    yield module
-    sys.modules.pop(spec.name, None)  # type: ignore[union-attr]
-    sys.path.remove(str(BENCHMARKS))
+def check(benchmark_script):  # type: ignore[no-untyped-def]
+    return benchmark_script("graph_step_check.py")
 
 
 def test_the_dry_run_is_green_and_its_ratios_are_computed(check, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -187,20 +187,8 @@ def test_no_scheme_hands_out_an_empty_client(scheme, labels, clients, params, cl
 
 
 @pytest.fixture(scope="module")
-def bench():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    folder = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(folder))
-    spec = importlib.util.spec_from_file_location(
-        "partition_exchangeability_under_test", folder / "partition_exchangeability.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    sys.path.remove(str(folder))
+def bench(benchmark_script):  # type: ignore[no-untyped-def]
+    return benchmark_script("partition_exchangeability.py")
 
 
 def test_committed_results_and_docs_are_the_scripts_output(bench):

@@ -4,7 +4,6 @@ traceback or a hang as not clean."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -14,14 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def replay():
-    spec = importlib.util.spec_from_file_location(
-        "reliability_replay", ROOT / "benchmarks" / "reliability_replay.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["reliability_replay"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+def replay(benchmark_script):  # type: ignore[no-untyped-def]
+    return benchmark_script("reliability_replay.py")
 
 
 def test_the_case_list_is_well_formed(replay):

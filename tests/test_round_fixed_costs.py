@@ -4,7 +4,6 @@ from the seconds it measured."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -19,17 +18,8 @@ BENCHMARKS = ROOT / "benchmarks"
 
 
 @pytest.fixture(scope="module")
-def costs():  # type: ignore[no-untyped-def]
-    sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(
-        "round_fixed_costs_under_test", BENCHMARKS / "round_fixed_costs.py"
-    )
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules[spec.name] = module  # type: ignore[union-attr]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    yield module
-    sys.modules.pop(spec.name, None)  # type: ignore[union-attr]
-    sys.path.remove(str(BENCHMARKS))
+def costs(benchmark_script):  # type: ignore[no-untyped-def]
+    return benchmark_script("round_fixed_costs.py")
 
 
 @pytest.fixture(scope="module")

@@ -68,16 +68,17 @@ SIZES = [20, 20, 13, 11]
 EPOCHS = [2, 1, 2, 2]
 
 
-def _fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The number of clients of each fused forward, as train_together makes them."""
+def _clients_per_call(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """The number of clients of each call train_together makes of its fused forward
+    ``name`` (``fused_logits``: a cross-entropy step's; ``fused_body``: a loss's bodies)."""
     seen: list[int] = []
-    real = together.fused_logits
+    real = getattr(together, name)
 
-    def spy(model, params, buffers, x):  # type: ignore[no-untyped-def]
+    def spy(module, params, buffers, x):  # type: ignore[no-untyped-def]
         seen.append(x.shape[0])
-        return real(model, params, buffers, x)
+        return real(module, params, buffers, x)
 
-    monkeypatch.setattr(together, "fused_logits", spy)
+    monkeypatch.setattr(together, name, spy)
     return seen
 
 
@@ -107,7 +108,7 @@ def test_fused_model_is_one_after_another_in_float64(
         augment=True,
     )  # fmt: skip
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    calls = _fused_calls(monkeypatch)
+    calls = _clients_per_call(monkeypatch, "fused_logits")
     gens = [torch.Generator().manual_seed(k) for k in range(len(SIZES))]
     results, finals = train_together(model, datas, cfg, gens, [start] * 4, EPOCHS, fused=True)
     # Fused every step: whole stacks, prefixes and one forward per batch size (3 clients
@@ -148,7 +149,7 @@ def test_cross_entropy_algorithms_train_fused_as_one_after_another_in_float64(
     another's to 1e-10 in float64."""
     expected, alone = _rounds("off", dtype=torch.float64, **FUSED[case])
     sizes = _chunks_seen(monkeypatch)
-    calls = _fused_calls(monkeypatch)
+    calls = _clients_per_call(monkeypatch, "fused_logits")
     got, fused = _rounds("fused", dtype=torch.float64, **FUSED[case])
     assert sum(sizes) == 4 * len(expected) and calls
     _assert_float64_equal(case, expected, alone, got, fused)
@@ -171,7 +172,7 @@ def test_fp32_servers_train_fused_as_one_after_another(
     fp32 tolerances (grouped kernels round differently)."""
     options = FP32_ONLY[case]
     expected, alone = _rounds("off", **options)
-    calls = _fused_calls(monkeypatch)
+    calls = _clients_per_call(monkeypatch, "fused_logits")
     got, fused = _rounds("fused", **options)
     assert calls and fused.engine.clients_together == "fused"
     _compare(expected, alone, got, fused, {**F32_WEIGHTS, "metrics": 1 / 360 + 1e-9})
@@ -200,19 +201,6 @@ LOSSES = {
 FAST_LOSSES = {"fedprox", "moon", "fedacd-mixup-margins"}
 
 
-def _fused_bodies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The number of clients of each fused body a loss's step ran."""
-    seen: list[int] = []
-    real = together.fused_body
-
-    def spy(module, params, buffers, x):  # type: ignore[no-untyped-def]
-        seen.append(x.shape[0])
-        return real(module, params, buffers, x)
-
-    monkeypatch.setattr(together, "fused_body", spy)
-    return seen
-
-
 @pytest.mark.parametrize(
     "case",
     [c if c in FAST_LOSSES else pytest.param(c, marks=pytest.mark.slow) for c in sorted(LOSSES)],
@@ -225,7 +213,7 @@ def test_algorithms_with_their_own_loss_train_fused_as_one_after_another_in_floa
     one fused forward with torch's own BatchNorm: as one after another in float64, ragged
     steps included, and the log does not say vmap."""
     expected, alone = _rounds("off", dtype=torch.float64, **LOSSES[case])
-    bodies = _fused_bodies(monkeypatch)
+    bodies = _clients_per_call(monkeypatch, "fused_body")
     with caplog.at_level(logging.INFO, logger="fedskew"):
         got, stacked = _rounds("fused", dtype=torch.float64, **LOSSES[case])
     assert bodies and set(bodies) > {1}

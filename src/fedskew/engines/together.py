@@ -112,6 +112,7 @@ from fedskew.data.federated import ClientData
 from fedskew.engines.fused import fused_body, fused_cross_entropy, fused_logits, fused_obstacle
 from fedskew.models.base import BodyHeadModel
 from fedskew.training.graph_replay import GraphReplay
+from fedskew.training.graph_step import foreach_sgd
 from fedskew.training.interface import ClientLogic, LocalTrainConfig
 from fedskew.training.local import (
     AUGMENT_PAD,
@@ -944,13 +945,6 @@ def _prefix(t: torch.Tensor, n: int) -> torch.Tensor:
     return t if n == t.shape[0] else t[:n]
 
 
-def _new_prefix(t: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """A stacked tensor whose first clients are ``first`` (new values of ``_prefix``'s
-    rows), the others as ``t`` holds them: ``first`` itself when that is all of them."""
-    n = first.shape[0]
-    return first if n == t.shape[0] else torch.cat([first, t[n:]])
-
-
 def _stacked(
     per_client: Sequence[Mapping[str, torch.Tensor]], order: Sequence[int]
 ) -> dict[str, torch.Tensor]:
@@ -1219,11 +1213,10 @@ def _sgd_step(
     """``torch.optim.SGD`` (momentum, weight decay, no dampening or Nesterov) on stacked
     ``weights`` (clients first), after clipping each client's gradient by its own norm (over
     the tensors ``clip`` marks: the model's) and adding its ``shifts``
-    (``PlainTraining.grad_shift``), as ``run_plain`` does. One multi-tensor (foreach) kernel
-    per operation over all the stacked tensors, as the optimiser itself does on CUDA.
-
-    Gradients from ``autograd.grad`` may share memory (one tensor handed to two inputs),
-    so they are only read: each change makes a new list, as SGD's ``grad.add(param)``."""
+    (``PlainTraining.grad_shift``), as ``run_plain`` does: the one-client step's update
+    (``graph_step.foreach_sgd``), one multi-tensor (foreach) kernel per operation over all
+    the stacked tensors, as the optimiser itself does on CUDA. The gradients are only read
+    (``autograd.grad`` may hand one tensor to two inputs)."""
     have = [i for i, g in enumerate(grads) if g is not None]
     if not have:
         return
@@ -1242,21 +1235,11 @@ def _sgd_step(
                 coef = torch.clamp(cfg.grad_clip / (total + 1e-6), max=1.0)
                 for j in own:
                     g[j] = g[j] * coef.reshape(-1, *([1] * (g[j].dim() - 1)))
-        shifted = [j for j, i in enumerate(have) if shifts[i] is not None]
-        if shifted:
-            deltas: list[torch.Tensor] = [shifts[have[j]] for j in shifted]  # type: ignore[misc]
-            moved = torch._foreach_add([g[j] for j in shifted], deltas)
-            for j, t in zip(shifted, moved, strict=True):
-                g[j] = t
-        if cfg.weight_decay:
-            g = list(torch._foreach_add(g, params, alpha=cfg.weight_decay))
-        steps = g
-        if cfg.momentum != 0:
-            bufs = [momentum[i] for i in have]
-            if first_step:
-                torch._foreach_copy_(bufs, steps)
-            else:
-                torch._foreach_mul_(bufs, cfg.momentum)
-                torch._foreach_add_(bufs, steps)
-            steps = bufs
-        torch._foreach_add_(params, steps, alpha=-cfg.lr)
+        foreach_sgd(
+            params,
+            g,
+            [shifts[i] for i in have],
+            [momentum[i] for i in have] if cfg.momentum else [],
+            [first_step] * len(have),
+            cfg,
+        )

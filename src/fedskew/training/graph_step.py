@@ -216,29 +216,16 @@ class LocalStep:
                 scaled = torch._foreach_mul([g[j] for j in own], coef)
                 for j, t in zip(own, scaled, strict=True):
                     g[j] = t
-        shifted = [j for j, i in enumerate(have) if self.shifts[i] is not None]
-        if shifted:
-            deltas: list[torch.Tensor] = [self.shifts[have[j]] for j in shifted]  # type: ignore[misc]
-            moved = torch._foreach_add([g[j] for j in shifted], deltas)
-            for j, t in zip(shifted, moved, strict=True):
-                g[j] = t
-        params = [self.params[i] for i in have]
-        if cfg.weight_decay != 0:
-            g = list(torch._foreach_add(g, params, alpha=cfg.weight_decay))
-        step = g
-        if cfg.momentum != 0:
-            bufs = [self.momentum[i] for i in have]
-            fresh = [j for j, i in enumerate(have) if not self.started[i]]
-            going = [j for j, i in enumerate(have) if self.started[i]]
-            if fresh:  # SGD's first step: the buffer is a copy of the step
-                torch._foreach_copy_([bufs[j] for j in fresh], [g[j] for j in fresh])
-                for j in fresh:
-                    self.started[have[j]] = True
-            if going:
-                torch._foreach_mul_([bufs[j] for j in going], cfg.momentum)
-                torch._foreach_add_([bufs[j] for j in going], [g[j] for j in going])
-            step = bufs
-        torch._foreach_add_(params, step, alpha=-cfg.lr)
+        foreach_sgd(
+            [self.params[i] for i in have],
+            g,
+            [self.shifts[i] for i in have],
+            [self.momentum[i] for i in have] if cfg.momentum else [],
+            [not self.started[i] for i in have],
+            cfg,
+        )
+        for i in have:
+            self.started[i] = True
 
     def _carry(self, new: Mapping[str, torch.Tensor]) -> None:
         """New carried values into the static carried tensors, in place. A new value may be
@@ -331,6 +318,44 @@ class LocalStep:
 
     def _drop_pending(self) -> None:
         self._pending = {}
+
+
+@torch.no_grad()
+def foreach_sgd(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    shifts: Sequence[torch.Tensor | None],
+    momentum: list[torch.Tensor],
+    fresh: Sequence[bool],
+    cfg: LocalTrainConfig,
+) -> None:
+    """``torch.optim.SGD``'s update (momentum, weight decay, no dampening or Nesterov) of
+    already clipped ``grads``, each plus its gradient shift (None: none), in foreach
+    operators, in place on ``params`` and ``momentum`` (one buffer per parameter where
+    ``cfg.momentum``). A ``fresh`` buffer starts as SGD starts it, a copy of the step.
+    The gradients are only read (``autograd.grad`` may hand one tensor to two inputs): each
+    change makes a new list, as SGD's ``grad.add(param, alpha=wd)`` does. The one-client
+    step and the stacked clients' step (``engines/together.py``) both update with it."""
+    g = list(grads)
+    shifted = [j for j, shift in enumerate(shifts) if shift is not None]
+    if shifted:
+        deltas: list[torch.Tensor] = [shifts[j] for j in shifted]  # type: ignore[misc]
+        moved = torch._foreach_add([g[j] for j in shifted], deltas)
+        for j, t in zip(shifted, moved, strict=True):
+            g[j] = t
+    if cfg.weight_decay != 0:
+        g = list(torch._foreach_add(g, params, alpha=cfg.weight_decay))
+    step = g
+    if cfg.momentum != 0:
+        new = [j for j, f in enumerate(fresh) if f]
+        going = [j for j, f in enumerate(fresh) if not f]
+        if new:
+            torch._foreach_copy_([momentum[j] for j in new], [g[j] for j in new])
+        if going:
+            torch._foreach_mul_([momentum[j] for j in going], cfg.momentum)
+            torch._foreach_add_([momentum[j] for j in going], [g[j] for j in going])
+        step = momentum
+    torch._foreach_add_(params, step, alpha=-cfg.lr)
 
 
 def train_plain(plan: PlainTraining, ctx: ClientContext) -> TrainResult:
